@@ -1,0 +1,69 @@
+"""diffusers-omni: per-role attention backends and CPU offloading for Hugging Face Diffusers pipelines.
+
+Importing this package is cheap: it imports no kernel package and no Diffusers pipeline; the names below load
+their modules on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from .config.attention import AttentionConfig, AttentionSpec, AttnQuantSpec, BlockSparseSpec, SkipSoftmaxSpec
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "register_backend": "diffusers_omni.attention.registry",
+    "get_backend_class": "diffusers_omni.attention.registry",
+    "AttentionBackend": "diffusers_omni.attention.backends.base",
+    "AttentionCall": "diffusers_omni.attention.backends.base",
+    "BackendNotSupportedError": "diffusers_omni.attention.selector",
+    "resolve": "diffusers_omni.attention.selector",
+    "Platform": "diffusers_omni.attention.platform",
+    "current_platform": "diffusers_omni.attention.platform",
+    "use_platform": "diffusers_omni.attention.platform",
+    "apply_attention": "diffusers_omni.attention.install",
+    "remove_attention": "diffusers_omni.attention.install",
+    "attention_report": "diffusers_omni.attention.install",
+    "omnify": "diffusers_omni.pipelines.registry",
+    "OmniPipelineMixin": "diffusers_omni.pipelines.mixin",
+    "SupportsComponentDiscovery": "diffusers_omni.pipelines.mixin",
+    "OmniFluxPipeline": "diffusers_omni.pipelines.flux",
+    "OmniWanPipeline": "diffusers_omni.pipelines.wan",
+    "OmniWanImageToVideoPipeline": "diffusers_omni.pipelines.wan",
+}
+
+__all__ = [
+    "AttentionConfig",
+    "AttentionSpec",
+    "AttnQuantSpec",
+    "BlockSparseSpec",
+    "SkipSoftmaxSpec",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'diffusers_omni' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .attention.backends.base import AttentionBackend, AttentionCall
+    from .attention.install import apply_attention, attention_report, remove_attention
+    from .attention.platform import Platform, current_platform, use_platform
+    from .attention.registry import get_backend_class, register_backend
+    from .attention.selector import BackendNotSupportedError, resolve
+    from .pipelines.flux import OmniFluxPipeline
+    from .pipelines.mixin import OmniPipelineMixin, SupportsComponentDiscovery
+    from .pipelines.registry import omnify
+    from .pipelines.wan import OmniWanImageToVideoPipeline, OmniWanPipeline

@@ -1,0 +1,1 @@
+"""Attention: registry, selector, platform routing, backends and processors."""

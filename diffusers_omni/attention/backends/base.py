@@ -1,0 +1,154 @@
+"""The contract every attention backend implements.
+
+A backend class declares what it can run as class attributes and answers ``not_supported_reasons(call,
+platform)``: an empty list means it can run the call; each reason states the value found and the value
+required. An instance is bound to one ``AttentionSpec`` (or ``None`` for a platform default) and is called with
+``[batch, seq, heads, head_dim]`` tensors, the layout Diffusers' processors use.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ...config.attention import AttentionSpec
+    from ..platform import Platform
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What is known about an attention call site when its backend is chosen."""
+
+    device_type: str
+    dtype: torch.dtype | None = None
+    head_dim: int | None = None
+    has_mask: bool = False
+    gqa: bool = False
+    mask_free_path: bool = False
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "") if self.dtype is not None else "any dtype"
+        parts = [self.device_type, dtype, f"head_dim={self.head_dim}"]
+        if self.has_mask:
+            parts.append("masked")
+        if self.gqa:
+            parts.append("GQA")
+        return ", ".join(parts)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def package_importable(name: str) -> bool:
+    """True when ``name`` can be imported, without importing it (parents of dotted names are imported)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+class AttentionBackend:
+    """Base class: capabilities as data, reasons as lists of strings, a thin ``__call__``."""
+
+    name: ClassVar[str] = ""
+    devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    dtypes: ClassVar[frozenset[torch.dtype] | None] = None
+    max_head_dim: ClassVar[int | None] = None
+    head_dim_multiple: ClassVar[int | None] = None
+    min_compute_capability: ClassVar[tuple[int, int] | None] = None
+    compute_capabilities: ClassVar[frozenset[tuple[int, int]] | None] = None
+    supports_mask: ClassVar[bool] = False
+    supports_gqa: ClassVar[bool] = True
+    supports_backward: ClassVar[bool] = True
+    deterministic: ClassVar[bool] = False
+    # (import name, install hint) pairs checked without importing the package.
+    packages: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __init__(self, spec: "AttentionSpec | None" = None) -> None:
+        self.spec = spec
+
+    @classmethod
+    def availability_reasons(cls, platform: "Platform") -> list[str]:
+        """Reasons independent of any call: platform device, compute capability, packages."""
+        reasons = []
+        if platform.device_type not in cls.devices:
+            reasons.append(
+                f"platform device is {platform.device_type!r}; {cls.name} requires one of {sorted(cls.devices)}"
+            )
+        cc = platform.compute_capability
+        if platform.device_type == "cuda" and cc is not None:
+            if cls.min_compute_capability is not None and cc < cls.min_compute_capability:
+                reasons.append(
+                    f"compute capability is {platform.sm}; {cls.name} requires sm_"
+                    f"{cls.min_compute_capability[0]}{cls.min_compute_capability[1]} or newer"
+                )
+            if cls.compute_capabilities is not None and cc not in cls.compute_capabilities:
+                allowed = ", ".join(f"sm_{a}{b}" for a, b in sorted(cls.compute_capabilities))
+                reasons.append(f"compute capability is {platform.sm}; {cls.name} requires one of {allowed}")
+        for module, hint in cls.packages:
+            if not package_importable(module):
+                reasons.append(f"package {module!r} is not importable; install it with {hint}")
+        reasons.extend(cls.extra_availability_reasons(platform))
+        return reasons
+
+    @classmethod
+    def extra_availability_reasons(cls, platform: "Platform") -> list[str]:
+        return []
+
+    @classmethod
+    def not_supported_reasons(cls, call: AttentionCall, platform: "Platform") -> list[str]:
+        reasons = cls.availability_reasons(platform)
+        if call.device_type not in cls.devices and call.device_type != platform.device_type:
+            reasons.append(f"device is {call.device_type!r}; {cls.name} requires one of {sorted(cls.devices)}")
+        if cls.dtypes is not None and call.dtype is not None and call.dtype not in cls.dtypes:
+            allowed = ", ".join(sorted(_dtype_name(d) for d in cls.dtypes))
+            reasons.append(f"dtype is {_dtype_name(call.dtype)}; {cls.name} requires one of {allowed}")
+        if call.head_dim is not None:
+            if cls.max_head_dim is not None and call.head_dim > cls.max_head_dim:
+                reasons.append(f"head_dim is {call.head_dim}; {cls.name} requires head_dim <= {cls.max_head_dim}")
+            if cls.head_dim_multiple is not None and call.head_dim % cls.head_dim_multiple:
+                reasons.append(
+                    f"head_dim is {call.head_dim}; {cls.name} requires a multiple of {cls.head_dim_multiple}"
+                )
+        if call.has_mask and not cls.supports_mask:
+            reasons.append(f"the call passes an attention mask; {cls.name} accepts no mask")
+        if call.gqa and not cls.supports_gqa:
+            reasons.append(f"the call uses grouped-query attention; {cls.name} requires equal Q and KV heads")
+        reasons.extend(cls.extra_call_reasons(call, platform))
+        return reasons
+
+    @classmethod
+    def extra_call_reasons(cls, call: AttentionCall, platform: "Platform") -> list[str]:
+        return []
+
+    def describe(self) -> dict:
+        """Identity of the kernel this instance runs, for reports."""
+        return {"backend": self.name}
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnavailableBackend(AttentionBackend):
+    """A registered name whose implementation has not landed yet: it always explains why it cannot run."""
+
+    pending: ClassVar[str] = ""
+
+    @classmethod
+    def extra_availability_reasons(cls, platform: "Platform") -> list[str]:
+        return [f"{cls.name} is not implemented in this diffusers-omni release yet ({cls.pending})"]

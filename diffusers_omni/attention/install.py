@@ -1,0 +1,167 @@
+"""Install omni attention processors on a model and take them off again."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config.attention import AttentionConfig
+from .backends.base import AttentionBackend, AttentionCall
+from .platform import Platform, current_platform
+from .processors import RoleAttention, is_omni_processor
+from .registry import get_backend_class
+from .selector import Resolution, resolve
+
+logger = logging.getLogger("diffusers_omni.attention")
+
+_STATE_ATTR = "_omni_attention"
+
+
+class UnsupportedModelError(TypeError):
+    """The model has no diffusers-omni declaration."""
+
+
+@dataclass
+class _InstalledAttention:
+    config: AttentionConfig
+    originals: dict[str, Any]
+    report: list[dict]
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype | None:
+    for tensor in model.parameters():
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return None
+
+
+def _call_device_type(model: nn.Module, platform: Platform) -> str:
+    for tensor in model.parameters():
+        if tensor.device.type not in ("cpu", "meta"):
+            return tensor.device.type
+        break
+    # Models are usually built or loaded on the host and moved to the accelerator afterwards.
+    return platform.device_type
+
+
+def _declaration(model: nn.Module):
+    from ..models.base import declaration_for, supported_transformers
+
+    declaration = declaration_for(model)
+    if declaration is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no diffusers-omni attention declaration; supported transformers: "
+            f"{', '.join(supported_transformers())}"
+        )
+    return declaration
+
+
+def plan_attention(model: nn.Module, config: Any = None, platform: Platform | None = None):
+    """Resolve every attention role of ``model`` without changing it.
+
+    Returns ``(declaration, [(site, {role: Resolution})])``. Raises when an explicit backend cannot run a role.
+    """
+    declaration = _declaration(model)
+    config = AttentionConfig.parse(config)
+    platform = platform or current_platform()
+    device_type = _call_device_type(model, platform)
+    dtype = _model_dtype(model)
+    plan = []
+    for site in declaration.find_sites(model):
+        resolutions = {}
+        for role in site.roles:
+            call = AttentionCall(
+                device_type=device_type,
+                dtype=dtype,
+                head_dim=site.head_dim,
+                has_mask=role.masked,
+                mask_free_path=declaration.mask_free,
+            )
+            resolutions[role.role] = resolve(config, role.role, role.category, call, platform)
+        plan.append((site, resolutions))
+    return declaration, plan
+
+
+def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
+    """Route every attention call of ``model`` through the backend resolved for its role.
+
+    Args:
+        model (`torch.nn.Module`): a supported Diffusers transformer (e.g. ``FluxTransformer2DModel``).
+        config: anything ``AttentionConfig.parse`` accepts; ``None`` resolves every role through the
+            environment variable or the platform default.
+
+    Returns:
+        The attention report: one dict per attention call site with ``module``, ``role``, ``category``,
+        ``backend`` and ``source``.
+
+    Every role is resolved before anything changes, so a backend that cannot run leaves the model untouched.
+    Applying again replaces the previous omni processors.
+
+    Example:
+    ```py
+    >>> from diffusers_omni import apply_attention
+    >>> apply_attention(pipe.transformer, {"default": {"backend": "TORCH_SDPA"}})
+    ```
+    """
+    config = AttentionConfig.parse(config)
+    declaration, plan = plan_attention(model, config)
+    state = getattr(model, _STATE_ATTR, None)
+    originals = dict(state.originals) if state else {}
+    processors = {}
+    backends: dict[tuple, AttentionBackend] = {}
+    for site, resolutions in plan:
+        attend = {}
+        for role, resolution in resolutions.items():
+            key = (resolution.backend, resolution.spec)
+            if key not in backends:
+                backends[key] = get_backend_class(resolution.backend)(resolution.spec)
+            attend[role] = RoleAttention(resolution, backends[key])
+        original = originals.get(site.name, site.module.processor)
+        processors[site.name] = (site, declaration.make_processor(site, original, attend), original)
+
+    report = []
+    for name, (site, processor, original) in processors.items():
+        originals[name] = original
+        site.module.set_processor(processor)
+        for role in site.roles:
+            report.append(_report_entry(name, role, processor.attend[role.role].resolution))
+    setattr(model, _STATE_ATTR, _InstalledAttention(config, originals, report))
+    return [dict(entry) for entry in report]
+
+
+def _report_entry(module: str, role, resolution: Resolution) -> dict:
+    return {
+        "module": module,
+        "role": role.role,
+        "category": role.category,
+        "backend": resolution.backend,
+        "source": resolution.source,
+    }
+
+
+def remove_attention(model: nn.Module) -> bool:
+    """Put back the exact processor objects omni attention replaced. Returns False when none was installed."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return False
+    modules = dict(model.named_modules())
+    for name, original in state.originals.items():
+        module = modules.get(name)
+        if module is not None and is_omni_processor(getattr(module, "processor", None)):
+            module.set_processor(original)
+    delattr(model, _STATE_ATTR)
+    return True
+
+
+def attention_report(model: nn.Module) -> list[dict]:
+    """The report of the processors currently installed on ``model`` (empty when none)."""
+    state = getattr(model, _STATE_ATTR, None)
+    return [dict(entry) for entry in state.report] if state else []
+
+
+def is_attention_applied(model: nn.Module) -> bool:
+    return getattr(model, _STATE_ATTR, None) is not None

@@ -1,0 +1,137 @@
+"""Per-role backend resolution.
+
+Order for an attention call with ``role`` and ``category``: ``per_role[role]`` → ``per_role[category]`` →
+``default`` → environment variable ``DIFFUSION_ATTENTION_BACKEND`` → platform default. An explicit backend is
+validated and raises ``BackendNotSupportedError`` with every reason when it cannot run the call; the platform
+default walks its routing table and takes the first candidate that can. Each result carries the trace that
+``diffusers-omni explain`` prints.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+from ..config.attention import AttentionConfig, AttentionSpec, normalize_backend_name
+from .backends.base import AttentionCall
+from .platform import Platform, current_platform, failed_conditions, platform_routes
+from .registry import get_backend_class
+
+logger = logging.getLogger("diffusers_omni.attention")
+
+ENV_BACKEND = "DIFFUSION_ATTENTION_BACKEND"
+
+
+class BackendNotSupportedError(ValueError):
+    """An explicitly selected backend cannot run an attention call here."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    backend: str
+    reasons: tuple[str, ...]
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "reasons": list(self.reasons)}
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The backend chosen for one role, where the choice came from, and what was rejected on the way."""
+
+    role: str
+    category: str
+    backend: str
+    spec: AttentionSpec | None
+    source: str
+    call: AttentionCall
+    candidates: tuple[Candidate, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {
+            "role": self.role,
+            "category": self.category,
+            "backend": self.backend,
+            "source": self.source,
+            "spec": self.spec.to_dict() if self.spec else None,
+            "call": self.call.describe(),
+            "rejected": [c.to_dict() for c in self.candidates if c.reasons],
+        }
+
+
+def select_spec(config: AttentionConfig, role: str, category: str) -> tuple[AttentionSpec | None, str]:
+    """The configured spec for a role and a label for where it came from (``None`` → platform default)."""
+    if role in config.per_role:
+        return config.per_role[role], f"per_role[{role!r}]"
+    if category in config.per_role:
+        return config.per_role[category], f"per_role[{category!r}]"
+    if config.default is not None:
+        return config.default, "default"
+    env = os.environ.get(ENV_BACKEND, "").strip()
+    if env:
+        name = normalize_backend_name(env, field_name=f"environment variable {ENV_BACKEND}")
+        return AttentionSpec(backend=name), f"env {ENV_BACKEND}"
+    return None, ""
+
+
+def _platform_default(call: AttentionCall, platform: Platform) -> tuple[str, tuple[Candidate, ...]]:
+    candidates = []
+    for route in platform_routes(platform):
+        failed = failed_conditions(route, platform, call)
+        reasons = [f"routing condition {name!r} does not hold" for name in failed]
+        if not reasons:
+            reasons = get_backend_class(route.backend).not_supported_reasons(call, platform)
+        candidates.append(Candidate(route.backend, tuple(reasons)))
+        if not reasons:
+            return route.backend, tuple(candidates)
+    lines = "; ".join(f"{c.backend}: {' / '.join(c.reasons)}" for c in candidates)
+    raise BackendNotSupportedError(f"no attention backend can run {call.describe()} on {platform.describe()}: {lines}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolve_cached(
+    spec: AttentionSpec | None, where: str, role: str, category: str, call: AttentionCall, platform: Platform
+) -> Resolution:
+    if spec is not None and not spec.is_auto:
+        backend_cls = get_backend_class(spec.backend)
+        reasons = backend_cls.not_supported_reasons(call, platform)
+        if reasons:
+            raise BackendNotSupportedError(
+                f"attention backend {spec.backend} (from {where}) cannot run role {role!r} "
+                f"({call.describe()}) on {platform.describe()}:\n  - " + "\n  - ".join(reasons)
+            )
+        return Resolution(role, category, spec.backend, spec, where, call, (Candidate(spec.backend, ()),))
+    backend, candidates = _platform_default(call, platform)
+    source = f"platform default ({platform.describe()})"
+    if spec is not None:
+        source = f"{where} auto → {source}"
+    return Resolution(role, category, backend, spec, source, call, candidates)
+
+
+_logged: set[tuple[str, str, str]] = set()
+
+
+def resolve(
+    config: AttentionConfig | None,
+    role: str,
+    category: str,
+    call: AttentionCall,
+    platform: Platform | None = None,
+) -> Resolution:
+    """Resolve the backend for one attention role. Logs each (role, backend, source) once at INFO."""
+    config = AttentionConfig.parse(config)
+    platform = platform or current_platform()
+    spec, where = select_spec(config, role, category)
+    resolution = _resolve_cached(spec, where, role, category, call, platform)
+    key = (role, resolution.backend, resolution.source)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("attention role %r → %s (%s)", role, resolution.backend, resolution.source)
+    return resolution
+
+
+def clear_resolution_cache() -> None:
+    _resolve_cached.cache_clear()
+    _logged.clear()

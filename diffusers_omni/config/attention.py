@@ -1,0 +1,382 @@
+"""Typed attention configuration: which backend serves which attention role.
+
+Every spec validates itself on construction; invalid input raises ``ValueError`` (``TypeError`` for a value of
+the wrong type) naming the field, the value found and what is allowed. ``AttentionConfig.parse`` is the single
+entry point that accepts user input in any of its supported forms.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+AUTO = "auto"
+
+BACKEND_NAMES: tuple[str, ...] = (
+    "TORCH_SDPA",
+    "FLASH_ATTN",
+    "CUDNN_ATTN",
+    "FLASHINFER_ATTN",
+    "TRTLLM_ATTN",
+    "SAGE_ATTN",
+    "SAGE_ATTN_3",
+    "FLASH_ATTN_HUB",
+    "FLASH_ATTN_3_HUB",
+    "RAINFUSION_ATTN",
+)
+
+BLOCK_SPARSE_BACKENDS: frozenset[str] = frozenset({"RAINFUSION_ATTN"})
+
+_TRTLLM_QK_DTYPES = ("int8", "fp8_e4m3")
+_FLASHINFER_QK_DTYPES = ("float16", "bfloat16")
+_FLASHINFER_VO_DTYPES = ("float16", "bfloat16", "fp8_e4m3")
+_QUANT_BLOCK_SIZES = (1, 4, 16)
+
+
+def _known_backend_names() -> tuple[str, ...]:
+    # Backends registered at run time are valid names too.
+    from ..attention.registry import registered_backend_names
+
+    return registered_backend_names()
+
+
+def normalize_backend_name(value: Any, field_name: str = "backend") -> str:
+    """Return the canonical backend name (upper case, or ``"auto"``) or raise naming the valid ones."""
+    if not isinstance(value, str):
+        raise TypeError(f"{field_name} must be a backend name (str), got {type(value).__name__}: {value!r}")
+    name = value.strip()
+    if name.lower() == AUTO:
+        return AUTO
+    canonical = name.upper()
+    valid = _known_backend_names()
+    if canonical not in valid:
+        raise ValueError(
+            f"{field_name}={value!r} is not a known attention backend; valid values: "
+            f"{', '.join(valid)}, or {AUTO!r} for the platform default"
+        )
+    return canonical
+
+
+def _check_type(owner: str, name: str, value: Any, types: tuple[type, ...], allowed: str) -> None:
+    if isinstance(value, bool) and bool not in types:
+        raise TypeError(f"{owner}.{name} must be {allowed}, got bool: {value!r}")
+    if not isinstance(value, types):
+        raise TypeError(f"{owner}.{name} must be {allowed}, got {type(value).__name__}: {value!r}")
+
+
+def _check_unit_interval(owner: str, name: str, value: Any) -> None:
+    _check_type(owner, name, value, (int, float), "a finite number in [0, 1]")
+    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{owner}.{name}={value!r} is out of range; allowed: a finite number in [0, 1]")
+
+
+def _check_choice(owner: str, name: str, value: Any, allowed: tuple, context: str = "") -> None:
+    if value not in allowed:
+        suffix = f" {context}" if context else ""
+        raise ValueError(f"{owner}.{name}={value!r} is not allowed{suffix}; allowed: {', '.join(map(repr, allowed))}")
+
+
+@dataclass(frozen=True)
+class AttnQuantSpec:
+    """Quantised attention inputs, read by ``TRTLLM_ATTN`` (SAGE quantisation) and ``FLASHINFER_ATTN`` (QK16/V8).
+
+    Args:
+        dtype_qk (`str`, *optional*): dtype of Q and K.
+        dtype_vo (`str`, *optional*): dtype of V (FlashInfer only).
+        q_block_size (`int`, defaults to 1): quantisation block along the query sequence (TRTLLM: 1, 4 or 16).
+        k_block_size (`int`, defaults to 16): quantisation block along the key sequence (TRTLLM: 1, 4 or 16).
+    """
+
+    dtype_qk: str | None = None
+    dtype_vo: str | None = None
+    q_block_size: int = 1
+    k_block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("dtype_qk", "dtype_vo"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_type("quant", name, value, (str,), "a dtype name (str) or None")
+        for name in ("q_block_size", "k_block_size"):
+            value = getattr(self, name)
+            _check_type("quant", name, value, (int,), f"an int in {_QUANT_BLOCK_SIZES}")
+            if value <= 0:
+                raise ValueError(f"quant.{name}={value!r} must be a positive int")
+
+    def validate_for(self, backend: str) -> None:
+        """Check the values this spec holds against what ``backend`` accepts."""
+        if backend == "TRTLLM_ATTN":
+            if self.dtype_qk is None:
+                raise ValueError(f"quant.dtype_qk is required with TRTLLM_ATTN; allowed: {_TRTLLM_QK_DTYPES}")
+            _check_choice("quant", "dtype_qk", self.dtype_qk, _TRTLLM_QK_DTYPES, "with TRTLLM_ATTN")
+            if self.dtype_vo is not None:
+                raise ValueError(
+                    f"quant.dtype_vo={self.dtype_vo!r} is not allowed with TRTLLM_ATTN (V stays unquantised); "
+                    "allowed: None"
+                )
+            _check_choice("quant", "q_block_size", self.q_block_size, _QUANT_BLOCK_SIZES, "with TRTLLM_ATTN")
+            _check_choice("quant", "k_block_size", self.k_block_size, _QUANT_BLOCK_SIZES, "with TRTLLM_ATTN")
+        elif backend == "FLASHINFER_ATTN":
+            if self.dtype_qk is not None:
+                _check_choice("quant", "dtype_qk", self.dtype_qk, _FLASHINFER_QK_DTYPES, "with FLASHINFER_ATTN")
+            if self.dtype_vo is not None:
+                _check_choice("quant", "dtype_vo", self.dtype_vo, _FLASHINFER_VO_DTYPES, "with FLASHINFER_ATTN")
+            if self.dtype_qk is None and self.dtype_vo is None:
+                raise ValueError(
+                    "quant with FLASHINFER_ATTN needs dtype_qk and/or dtype_vo; "
+                    f"allowed dtype_qk: {_FLASHINFER_QK_DTYPES}, dtype_vo: {_FLASHINFER_VO_DTYPES}"
+                )
+        else:
+            raise ValueError(f"quant is not allowed with backend={backend!r}; allowed only with TRTLLM_ATTN or FLASHINFER_ATTN")
+
+
+@dataclass(frozen=True)
+class SkipSoftmaxSpec:
+    """Skip-Softmax sparse attention for ``TRTLLM_ATTN``.
+
+    Args:
+        target_sparsity (`float`, *optional*): operating point in [0, 1] on a calibrated curve.
+        threshold (`float`, *optional*): direct threshold >= 0; exclusive with ``target_sparsity``.
+        disabled_until_timestep (`float`, defaults to 0.0): normalised timestep in [0, 1]; steps with
+            ``t > disabled_until_timestep`` stay dense.
+    """
+
+    target_sparsity: float | None = None
+    threshold: float | None = None
+    disabled_until_timestep: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.target_sparsity is not None:
+            _check_unit_interval("skip_softmax", "target_sparsity", self.target_sparsity)
+        if self.threshold is not None:
+            _check_type("skip_softmax", "threshold", self.threshold, (int, float), "a finite number >= 0")
+            if not math.isfinite(self.threshold) or self.threshold < 0:
+                raise ValueError(
+                    f"skip_softmax.threshold={self.threshold!r} is out of range; allowed: a finite number >= 0"
+                )
+        if self.target_sparsity is not None and self.threshold is not None:
+            raise ValueError(
+                f"skip_softmax.target_sparsity={self.target_sparsity!r} and skip_softmax.threshold="
+                f"{self.threshold!r} are mutually exclusive; set one of them"
+            )
+        _check_unit_interval("skip_softmax", "disabled_until_timestep", self.disabled_until_timestep)
+
+
+def parse_layer_selector(value: Any, field_name: str = "block_sparse.skip_layers") -> tuple[int, ...]:
+    """Parse ``"0-3,38"`` or a list of ints into a sorted tuple of layer indices."""
+    if isinstance(value, str):
+        indices: list[int] = []
+        for part in value.split(","):
+            token = part.strip()
+            if not token:
+                raise ValueError(f"{field_name}={value!r} has an empty item; allowed: e.g. '0-3,38'")
+            lo_text, sep, hi_text = token.partition("-")
+            try:
+                lo = int(lo_text)
+                hi = int(hi_text) if sep else lo
+            except ValueError:
+                raise ValueError(
+                    f"{field_name}={value!r}: {token!r} is not an int or an ascending range 'a-b'"
+                ) from None
+            if lo < 0 or hi < 0:
+                raise ValueError(f"{field_name}={value!r}: layer indices must be >= 0")
+            if hi < lo:
+                raise ValueError(f"{field_name}={value!r}: range {token!r} must be ascending")
+            indices.extend(range(lo, hi + 1))
+        return tuple(sorted(set(indices)))
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise TypeError(f"{field_name} items must be ints >= 0, got {type(item).__name__}: {item!r}")
+            if item < 0:
+                raise ValueError(f"{field_name} item {item!r} must be >= 0")
+        return tuple(sorted(set(value)))
+    raise TypeError(
+        f"{field_name} must be a selector string like '0-3,38' or a list of ints, got {type(value).__name__}"
+    )
+
+
+@dataclass(frozen=True)
+class BlockSparseSpec:
+    """Block-sparse attention (``RAINFUSION_ATTN``).
+
+    Args:
+        sparsity (`float`, defaults to 0.8): fraction of blocks skipped, in [0, 1].
+        start_step (`int`, defaults to 0): denoising steps before sparsity starts.
+        skip_layers (`str` or `list[int]`, *optional*): layers that stay dense, e.g. ``"0-3,38"``.
+    """
+
+    sparsity: float = 0.8
+    start_step: int = 0
+    skip_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_unit_interval("block_sparse", "sparsity", self.sparsity)
+        _check_type("block_sparse", "start_step", self.start_step, (int,), "an int >= 0")
+        if self.start_step < 0:
+            raise ValueError(f"block_sparse.start_step={self.start_step!r} must be an int >= 0")
+        if self.skip_layers is not None:
+            object.__setattr__(self, "skip_layers", parse_layer_selector(self.skip_layers))
+
+
+_SUB_SPECS = {"quant": AttnQuantSpec, "skip_softmax": SkipSoftmaxSpec, "block_sparse": BlockSparseSpec}
+
+
+def _from_mapping(cls: type, value: Any, where: str) -> Any:
+    if value is None or isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{where} must be a {cls.__name__} or a dict, got {type(value).__name__}: {value!r}")
+    allowed = [f.name for f in fields(cls)]
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ValueError(f"{where} has unknown key(s) {unknown}; allowed: {allowed}")
+    return cls(**value)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One backend choice plus the typed options only that backend reads.
+
+    Args:
+        backend (`str`): a backend name such as ``"TORCH_SDPA"`` or ``"auto"`` for the platform default.
+        quant (`AttnQuantSpec`, *optional*): quantised inputs (TRTLLM_ATTN, FLASHINFER_ATTN).
+        skip_softmax (`SkipSoftmaxSpec`, *optional*): Skip-Softmax sparsity (TRTLLM_ATTN).
+        block_sparse (`BlockSparseSpec`, *optional*): block-sparse attention (RAINFUSION_ATTN).
+    """
+
+    backend: str
+    quant: AttnQuantSpec | None = None
+    skip_softmax: SkipSoftmaxSpec | None = None
+    block_sparse: BlockSparseSpec | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", normalize_backend_name(self.backend))
+        for name, cls in _SUB_SPECS.items():
+            object.__setattr__(self, name, _from_mapping(cls, getattr(self, name), name))
+        if self.skip_softmax is not None and self.backend != "TRTLLM_ATTN":
+            raise ValueError(
+                f"skip_softmax is not allowed with backend={self.backend!r}; allowed only with TRTLLM_ATTN"
+            )
+        if self.quant is not None:
+            self.quant.validate_for(self.backend)
+        if self.block_sparse is not None and self.backend not in BLOCK_SPARSE_BACKENDS:
+            raise ValueError(
+                f"block_sparse is not allowed with backend={self.backend!r}; allowed only with "
+                f"{', '.join(sorted(BLOCK_SPARSE_BACKENDS))}"
+            )
+
+    @property
+    def is_auto(self) -> bool:
+        return self.backend == AUTO
+
+    @classmethod
+    def parse(cls, value: Any, where: str = "spec") -> "AttentionSpec":
+        if isinstance(value, AttentionSpec):
+            return value
+        if isinstance(value, str):
+            return cls(backend=value)
+        if isinstance(value, Mapping):
+            if "backend" not in value:
+                raise ValueError(f"{where} needs a 'backend' key; got keys {sorted(value)}")
+            allowed = [f.name for f in fields(cls)]
+            unknown = sorted(set(value) - set(allowed))
+            if unknown:
+                raise ValueError(f"{where} has unknown key(s) {unknown}; allowed: {allowed}")
+            return cls(**value)
+        raise TypeError(f"{where} must be an AttentionSpec, a backend name or a dict, got {type(value).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"backend": self.backend}
+        for name in _SUB_SPECS:
+            sub = getattr(self, name)
+            if sub is not None:
+                out[name] = {f.name: getattr(sub, f.name) for f in fields(sub)}
+        return out
+
+
+def _looks_like_spec(value: Mapping) -> bool:
+    return "backend" in value
+
+
+def _flatten_roles(value: Mapping, prefix: str, out: dict[str, AttentionSpec]) -> None:
+    for key, item in value.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"per_role keys must be non-empty role names (str), got {key!r}")
+        role = f"{prefix}.{key}" if prefix else key
+        if isinstance(item, Mapping) and not _looks_like_spec(item):
+            _flatten_roles(item, role, out)
+        else:
+            out[role] = AttentionSpec.parse(item, where=f"per_role[{role!r}]")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Per-role attention backend configuration.
+
+    Resolution for an attention call with ``role`` and ``category``: ``per_role[role]`` → ``per_role[category]``
+    → ``default`` → ``DIFFUSION_ATTENTION_BACKEND`` → platform default.
+
+    Args:
+        default (`AttentionSpec`, *optional*): the spec for every role without an override.
+        per_role (`dict[str, AttentionSpec]`): overrides keyed by role (``"flux.joint"``) or category (``"cross"``).
+
+    Example:
+    ```py
+    >>> AttentionConfig.parse('{"default": {"backend": "TORCH_SDPA"}, "per_role": {"cross": "auto"}}')
+    ```
+    """
+
+    default: AttentionSpec | None = None
+    per_role: Mapping[str, AttentionSpec] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.default is not None:
+            object.__setattr__(self, "default", AttentionSpec.parse(self.default, where="default"))
+        if not isinstance(self.per_role, Mapping):
+            raise TypeError(f"per_role must be a dict of role -> spec, got {type(self.per_role).__name__}")
+        flat: dict[str, AttentionSpec] = {}
+        _flatten_roles(self.per_role, "", flat)
+        object.__setattr__(self, "per_role", flat)
+
+    @classmethod
+    def parse(cls, value: Any) -> "AttentionConfig":
+        """Build a config from an ``AttentionConfig``, a backend name, a dict, a JSON string, or ``None``.
+
+        A dict (or JSON object) is either ``{"default": ..., "per_role": ...}`` or a single spec
+        (``{"backend": ...}``), which becomes the default. Nested role dicts flatten to dotted roles.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, AttentionConfig):
+            return value
+        if isinstance(value, AttentionSpec):
+            return cls(default=value)
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("{"):
+                try:
+                    decoded = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"attention config is not valid JSON ({exc.msg} at char {exc.pos}): {value!r}") from None
+                return cls.parse(decoded)
+            return cls(default=AttentionSpec(backend=text))
+        if isinstance(value, Mapping):
+            if _looks_like_spec(value):
+                return cls(default=AttentionSpec.parse(value, where="default"))
+            unknown = sorted(set(value) - {"default", "per_role"})
+            if unknown:
+                raise ValueError(f"attention config has unknown key(s) {unknown}; allowed: ['default', 'per_role']")
+            return cls(default=value.get("default"), per_role=value.get("per_role") or {})
+        raise TypeError(
+            "attention config must be an AttentionConfig, an AttentionSpec, a backend name, a dict or a JSON "
+            f"string, got {type(value).__name__}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "default": self.default.to_dict() if self.default else None,
+            "per_role": {role: spec.to_dict() for role, spec in self.per_role.items()},
+        }

@@ -1,0 +1,1 @@
+"""Per-architecture declarations: attention roles, processors and block topology."""

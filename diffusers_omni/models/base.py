@@ -1,0 +1,108 @@
+"""Architecture declarations: which attention modules a DiT has, their roles, and its block topology."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from ..attention.processors import OmniAttnProcessor, RoleAttention
+
+SELF = "self"
+CROSS = "cross"
+
+
+@dataclass(frozen=True)
+class AttentionRole:
+    """One attention call made by a module: a model-specific role, its category, and whether it is masked."""
+
+    role: str
+    category: str
+    masked: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionSite:
+    """An attention module found in a model, with the roles of the calls its processor makes."""
+
+    name: str
+    module: nn.Module
+    roles: tuple[AttentionRole, ...]
+    head_dim: int
+
+
+ProcessorFactory = Callable[[Any, dict[str, RoleAttention]], OmniAttnProcessor]
+
+
+@dataclass(frozen=True)
+class TransformerDeclaration:
+    """How diffusers-omni drives one DiT class.
+
+    Args:
+        name: short family name used in role prefixes (``"flux"``).
+        class_names: Diffusers class names this declaration covers.
+        blocks_attrs: attributes holding the repeated blocks, in execution order (layerwise offload units).
+        find_sites: ``(model) -> list[AttentionSite]`` for every attention module in the model.
+        make_processor: ``(site, original_processor, attend) -> processor``; raises for processors it cannot
+            replace.
+        mask_free: the model passes no attention mask on any path (eligible for mask-free kernels).
+    """
+
+    name: str
+    class_names: tuple[str, ...]
+    blocks_attrs: tuple[str, ...]
+    find_sites: Callable[[nn.Module], list[AttentionSite]]
+    make_processor: Callable[[AttentionSite, Any, dict[str, RoleAttention]], OmniAttnProcessor]
+    mask_free: bool = True
+    roles: tuple[AttentionRole, ...] = field(default=())
+
+
+_DECLARATIONS: dict[str, TransformerDeclaration] = {}
+
+
+def register_transformer(declaration: TransformerDeclaration) -> TransformerDeclaration:
+    for class_name in declaration.class_names:
+        _DECLARATIONS[class_name] = declaration
+    return declaration
+
+
+def _ensure_builtin_declarations() -> None:
+    from . import flux, wan  # noqa: F401  (registers on import)
+
+
+def declaration_for(model: nn.Module) -> TransformerDeclaration | None:
+    _ensure_builtin_declarations()
+    for cls in type(model).__mro__:
+        if cls.__name__ in _DECLARATIONS:
+            return _DECLARATIONS[cls.__name__]
+    return None
+
+
+def supported_transformers() -> list[str]:
+    _ensure_builtin_declarations()
+    return sorted(_DECLARATIONS)
+
+
+def blocks_attrs_for(model: nn.Module) -> tuple[str, ...]:
+    """Block attributes of a DiT: its own ``_layerwise_offload_blocks_attrs`` or this package's declaration."""
+    own = getattr(model, "_layerwise_offload_blocks_attrs", None)
+    if own:
+        return tuple(own)
+    declaration = declaration_for(model)
+    return declaration.blocks_attrs if declaration else ()
+
+
+def head_dim_of(module: nn.Module) -> int:
+    head_dim = getattr(module, "head_dim", None)
+    if head_dim is None:
+        head_dim = module.inner_dim // module.heads
+    return int(head_dim)
+
+
+def unsupported_processor_error(site: AttentionSite, processor: Any, expected: tuple[type, ...]) -> TypeError:
+    names = ", ".join(cls.__name__ for cls in expected)
+    return TypeError(
+        f"attention module {site.name!r} uses processor {type(processor).__name__}, which omni attention does not "
+        f"replace yet; supported here: {names}. Call disable_omni_attention() or restore the default processor."
+    )

@@ -1,0 +1,1 @@
+"""Omni pipeline classes. Imported lazily: they import Diffusers' pipelines."""
