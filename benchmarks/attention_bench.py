@@ -1,0 +1,235 @@
+"""Attention backend benchmark at DiT shapes (run on a GPU).
+
+Times every backend that can run each shape, in one process, with CUDA events (median of repeats after
+warm-up), reports TFLOP/s (4·B·H·Sq·Skv·D / time) and the relative error ‖out − ref‖/‖ref‖ against an fp32
+reference, and checks that the platform default is within 3% of the fastest available backend.
+
+    python benchmarks/attention_bench.py --out benchmarks/results/attention_h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform as host_platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from diffusers_omni.attention.backends.base import AttentionCall  # noqa: E402
+from diffusers_omni.attention.platform import current_platform  # noqa: E402
+from diffusers_omni.attention.registry import get_backend_class, registered_backend_names  # noqa: E402
+from diffusers_omni.attention.selector import resolve  # noqa: E402
+
+# name, batch, heads, q_len, kv_len, head_dim, role category
+SHAPES = [
+    ("FLUX 1024² self", 1, 24, 4608, 4608, 128, "self"),
+    ("Wan 480p/81f self", 1, 40, 32760, 32760, 128, "self"),
+    ("Wan 480p/81f cross (512 text)", 1, 40, 32760, 512, 128, "cross"),
+    ("SDXL 1024² self", 2, 10, 4096, 4096, 64, "self"),
+    ("SDXL 1024² cross (77 text)", 2, 10, 4096, 77, 64, "cross"),
+    ("HunyuanVideo-1.5 720p self", 1, 16, 54000, 54000, 128, "self"),
+]
+
+TOLERANCE = 0.03
+
+
+def time_ms(fn, warmup: int, repeats: int, inner: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / inner)
+    return statistics.median(samples)
+
+
+def reference(q, k, v) -> torch.Tensor:
+    # fp32 memory-efficient kernel: no S×S materialisation, fp32 accumulation throughout.
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]):
+        out = F.scaled_dot_product_attention(*(x.float().permute(0, 2, 1, 3) for x in (q, k, v)))
+    return out.permute(0, 2, 1, 3)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.float()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def variants(dtype: torch.dtype, head_dim: int, category: str):
+    """Every registered backend that can run the call, plus reference variants of PyTorch's own kernels."""
+    plat = current_platform()
+    call = AttentionCall(device_type="cuda", dtype=dtype, head_dim=head_dim)
+    found, skipped = {}, {}
+    for name in registered_backend_names():
+        cls = get_backend_class(name)
+        reasons = cls.not_supported_reasons(call, plat)
+        if reasons:
+            skipped[name] = reasons
+        else:
+            found[name] = cls(None)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def pinned(kind):
+        def run(q, k, v):
+            with sdpa_kernel([kind]):
+                return F.scaled_dot_product_attention(*(x.permute(0, 2, 1, 3) for x in (q, k, v))).permute(0, 2, 1, 3)
+
+        return run
+
+    extra = {
+        "ref: sdpa_kernel(CUDNN) per call": pinned(SDPBackend.CUDNN_ATTENTION),
+        "ref: sdpa_kernel(FLASH, FA2) per call": pinned(SDPBackend.FLASH_ATTENTION),
+    }
+    return found, extra, skipped, call
+
+
+def run(args) -> dict:
+    torch.manual_seed(0)
+    plat = current_platform()
+    dtype = torch.bfloat16
+    results = {
+        "platform": plat.to_dict(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": host_platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "dtype": "bfloat16",
+        "tolerance": TOLERANCE,
+        "shapes": [],
+    }
+    for label, b, h, sq, skv, d, category in SHAPES:
+        q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+        k = torch.randn(b, skv, h, d, device="cuda", dtype=dtype)
+        v = torch.randn(b, skv, h, d, device="cuda", dtype=dtype)
+        ref = reference(q, k, v)
+        flops = 4 * b * h * sq * skv * d
+        backends, extra, skipped, call = variants(dtype, d, category)
+        default = resolve(None, f"bench.{category}", category, call).backend
+        rows = {}
+        for name, fn in [*backends.items(), *extra.items()]:
+            out = fn(q, k, v)
+            err = rel_err(out, ref)
+            inner = 20 if flops < 1e12 else 3
+            ms = time_ms(lambda: fn(q, k, v), warmup=args.warmup, repeats=args.repeats, inner=inner)
+            rows[name] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": err, "is_backend": name in backends}
+            print(f"{label:34s} {name:38s} {ms:9.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s  rel err {err:.2e}", flush=True)
+        fastest = max((n for n in rows if rows[n]["is_backend"]), key=lambda n: rows[n]["tflops"])
+        ratio = rows[default]["tflops"] / rows[fastest]["tflops"]
+        results["shapes"].append(
+            {
+                "shape": label,
+                "B": b, "H": h, "Sq": sq, "Skv": skv, "D": d,
+                "category": category,
+                "platform_default": default,
+                "fastest_backend": fastest,
+                "default_over_fastest": ratio,
+                "default_within_tolerance": ratio >= 1 - TOLERANCE,
+                "results": rows,
+                "unavailable": skipped,
+            }
+        )
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+    results["gradients"] = gradient_checks(dtype)
+    results["bitwise_cudnn_vs_sdpa_default"] = bitwise_check(dtype)
+    return results
+
+
+def gradient_checks(dtype) -> dict:
+    """Backward through each available backend against an fp32 reference on a small shape."""
+    torch.manual_seed(1)
+    out = {}
+    b, h, s, d = 1, 8, 1024, 128
+    base = [torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3)]
+    grad_out = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+    ref_inputs = [x.detach().float().requires_grad_() for x in base]
+    reference(*ref_inputs).backward(grad_out.float())
+    plat = current_platform()
+    call = AttentionCall(device_type="cuda", dtype=dtype, head_dim=d)
+    for name in registered_backend_names():
+        cls = get_backend_class(name)
+        if cls.not_supported_reasons(call, plat):
+            continue
+        inputs = [x.detach().clone().requires_grad_() for x in base]
+        cls(None)(*inputs).backward(grad_out)
+        out[name] = {
+            axis: rel_err(x.grad, r.grad) for axis, x, r in zip(("dq", "dk", "dv"), inputs, ref_inputs)
+        }
+        print(f"grad {name}: {out[name]}", flush=True)
+    return out
+
+
+def bitwise_check(dtype) -> bool:
+    q, k, v = (torch.randn(1, 4608, 24, 128, device="cuda", dtype=dtype) for _ in range(3))
+    cudnn = get_backend_class("CUDNN_ATTN")(None)(q, k, v)
+    sdpa = get_backend_class("TORCH_SDPA")(None)(q, k, v)
+    return bool(torch.equal(cudnn, sdpa))
+
+
+def to_markdown(results: dict) -> str:
+    plat = results["platform"]
+    lines = [
+        f"# Attention backends on {plat['device_name']} ({plat['description']})",
+        "",
+        f"torch {results['torch']}, CUDA {results['cuda']}, cuDNN {results['cudnn']}, {results['dtype']}, "
+        f"{results['date']}. TFLOP/s = 4·B·H·Sq·Skv·D / median time; relative error against an fp32 reference. "
+        "Rows starting with `ref:` are PyTorch kernels pinned per call, for comparison; they are not backends.",
+        "",
+        "| Shape (B×H×Sq×Skv×D) | Variant | ms | TFLOP/s | rel err |",
+        "|---|---|---|---|---|",
+    ]
+    for shape in results["shapes"]:
+        dims = f"{shape['B']}×{shape['H']}×{shape['Sq']}×{shape['Skv']}×{shape['D']}"
+        for name, row in shape["results"].items():
+            mark = " (platform default)" if name == shape["platform_default"] else ""
+            lines.append(
+                f"| {shape['shape']} {dims} | {name}{mark} | {row['ms']:.3f} | {row['tflops']:.1f} | {row['rel_err']:.2e} |"
+            )
+    lines += ["", "| Shape | Platform default | Fastest backend | default / fastest | within 3% |", "|---|---|---|---|---|"]
+    for shape in results["shapes"]:
+        lines.append(
+            f"| {shape['shape']} | {shape['platform_default']} | {shape['fastest_backend']} | "
+            f"{shape['default_over_fastest']:.3f} | {'yes' if shape['default_within_tolerance'] else 'NO'} |"
+        )
+    lines += ["", "Gradients (relative error of dQ/dK/dV against fp32, B=1 H=8 S=1024 D=128):", ""]
+    for name, errs in results["gradients"].items():
+        lines.append(f"- {name}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    lines += ["", f"CUDNN_ATTN output bitwise equal to TORCH_SDPA (FLUX shape): {results['bitwise_cudnn_vs_sdpa_default']}"]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output path prefix; writes PREFIX.json and PREFIX.md")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_bench.py needs a CUDA GPU")
+    results = run(args)
+    prefix = Path(args.out)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    prefix.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    markdown = to_markdown(results)
+    prefix.with_suffix(".md").write_text(markdown)
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
