@@ -307,6 +307,12 @@ def _flatten_roles(value: Mapping, prefix: str, out: dict[str, AttentionSpec]) -
             raise TypeError(f"per_role keys must be non-empty role names (str), got {key!r}")
         role = f"{prefix}.{key}" if prefix else key
         if isinstance(item, Mapping) and not _looks_like_spec(item):
+            spec_keys = sorted(set(item) & set(_SUB_SPECS))
+            if spec_keys or not item:
+                raise ValueError(
+                    f"per_role[{role!r}] needs a 'backend' key; got keys {sorted(item)} (nested dicts without "
+                    "'backend' are read as dotted roles)"
+                )
             _flatten_roles(item, role, out)
         else:
             out[role] = AttentionSpec.parse(item, where=f"per_role[{role!r}]")

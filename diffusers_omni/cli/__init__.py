@@ -1,0 +1,1 @@
+"""The ``diffusers-omni`` command line: ``info``, ``explain``, ``generate``."""

@@ -1,0 +1,59 @@
+"""Helpers shared by the CLI commands: tables, platform overrides and pipeline loading."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v")
+
+
+def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    """A plain-text table of ``rows`` restricted to ``columns``."""
+    widths = {c: max([len(c), *(len(str(r.get(c, ""))) for r in rows)]) for c in columns}
+    lines = ["  ".join(c.ljust(widths[c]) for c in columns), "  ".join("-" * widths[c] for c in columns)]
+    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns) for r in rows]
+    return "\n".join(lines)
+
+
+def parse_platform(text: str | None):
+    """``--platform`` values: ``cpu``, ``mps``, or ``sm_XY[,cudnn=N]`` (e.g. ``sm_90,cudnn=91900``)."""
+    from ..attention.platform import Platform
+
+    if text is None:
+        return None
+    head, *options = [part.strip() for part in text.split(",")]
+    if head in ("cpu", "mps"):
+        return Platform(device_type=head, device_name=head.upper())
+    if not (head.startswith("sm_") and head[3:].isdigit() and len(head) >= 5):
+        raise SystemExit(f"--platform={text!r}: expected cpu, mps or sm_XY[,cudnn=N] (e.g. sm_90,cudnn=91900)")
+    digits = head[3:]
+    capability = (int(digits[:-1]), int(digits[-1]))
+    cudnn = 91900
+    for option in options:
+        key, _, value = option.partition("=")
+        if key != "cudnn" or not value.isdigit():
+            raise SystemExit(f"--platform option {option!r} is not allowed; allowed: cudnn=N")
+        cudnn = int(value)
+    return Platform(device_type="cuda", device_name=f"simulated {head}", compute_capability=capability, cudnn_version=cudnn)
+
+
+def configure_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("diffusers_omni").setLevel(logging.INFO)
+
+
+def load_pipeline(model: str, dtype: Any = None):
+    """A tiny local pipeline by name, or any supported Diffusers pipeline through ``from_pretrained``."""
+    from .. import testing
+
+    if model == "tiny-flux":
+        return testing.tiny_flux_pipeline()
+    if model == "tiny-wan":
+        return testing.tiny_wan_pipeline()
+    if model == "tiny-wan-i2v":
+        return testing.tiny_wan_i2v_pipeline()
+    from diffusers import DiffusionPipeline
+
+    kwargs = {"torch_dtype": dtype} if dtype is not None else {}
+    return DiffusionPipeline.from_pretrained(model, **kwargs)

@@ -1,0 +1,78 @@
+"""``diffusers-omni info``: the platform and every registered backend, available or with its reasons."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..attention.backends.base import AttentionCall
+from ..attention.backends.flash import flash_attention_implementations
+from ..attention.platform import current_platform, failed_conditions, platform_routes
+from ..attention.registry import get_backend_class, registered_backend_names
+
+
+def collect_info(platform=None) -> dict:
+    import diffusers
+
+    from .. import __version__
+
+    platform = platform or current_platform()
+    backends = []
+    for name in registered_backend_names():
+        cls = get_backend_class(name)
+        reasons = cls.availability_reasons(platform)
+        backends.append(
+            {
+                "name": name,
+                "available": not reasons,
+                "reasons": reasons,
+                "supports_mask": cls.supports_mask,
+                "supports_backward": cls.supports_backward,
+                "deterministic": cls.deterministic,
+            }
+        )
+    probe = AttentionCall(device_type=platform.device_type, head_dim=128)
+    routes = [
+        {"backend": r.backend, "when": list(r.when), "conditions_failing_for_unmasked_head_dim_128": failed_conditions(r, platform, probe)}
+        for r in platform_routes(platform)
+    ]
+    return {
+        "diffusers_omni": __version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "diffusers": diffusers.__version__,
+        "platform": platform.to_dict(),
+        "flash_attention_implementations": flash_attention_implementations(),
+        "routing": routes,
+        "backends": backends,
+    }
+
+
+def format_info(info: dict) -> str:
+    plat = info["platform"]
+    lines = [
+        f"diffusers-omni {info['diffusers_omni']}  torch {info['torch']}  diffusers {info['diffusers']}",
+        f"platform: {plat['description']}  device: {plat['device_name']}",
+        f"CUDA: {info['cuda'] or 'none'}  cuDNN: {info['cudnn'] or 'none'}",
+        f"FlashAttention implementations found: {', '.join(info['flash_attention_implementations']) or 'none'}",
+        "default routing: " + " → ".join(r["backend"] + (f" (if {', '.join(r['when'])})" if r["when"] else "") for r in info["routing"]),
+        "",
+        "backends:",
+    ]
+    for backend in info["backends"]:
+        if backend["available"]:
+            lines.append(f"  {backend['name']:18s} available")
+        else:
+            lines.append(f"  {backend['name']:18s} unavailable")
+            lines.extend(f"      - {reason}" for reason in backend["reasons"])
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from .common import parse_platform
+
+    info = collect_info(parse_platform(args.platform))
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0

@@ -1,0 +1,61 @@
+"""Entry point of the ``diffusers-omni`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import TINY_MODELS
+
+_MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)} (default: tiny-flux)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffusers-omni", description="Per-role attention backends for Diffusers")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="platform, versions and every attention backend")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.add_argument("--platform", help="simulate a platform: cpu, mps or sm_XY[,cudnn=N]")
+
+    explain = sub.add_parser("explain", help="per-role backend resolution for a pipeline")
+    explain.add_argument("--model", default="tiny-flux", help=_MODEL_HELP)
+    explain.add_argument("--attention", help="backend name, or JSON {'default': ..., 'per_role': ...}")
+    explain.add_argument("--platform", help="simulate a platform: cpu, mps or sm_XY[,cudnn=N]")
+    explain.add_argument("--json", action="store_true")
+    explain.add_argument("-v", "--verbose", action="store_true")
+
+    generate = sub.add_parser("generate", help="generate an image through omni attention")
+    generate.add_argument("--model", default="tiny-flux", help=_MODEL_HELP)
+    generate.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
+    generate.add_argument("--steps", type=int, default=4)
+    generate.add_argument("--height", type=int, default=64)
+    generate.add_argument("--width", type=int, default=64)
+    generate.add_argument("--frames", type=int, default=5, help="video pipelines: number of frames")
+    generate.add_argument("--image", help="image-to-video pipelines: conditioning image path")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--attention", help="backend name, or JSON {'default': ..., 'per_role': ...}")
+    generate.add_argument("--device", help="cuda, cpu, … (default: cuda when available)")
+    generate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="torch_dtype for from_pretrained")
+    generate.add_argument("--output", default="omni.png")
+    generate.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "info":
+        from .info import run
+    elif args.command == "explain":
+        from .explain import run
+    else:
+        from .generate import run
+    try:
+        return run(args)
+    except (ValueError, TypeError) as exc:
+        print(f"diffusers-omni {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+import logging
+
+import pytest
+import torch
+
+import diffusers_omni
+from diffusers_omni import AttentionConfig
+from diffusers_omni.attention.backends.base import AttentionBackend, AttentionCall
+from diffusers_omni.attention.platform import PLATFORM_ROUTES, Platform, ROUTE_CONDITIONS, use_platform
+from diffusers_omni.attention.registry import get_backend_class, register_backend, reset_backend
+from diffusers_omni.attention.selector import ENV_BACKEND, BackendNotSupportedError, resolve
+
+CPU = Platform(device_type="cpu", device_name="CPU")
+HOPPER = Platform("cuda", "H200", (9, 0), 91900)
+BLACKWELL_DC = Platform("cuda", "B200", (10, 0), 91000)
+BLACKWELL_WS = Platform("cuda", "RTX PRO 6000", (12, 0), 91000)
+AMPERE = Platform("cuda", "A100", (8, 0), 90100)
+
+
+def cpu_call(**kw):
+    return AttentionCall(device_type="cpu", dtype=torch.float32, head_dim=64, **kw)
+
+
+def cuda_call(**kw):
+    kw.setdefault("dtype", torch.bfloat16)
+    kw.setdefault("head_dim", 128)
+    return AttentionCall(device_type="cuda", **kw)
+
+
+def test_resolution_order(monkeypatch):
+    config = AttentionConfig.parse(
+        {
+            "default": "TORCH_SDPA",
+            "per_role": {"flux.joint": "TORCH_SDPA", "cross": "auto"},
+        }
+    )
+    assert resolve(config, "flux.joint", "self", cpu_call(), CPU).source == "per_role['flux.joint']"
+    assert resolve(config, "wan.cross", "cross", cpu_call(), CPU).source == "per_role['cross'] auto → platform default (CPU)"
+    assert resolve(config, "wan.self", "self", cpu_call(), CPU).source == "default"
+    monkeypatch.setenv(ENV_BACKEND, "torch_sdpa")
+    env_only = resolve(AttentionConfig(), "wan.self", "self", cpu_call(), CPU)
+    assert (env_only.backend, env_only.source) == ("TORCH_SDPA", f"env {ENV_BACKEND}")
+    # The config's default outranks the environment variable.
+    assert resolve(config, "wan.self", "self", cpu_call(), CPU).source == "default"
+    monkeypatch.delenv(ENV_BACKEND)
+    platform = resolve(None, "wan.self", "self", cpu_call(), CPU)
+    assert (platform.backend, platform.source, platform.spec) == ("TORCH_SDPA", "platform default (CPU)", None)
+
+
+def test_env_var_invalid_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv(ENV_BACKEND, "FAST_ATTN")
+    with pytest.raises(ValueError, match=f"environment variable {ENV_BACKEND}='FAST_ATTN'.*TORCH_SDPA"):
+        resolve(None, "wan.self", "self", cpu_call(), CPU)
+
+
+def test_explicit_backend_that_cannot_run_raises_with_reasons():
+    with pytest.raises(BackendNotSupportedError) as info:
+        resolve("CUDNN_ATTN", "flux.joint", "self", cpu_call(), CPU)
+    message = str(info.value)
+    assert "CUDNN_ATTN (from default)" in message and "'flux.joint'" in message
+    assert "platform device is 'cpu'; CUDNN_ATTN requires one of ['cuda']" in message
+    assert "dtype is float32; CUDNN_ATTN requires one of bfloat16, float16" in message
+
+
+def test_unimplemented_backend_explains_itself():
+    with pytest.raises(BackendNotSupportedError, match="not implemented in this diffusers-omni release"):
+        resolve("FLASHINFER_ATTN", "flux.joint", "self", cuda_call(), HOPPER)
+
+
+@pytest.mark.parametrize(
+    "platform, call, expected",
+    [
+        (CPU, cpu_call(), "TORCH_SDPA"),
+        (Platform("mps", "MPS"), AttentionCall("mps", torch.float16, 64), "TORCH_SDPA"),
+        (HOPPER, cuda_call(), "TORCH_SDPA"),
+        (HOPPER, cuda_call(has_mask=True), "CUDNN_ATTN"),
+        (HOPPER, cuda_call(has_mask=True, dtype=torch.float32), "TORCH_SDPA"),
+        (AMPERE, cuda_call(), "TORCH_SDPA"),
+        (BLACKWELL_DC, cuda_call(mask_free_path=True), "CUDNN_ATTN"),
+        (BLACKWELL_WS, cuda_call(), "CUDNN_ATTN"),
+        (Platform("cuda", "B200", (10, 0), 90100), cuda_call(), "TORCH_SDPA"),
+    ],
+)
+def test_platform_defaults(platform, call, expected):
+    assert resolve(None, "x.self", "self", call, platform).backend == expected
+
+
+def test_platform_default_trace_lists_rejected_candidates():
+    resolution = resolve(None, "flux.joint", "self", cuda_call(mask_free_path=True), BLACKWELL_DC)
+    rejected = {c.backend: c.reasons for c in resolution.candidates if c.reasons}
+    assert "TRTLLM_ATTN" in rejected and "not implemented" in rejected["TRTLLM_ATTN"][0]
+    assert resolution.source == "platform default (Blackwell sm_100, cuDNN 91000)"
+    assert resolution.to_dict()["rejected"][0]["backend"] == "TRTLLM_ATTN"
+    # head_dim 64 fails TRTLLM's routing condition before the backend is even asked.
+    small = resolve(None, "flux.joint", "self", cuda_call(mask_free_path=True, head_dim=64), BLACKWELL_DC)
+    assert small.candidates[0].reasons == ("routing condition 'head_dim_128' does not hold",)
+
+
+def test_routing_tables_name_registered_backends_and_known_conditions():
+    for routes in PLATFORM_ROUTES.values():
+        assert routes[-1].backend == "TORCH_SDPA"
+        for route in routes:
+            get_backend_class(route.backend)
+            assert set(route.when) <= set(ROUTE_CONDITIONS)
+
+
+class CpuOnlyBackend(AttentionBackend):
+    name = "CPU_TEST_ATTN"
+    devices = frozenset({"cpu"})
+    dtypes = frozenset({torch.float32})
+    max_head_dim = 64
+    calls = 0
+
+    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        type(self).calls += 1
+        return get_backend_class("TORCH_SDPA")(None)(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+@pytest.fixture
+def custom_backend():
+    register_backend("cpu_test_attn", CpuOnlyBackend)
+    yield CpuOnlyBackend
+    reset_backend("CPU_TEST_ATTN")
+
+
+def test_register_backend_at_runtime(custom_backend):
+    resolution = resolve("CPU_TEST_ATTN", "flux.joint", "self", cpu_call(), CPU)
+    assert resolution.backend == "CPU_TEST_ATTN"
+    with pytest.raises(BackendNotSupportedError, match="head_dim is 128; CPU_TEST_ATTN requires head_dim <= 64"):
+        resolve("CPU_TEST_ATTN", "flux.joint", "self", AttentionCall("cpu", torch.float32, 128), CPU)
+
+
+def test_register_backend_replaces_and_reset_restores():
+    register_backend("TORCH_SDPA", CpuOnlyBackend)
+    try:
+        assert get_backend_class("TORCH_SDPA") is CpuOnlyBackend
+    finally:
+        reset_backend("TORCH_SDPA")
+    assert get_backend_class("TORCH_SDPA").__name__ == "TorchSDPABackend"
+
+
+@pytest.mark.parametrize(
+    "name, backend, error",
+    [("", CpuOnlyBackend, ValueError), ("auto", CpuOnlyBackend, ValueError), ("X", object, TypeError), ("X", "no_colon", ValueError)],
+)
+def test_register_backend_validates(name, backend, error):
+    with pytest.raises(error):
+        register_backend(name, backend)
+
+
+def test_each_role_logged_once(caplog):
+    caplog.set_level(logging.INFO, logger="diffusers_omni.attention")
+    for _ in range(3):
+        resolve("TORCH_SDPA", "flux.joint", "self", cpu_call(), CPU)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["attention role 'flux.joint' → TORCH_SDPA (default)"]
+
+
+def test_resolution_is_cached():
+    first = resolve("TORCH_SDPA", "flux.joint", "self", cpu_call(), CPU)
+    assert resolve("TORCH_SDPA", "flux.joint", "self", cpu_call(), CPU) is first
+
+
+def test_use_platform_scopes_the_override():
+    with use_platform(HOPPER):
+        assert diffusers_omni.current_platform() is HOPPER
+    assert diffusers_omni.current_platform() is not HOPPER

@@ -1,0 +1,12 @@
+import pytest
+
+from diffusers_omni.attention.selector import ENV_BACKEND, clear_resolution_cache
+
+
+@pytest.fixture(autouse=True)
+def _isolated_resolution(monkeypatch):
+    """Each test starts without the backend environment variable and with an empty resolution cache."""
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    clear_resolution_cache()
+    yield
+    clear_resolution_cache()
