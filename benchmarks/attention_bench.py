@@ -27,14 +27,16 @@ from diffusers_omni.attention.platform import current_platform  # noqa: E402
 from diffusers_omni.attention.registry import get_backend_class, registered_backend_names  # noqa: E402
 from diffusers_omni.attention.selector import resolve  # noqa: E402
 
-# name, batch, heads, q_len, kv_len, head_dim, role category
+# name, batch, heads, q_len, kv_len, head_dim, role category, masked (boolean key padding, last 10% of keys off)
 SHAPES = [
-    ("FLUX 1024² self", 1, 24, 4608, 4608, 128, "self"),
-    ("Wan 480p/81f self", 1, 40, 32760, 32760, 128, "self"),
-    ("Wan 480p/81f cross (512 text)", 1, 40, 32760, 512, 128, "cross"),
-    ("SDXL 1024² self", 2, 10, 4096, 4096, 64, "self"),
-    ("SDXL 1024² cross (77 text)", 2, 10, 4096, 77, 64, "cross"),
-    ("HunyuanVideo-1.5 720p self", 1, 16, 54000, 54000, 128, "self"),
+    ("FLUX 1024² self", 1, 24, 4608, 4608, 128, "self", False),
+    ("Wan 480p/81f self", 1, 40, 32760, 32760, 128, "self", False),
+    ("Wan 480p/81f cross (512 text)", 1, 40, 32760, 512, 128, "cross", False),
+    ("SDXL 1024² self", 2, 10, 4096, 4096, 64, "self", False),
+    ("SDXL 1024² cross (77 text)", 2, 10, 4096, 77, 64, "cross", False),
+    ("HunyuanVideo-1.5 720p self", 1, 16, 54000, 54000, 128, "self", False),
+    ("FLUX 1024² self, key-padding mask", 1, 24, 4608, 4608, 128, "self", True),
+    ("HunyuanVideo-1.5 480p self, key-padding mask", 1, 16, 21600, 21600, 128, "self", True),
 ]
 
 TOLERANCE = 0.03
@@ -56,10 +58,12 @@ def time_ms(fn, warmup: int, repeats: int, inner: int) -> float:
     return statistics.median(samples)
 
 
-def reference(q, k, v) -> torch.Tensor:
+def reference(q, k, v, mask=None) -> torch.Tensor:
     # fp32 memory-efficient kernel: no S×S materialisation, fp32 accumulation throughout.
+    if mask is not None:
+        mask = mask[:, None, None, :]
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]):
-        out = F.scaled_dot_product_attention(*(x.float().permute(0, 2, 1, 3) for x in (q, k, v)))
+        out = F.scaled_dot_product_attention(*(x.float().permute(0, 2, 1, 3) for x in (q, k, v)), attn_mask=mask)
     return out.permute(0, 2, 1, 3)
 
 
@@ -70,10 +74,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm()).item()
 
 
-def variants(dtype: torch.dtype, head_dim: int, category: str):
+def variants(dtype: torch.dtype, head_dim: int, masked: bool):
     """Every registered backend that can run the call, plus reference variants of PyTorch's own kernels."""
     plat = current_platform()
-    call = AttentionCall(device_type="cuda", dtype=dtype, head_dim=head_dim)
+    call = AttentionCall(device_type="cuda", dtype=dtype, head_dim=head_dim, has_mask=masked)
     found, skipped = {}, {}
     for name in registered_backend_names():
         cls = get_backend_class(name)
@@ -85,17 +89,28 @@ def variants(dtype: torch.dtype, head_dim: int, category: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def pinned(kind):
-        def run(q, k, v):
+        def run(q, k, v, mask=None):
+            mask = mask[:, None, None, :] if mask is not None else None
             with sdpa_kernel([kind]):
-                return F.scaled_dot_product_attention(*(x.permute(0, 2, 1, 3) for x in (q, k, v))).permute(0, 2, 1, 3)
+                qkv = (x.permute(0, 2, 1, 3) for x in (q, k, v))
+                return F.scaled_dot_product_attention(*qkv, attn_mask=mask).permute(0, 2, 1, 3)
 
         return run
 
+    def cudnn_contiguous(q, k, v, mask=None):
+        # The cuDNN op on [B, H, S, D]-contiguous inputs: does the permuted layout cost anything?
+        q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, False, False)[0]
+        return out.transpose(1, 2)
+
     extra = {
         "ref: sdpa_kernel(CUDNN) per call": pinned(SDPBackend.CUDNN_ATTENTION),
-        "ref: sdpa_kernel(FLASH, FA2) per call": pinned(SDPBackend.FLASH_ATTENTION),
+        "ref: sdpa_kernel(EFFICIENT) per call": pinned(SDPBackend.EFFICIENT_ATTENTION),
     }
-    return found, extra, skipped, call
+    if not masked:
+        extra["ref: sdpa_kernel(FLASH, FA2) per call"] = pinned(SDPBackend.FLASH_ATTENTION)
+        extra["ref: cuDNN op, BHSD-contiguous inputs (copy untimed)"] = None
+    return found, extra, skipped, call, cudnn_contiguous
 
 
 def run(args) -> dict:
@@ -113,20 +128,33 @@ def run(args) -> dict:
         "tolerance": TOLERANCE,
         "shapes": [],
     }
-    for label, b, h, sq, skv, d, category in SHAPES:
+    for label, b, h, sq, skv, d, category, masked in SHAPES:
         q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
         k = torch.randn(b, skv, h, d, device="cuda", dtype=dtype)
         v = torch.randn(b, skv, h, d, device="cuda", dtype=dtype)
-        ref = reference(q, k, v)
+        mask = None
+        if masked:
+            mask = torch.ones(b, skv, device="cuda", dtype=torch.bool)
+            mask[:, int(skv * 0.9) :] = False
+        ref = reference(q, k, v, mask)
         flops = 4 * b * h * sq * skv * d
-        backends, extra, skipped, call = variants(dtype, d, category)
+        backends, extra, skipped, call, cudnn_contiguous = variants(dtype, d, masked)
         default = resolve(None, f"bench.{category}", category, call).backend
         rows = {}
         for name, fn in [*backends.items(), *extra.items()]:
-            out = fn(q, k, v)
-            err = rel_err(out, ref)
             inner = 20 if flops < 1e12 else 3
-            ms = time_ms(lambda: fn(q, k, v), warmup=args.warmup, repeats=args.repeats, inner=inner)
+            if fn is None:
+                qc, kc, vc = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+                out = cudnn_contiguous(qc, kc, vc)
+                err = rel_err(out, ref)
+                op = torch.ops.aten._scaled_dot_product_cudnn_attention
+                qb, kb, vb = (x.transpose(1, 2) for x in (qc, kc, vc))
+                ms = time_ms(lambda: op(qb, kb, vb, None, False, 0.0, False, False), args.warmup, args.repeats, inner)
+            else:
+                out = fn(q, k, v, mask) if mask is not None else fn(q, k, v)
+                err = rel_err(out, ref)
+                call_args = (q, k, v, mask) if mask is not None else (q, k, v)
+                ms = time_ms(lambda: fn(*call_args), warmup=args.warmup, repeats=args.repeats, inner=inner)
             rows[name] = {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": err, "is_backend": name in backends}
             print(f"{label:34s} {name:38s} {ms:9.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s  rel err {err:.2e}", flush=True)
         fastest = max((n for n in rows if rows[n]["is_backend"]), key=lambda n: rows[n]["tflops"])
@@ -136,6 +164,7 @@ def run(args) -> dict:
                 "shape": label,
                 "B": b, "H": h, "Sq": sq, "Skv": skv, "D": d,
                 "category": category,
+                "masked": masked,
                 "platform_default": default,
                 "fastest_backend": fastest,
                 "default_over_fastest": ratio,

@@ -1,0 +1,53 @@
+import json
+
+from PIL import Image
+
+from diffusers_omni.cli.main import main
+
+
+def test_info_json_parses(capsys):
+    assert main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    backends = {b["name"]: b for b in info["backends"]}
+    assert backends["TORCH_SDPA"]["available"] is True
+    assert backends["CUDNN_ATTN"]["available"] is False
+    assert any("requires one of ['cuda']" in r for r in backends["CUDNN_ATTN"]["reasons"])
+    assert info["platform"]["family"] == "cpu"
+    assert info["routing"][-1]["backend"] == "TORCH_SDPA"
+
+
+def test_info_simulated_hopper(capsys):
+    assert main(["info", "--platform", "sm_90,cudnn=91900"]) == 0
+    out = capsys.readouterr().out
+    assert "Hopper sm_90, cuDNN 91900" in out
+    assert "CUDNN_ATTN (if call_has_mask)" in out
+
+
+def test_explain_prints_each_role_and_source(capsys):
+    config = '{"default": {"backend": "TORCH_SDPA"}, "per_role": {"cross": {"backend": "auto"}}}'
+    assert main(["explain", "--model", "tiny-wan-i2v", "--attention", config, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    by_role = {row["role"]: row for row in rows}
+    assert by_role["wan.self"]["source"] == "default"
+    assert by_role["wan.image_cross"]["source"].startswith("per_role['cross'] auto")
+
+
+def test_explain_reports_bad_config_as_error(capsys):
+    assert main(["explain", "--attention", "NOPE"]) == 2
+    assert "backend='NOPE' is not a known attention backend" in capsys.readouterr().err
+
+
+def test_generate_writes_an_image(tmp_path, capsys):
+    output = tmp_path / "out.png"
+    assert main(["generate", "--steps", "2", "--height", "32", "--width", "32", "--output", str(output)]) == 0
+    out = capsys.readouterr().out
+    assert "flux.joint" in out and "TORCH_SDPA" in out and f"wrote {output}" in out
+    with Image.open(output) as image:
+        assert image.size == (32, 32)
+
+
+def test_generate_wan_writes_a_frame(tmp_path):
+    output = tmp_path / "frame.png"
+    args = ["generate", "--model", "tiny-wan", "--steps", "2", "--height", "32", "--width", "32", "--output", str(output)]
+    assert main(args) == 0
+    assert output.exists()
