@@ -32,6 +32,11 @@ _LAZY = {
     "OmniFluxPipeline": "diffusers_omni.pipelines.flux",
     "OmniWanPipeline": "diffusers_omni.pipelines.wan",
     "OmniWanImageToVideoPipeline": "diffusers_omni.pipelines.wan",
+    "OffloadConfig": "diffusers_omni.config.offload",
+    "OffloadStrategy": "diffusers_omni.config.offload",
+    "OffloadPlan": "diffusers_omni.config.offload",
+    "get_offload_backend": "diffusers_omni.offload.factory",
+    "apply_offload": "diffusers_omni.offload.api",
 }
 
 __all__ = [
@@ -63,6 +68,9 @@ if TYPE_CHECKING:
     from .attention.platform import Platform, current_platform, use_platform
     from .attention.registry import get_backend_class, register_backend
     from .attention.selector import BackendNotSupportedError, resolve
+    from .config.offload import OffloadConfig, OffloadPlan, OffloadStrategy
+    from .offload.api import apply_offload
+    from .offload.factory import get_offload_backend
     from .pipelines.flux import OmniFluxPipeline
     from .pipelines.mixin import OmniPipelineMixin, SupportsComponentDiscovery
     from .pipelines.registry import omnify

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import contextlib
+from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import torch
 import torch.nn as nn
 
 from ..attention.install import apply_attention, attention_report, remove_attention
@@ -95,3 +98,99 @@ class OmniPipelineMixin:
             for entry in attention_report(module):
                 report.append({**entry, "module": f"{path}.{entry['module']}"})
         return report
+
+    # Offload --------------------------------------------------------------------------------------------------
+
+    def enable_omni_offload(self, config: Any) -> Any:
+        """Enable the offload strategy ``config`` asks for (an ``OffloadConfig``); returns the enabled backend, or
+        ``None`` for strategy ``"none"``.
+
+        Enabling is all or nothing: if any stage fails, no hook stays installed and every weight is back where it
+        was. Only one offload strategy may be active; call ``disable_omni_offload()`` before switching.
+
+        Example:
+        ```py
+        >>> pipe.enable_omni_offload(OffloadConfig("layerwise", device="cuda", max_device_memory="12GiB"))
+        ```
+        """
+        from ..offload.factory import get_offload_backend
+
+        active = self.__dict__.get("_omni_offload_backend")
+        if active is not None and active.is_enabled():
+            raise RuntimeError(
+                f"{active.strategy.value} offload is already enabled on this pipeline; call disable_omni_offload() "
+                "first"
+            )
+        backend = get_offload_backend(config)
+        if backend is not None:
+            backend.enable(self)
+        self.__dict__["_omni_offload_backend"] = backend
+        return backend
+
+    def enable_model_level_offload(self, device: str | torch.device = "cuda", **options: Any) -> Any:
+        """Keep only the running DiT or encoder on ``device``; VAEs stay there. ``options`` go to
+        ``OffloadConfig`` (e.g. ``pin_memory``)."""
+        from ..config.offload import OffloadConfig
+
+        return self.enable_omni_offload(OffloadConfig("model_level", device=device, **options))
+
+    def enable_layerwise_offload(
+        self, device: str | torch.device = "cuda", max_device_memory: int | str | None = None, **options: Any
+    ) -> Any:
+        """Stream DiT blocks from host memory, prefetching the next block while the current one runs.
+
+        Args:
+            device: where the pipeline computes.
+            max_device_memory: bytes (or ``"12GiB"``) of DiT weights allowed on the device; blocks that fit stay
+                resident, spread through the stack. ``None`` streams every block.
+            options: further ``OffloadConfig`` fields (``prefetch_depth``, ``pin_memory``, ``plan``, ...).
+        """
+        from ..config.offload import OffloadConfig
+
+        return self.enable_omni_offload(
+            OffloadConfig("layerwise", device=device, max_device_memory=max_device_memory, **options)
+        )
+
+    def disable_omni_offload(self) -> None:
+        """Remove omni offload hooks; offloaded weights become ordinary host tensors (move the pipeline with
+        ``.to()`` afterwards). Does nothing when no offload is active."""
+        backend = self.__dict__.pop("_omni_offload_backend", None)
+        if backend is not None:
+            backend.disable()
+
+    @property
+    def omni_offload_backend(self) -> Any:
+        """The enabled offload backend, or ``None``."""
+        backend = self.__dict__.get("_omni_offload_backend")
+        return backend if backend is not None and backend.is_enabled() else None
+
+    @property
+    def _execution_device(self) -> torch.device:
+        # Diffusers only recognises its own offload hooks here; with ours active, the accelerator is where
+        # latents and embeddings must go even though some weights sit on the host.
+        backend = self.omni_offload_backend
+        if backend is not None:
+            return backend.execution_device
+        return super()._execution_device
+
+    @contextlib.contextmanager
+    def omni_onload(self, name: str) -> Iterator[nn.Module]:
+        """Make component ``name`` usable outside its ``forward`` (e.g. ``pipe.vae.decode`` or a method reading an
+        encoder's weights) under model-level offload; other strategies keep it usable already.
+
+        Example:
+        ```py
+        >>> with pipe.omni_onload("text_encoder") as encoder:
+        ...     embeddings = encoder.get_input_embeddings()(ids)
+        ```
+        """
+        backend = self.omni_offload_backend
+        use = getattr(backend, "use", None)
+        if use is None:
+            module = get_submodule_path(self, name)
+            if module is None:
+                raise ValueError(f"{type(self).__name__} has no component {name!r}")
+            yield module
+            return
+        with use(name) as module:
+            yield module

@@ -1,0 +1,237 @@
+"""Typed offload configuration: which strategy moves weights between host and device, and with what limits.
+
+``OffloadConfig`` validates itself on construction; invalid input raises ``ValueError`` (``TypeError`` for a value
+of the wrong type) naming the field, the value found and what is allowed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class OffloadStrategy(str, enum.Enum):
+    """How weights move between host memory and the accelerator.
+
+    ``MODEL_LEVEL`` keeps only the running DiT or encoder on the device; ``LAYERWISE`` streams the DiT's blocks one
+    after another; ``DISTRIBUTED_LAYERWISE`` shares the host copy across ranks (not implemented yet).
+    """
+
+    NONE = "none"
+    MODEL_LEVEL = "model_level"
+    LAYERWISE = "layerwise"
+    DISTRIBUTED_LAYERWISE = "distributed_layerwise"
+
+    @classmethod
+    def parse(cls, value: Any, field_name: str = "strategy") -> "OffloadStrategy":
+        """Accept an ``OffloadStrategy`` or its name/value in any case (``"Layerwise"``, ``"model-level"``)."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, str):
+            raise TypeError(f"{field_name} must be an OffloadStrategy or str, got {type(value).__name__}: {value!r}")
+        key = value.strip().lower().replace("-", "_")
+        for member in cls:
+            if key in (member.value, member.name.lower()):
+                return member
+        raise ValueError(f"{field_name}={value!r} is not an offload strategy; allowed: {', '.join(_ALLOWED_NAMES)}")
+
+
+_ALLOWED_NAMES = tuple(member.value for member in OffloadStrategy)
+
+# When several strategies are requested, the first one present wins.
+STRATEGY_PRIORITY: tuple[OffloadStrategy, ...] = (
+    OffloadStrategy.DISTRIBUTED_LAYERWISE,
+    OffloadStrategy.LAYERWISE,
+    OffloadStrategy.MODEL_LEVEL,
+    OffloadStrategy.NONE,
+)
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_BYTES_ALLOWED = 'a non-negative int of bytes or a string such as "12GiB", "500MB", "1.5 GB"'
+
+
+def parse_bytes(value: Any, field_name: str) -> int:
+    """``12`` → 12, ``"12GiB"`` → 12·2³⁰, ``"500MB"`` → 5·10⁸ (decimal and binary units, case-insensitive)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{field_name} must be {_BYTES_ALLOWED}, got {type(value).__name__}: {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{field_name}={value!r} is negative; allowed: {_BYTES_ALLOWED}")
+        return value
+    match = _BYTES_RE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(
+            f"{field_name}={value!r} is not a byte size; allowed: {_BYTES_ALLOWED} "
+            f"(units: {', '.join(u for u in _BYTE_UNITS if u)})"
+        )
+    number = float(match.group(1))
+    if not math.isfinite(number):
+        raise ValueError(f"{field_name}={value!r} is not finite; allowed: {_BYTES_ALLOWED}")
+    return int(number * _BYTE_UNITS[unit])
+
+
+def format_bytes(nbytes: int | float) -> str:
+    """``1.50 GiB``-style rendering for logs and reports."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.2f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.2f} GiB"
+
+
+def _normalize_paths(owner: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise TypeError(f"{owner} must be a sequence of dotted paths (str), got {type(value).__name__}: {value!r}")
+    paths = tuple(value)
+    for path in paths:
+        if not isinstance(path, str) or not path.strip():
+            raise TypeError(f"{owner} must hold non-empty dotted paths (str), got {path!r}")
+    return paths
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Explicit offload topology, for pipelines and models whose structure the declarations do not describe.
+
+    Args:
+        blocks (`Mapping[str, Sequence[str]]`, defaults to `{}`): per DiT path (as discovered, e.g.
+            ``"transformer"``; ``""`` for a bare model), the attributes holding its repeated blocks in execution
+            order. Overrides the DiT's ``_layerwise_offload_blocks_attrs`` and this package's declaration.
+        extra_streamed (`Sequence[str]`, defaults to `()`): further dotted paths (from the pipeline or bare model)
+            to stream layerwise. A ``ModuleList``/``Sequential`` streams child by child as its own prefetch ring;
+            any other module streams as one unit.
+        resident (`Sequence[str]`, defaults to `()`): dotted paths that stay on the device under every strategy,
+            e.g. one block of a stack (``"transformer.blocks.0"``) or a small extra module.
+    """
+
+    blocks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    extra_streamed: tuple[str, ...] = ()
+    resident: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.blocks, Mapping):
+            raise TypeError(f"OffloadPlan.blocks must be a mapping of DiT path to block attributes, got {self.blocks!r}")
+        blocks = {}
+        for dit_path, attrs in self.blocks.items():
+            if not isinstance(dit_path, str):
+                raise TypeError(f"OffloadPlan.blocks keys must be DiT paths (str), got {dit_path!r}")
+            blocks[dit_path] = _normalize_paths(f"OffloadPlan.blocks[{dit_path!r}]", attrs)
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "extra_streamed", _normalize_paths("OffloadPlan.extra_streamed", self.extra_streamed))
+        object.__setattr__(self, "resident", _normalize_paths("OffloadPlan.resident", self.resident))
+
+
+def _normalize_strategies(value: Any) -> tuple[OffloadStrategy, ...]:
+    if isinstance(value, (str, OffloadStrategy)):
+        requested = {OffloadStrategy.parse(value)}
+    elif isinstance(value, Iterable):
+        requested = {OffloadStrategy.parse(item) for item in value}
+        if not requested:
+            raise ValueError(f"strategy={value!r} is empty; allowed: one or more of {', '.join(_ALLOWED_NAMES)}")
+    else:
+        raise TypeError(
+            f"strategy must be an OffloadStrategy, a str or a collection of them, got {type(value).__name__}: {value!r}"
+        )
+    if len(requested) > 1:
+        requested.discard(OffloadStrategy.NONE)
+    return tuple(s for s in STRATEGY_PRIORITY if s in requested)
+
+
+def _normalize_device(value: Any) -> torch.device:
+    if isinstance(value, torch.device):
+        device = value
+    elif isinstance(value, str):
+        try:
+            device = torch.device(value)
+        except RuntimeError as error:
+            raise ValueError(f"device={value!r} is not a torch device; allowed: e.g. 'cuda', 'cuda:1', 'cpu'") from error
+    else:
+        raise TypeError(f"device must be a str or torch.device, got {type(value).__name__}: {value!r}")
+    if device.type == "meta":
+        raise ValueError("device='meta' cannot run a model; allowed: an accelerator such as 'cuda', or 'cpu' for tests")
+    return device
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """What to offload and how.
+
+    Args:
+        strategy (`OffloadStrategy | str | Collection`): ``"none"``, ``"model_level"``, ``"layerwise"`` or
+            ``"distributed_layerwise"`` (case-insensitive). Several may be given; the highest priority one is used
+            (distributed layerwise > layerwise > model level) and ``requested`` keeps them all.
+        device (`str | torch.device`, defaults to `"cuda"`): where the model computes. ``"cpu"`` runs the same code
+            path with synchronous copies (for testing on machines without an accelerator).
+        pin_memory (`bool`, defaults to `True`): keep host copies in page-locked memory, which asynchronous copies
+            need. Has no effect with ``device="cpu"``.
+        max_device_memory (`int | str`, *optional*): layerwise only. Bytes of DiT weights allowed on the device
+            (non-block weights, resident blocks and streaming slots; encoders, VAE and activations are not
+            counted). Blocks beyond the budget stream; ``None`` streams every block.
+        prefetch_depth (`int`, defaults to `1`): layerwise only. Blocks copied ahead of the running one; each costs
+            one device slot the size of the largest streamed block.
+        plan (`OffloadPlan`, *optional*): explicit topology overriding declarations.
+        show_progress (`bool`, *optional*): progress bar while building host copies; ``None`` shows it for models
+            of 1 GiB or more.
+
+    Example:
+    ```py
+    >>> OffloadConfig("layerwise", device="cuda", max_device_memory="12GiB")
+    ```
+    """
+
+    strategy: Any
+    device: Any = "cuda"
+    pin_memory: bool = True
+    max_device_memory: Any = None
+    prefetch_depth: int = 1
+    plan: OffloadPlan | None = None
+    show_progress: bool | None = None
+    requested: tuple[OffloadStrategy, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        requested = _normalize_strategies(self.strategy)
+        object.__setattr__(self, "requested", requested)
+        object.__setattr__(self, "strategy", requested[0])
+        object.__setattr__(self, "device", _normalize_device(self.device))
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"pin_memory must be a bool, got {type(self.pin_memory).__name__}: {self.pin_memory!r}")
+        if self.max_device_memory is not None:
+            object.__setattr__(self, "max_device_memory", parse_bytes(self.max_device_memory, "max_device_memory"))
+            if self.strategy is not OffloadStrategy.LAYERWISE:
+                raise ValueError(
+                    f"max_device_memory={self.max_device_memory!r} applies only to the layerwise strategy, got "
+                    f"strategy={self.strategy.value!r}; allowed: None, or use strategy='layerwise'"
+                )
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int):
+            raise TypeError(f"prefetch_depth must be an int >= 1, got {self.prefetch_depth!r}")
+        if self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth={self.prefetch_depth!r} is out of range; allowed: an int >= 1")
+        if self.plan is not None and not isinstance(self.plan, OffloadPlan):
+            raise TypeError(f"plan must be an OffloadPlan or None, got {type(self.plan).__name__}: {self.plan!r}")
+        if self.show_progress is not None and not isinstance(self.show_progress, bool):
+            raise TypeError(f"show_progress must be a bool or None, got {self.show_progress!r}")
+
+    @property
+    def dropped(self) -> tuple[OffloadStrategy, ...]:
+        """Requested strategies that lost to a higher-priority one."""
+        return self.requested[1:]

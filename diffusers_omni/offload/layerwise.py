@@ -1,0 +1,404 @@
+"""Layerwise offload: DiT blocks stream from flat host buffers into a few fixed device slots, one ring per stack.
+
+Each block's tensors live in one contiguous (pinned) host buffer per dtype. A pool of ``prefetch_depth + 1``
+device slots, each sized for the largest streamed block, receives them. When a block starts, its tensors are
+rebound to views of the slot holding it and the next streamed blocks are copied into the oldest slots on a
+copy stream; when it ends, its tensors go back to empty placeholders. Two events per slot order everything
+without host synchronisation: the compute stream waits for ``ready`` before the block runs, and the copy stream
+waits for ``released`` (recorded after the slot's last block ran) before overwriting the slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from ..config.offload import OffloadStrategy, format_bytes
+from .base import Journal, OffloadBackend
+from .discovery import (
+    DIT,
+    Stack,
+    Topology,
+    check_no_foreign_offload,
+    check_topology,
+    discover_components,
+    named_tensors,
+    resolve_stacks,
+)
+from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, InstalledHooks, refresh_registry_caches
+from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
+
+logger = logging.getLogger("diffusers_omni")
+
+_PROGRESS_MIN_BYTES = 2**30
+
+
+def spread_positions(count: int, total: int) -> list[int]:
+    """``count`` positions out of ``range(total)``, evenly spread (``2, 8`` → ``[2, 6]``)."""
+    if count <= 0:
+        return []
+    return sorted({min(int((k + 0.5) * total / count), total - 1) for k in range(count)})
+
+
+def plan_residency(
+    block_bytes: list[int], forced: list[bool], fixed_bytes: int, budget: int | None, slot_count: int
+) -> list[bool]:
+    """Which blocks stay on the device.
+
+    ``forced`` blocks are always resident. Without a budget the rest stream. With one, everything is resident if
+    it fits; otherwise ``slot_count`` slots for the largest candidate are reserved and as many other blocks as fit
+    are kept, evenly spread through the stack so the streamed ones copy while resident ones compute.
+    """
+    resident = list(forced)
+    candidates = [i for i, f in enumerate(forced) if not f]
+    if budget is None or not candidates:
+        return resident
+    forced_bytes = sum(b for b, f in zip(block_bytes, forced) if f)
+    if fixed_bytes + forced_bytes + sum(block_bytes[i] for i in candidates) <= budget:
+        return [True] * len(block_bytes)
+    slot_bytes = slot_count * max(block_bytes[i] for i in candidates)
+    available = budget - fixed_bytes - forced_bytes - slot_bytes
+    if available < 0:
+        raise ValueError(
+            f"max_device_memory={budget} ({format_bytes(budget)}) is too small; allowed: at least "
+            f"{fixed_bytes + forced_bytes + slot_bytes} ({format_bytes(fixed_bytes + forced_bytes + slot_bytes)}) = "
+            f"non-block weights {format_bytes(fixed_bytes)} + resident blocks {format_bytes(forced_bytes)} + "
+            f"{slot_count} streaming slots of {format_bytes(slot_bytes // slot_count)}"
+        )
+    for count in range(len(candidates) - 1, 0, -1):
+        chosen = [candidates[p] for p in spread_positions(count, len(candidates))]
+        if sum(block_bytes[i] for i in chosen) <= available:
+            for i in chosen:
+                resident[i] = True
+            break
+    return resident
+
+
+class _Slot:
+    """One fixed device buffer per dtype, and the events ordering its reuse."""
+
+    def __init__(self, index: int, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers) -> None:
+        self.index = index
+        self.buffers = buffers
+        self.ready = transfers.new_event()
+        self.released = transfers.new_event()
+        self.owner: _StreamedBlock | None = None
+
+
+class _StreamedBlock:
+    def __init__(self, weights: PackedWeights, device: torch.device) -> None:
+        self.weights = weights
+        self.placeholders = [placeholder(s.dtype, device) for s in weights.slots]
+        self.views_by_slot: list[list[torch.Tensor]] = []
+        self.copy_pairs_by_slot: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.slot: _Slot | None = None
+        self.running = False
+
+    def attach_slots(self, slots: list[_Slot]) -> None:
+        self.views_by_slot = [self.weights.views_into(slot.buffers) for slot in slots]
+        self.copy_pairs_by_slot = [
+            [(host, slot.buffers[dtype].narrow(0, 0, host.numel())) for dtype, host in self.weights.host.items()]
+            for slot in slots
+        ]
+
+
+@dataclass
+class LayerwiseStats:
+    streamed_blocks: int = 0
+    resident_blocks: int = 0
+    slot_count: int = 0
+    slot_bytes: int = 0
+    streamed_bytes_per_pass: int = 0
+    resident_device_bytes: int = 0
+    host_bytes: int = 0
+    host_memory_mode: str = ""
+    loads: int = 0
+    on_demand_loads: int = 0
+    copied_bytes: int = 0
+
+
+class _Streamer:
+    """The slot pool and the per-stack rings that feed it. Hot-path methods run on every block call."""
+
+    def __init__(self, slots: list[_Slot], transfers: Transfers, stats: LayerwiseStats) -> None:
+        self.slots = slots
+        self.transfers = transfers
+        self.stats = stats
+        self._cursor = 0
+
+    def _take_slot(self) -> _Slot | None:
+        slot = self.slots[self._cursor]
+        if slot.owner is not None and slot.owner.running:
+            return None
+        self._cursor = (self._cursor + 1) % len(self.slots)
+        if slot.owner is not None:
+            slot.owner.slot = None
+        return slot
+
+    def load(self, block: _StreamedBlock) -> bool:
+        slot = self._take_slot()
+        if slot is None:
+            return False
+        self.transfers.copy(block.copy_pairs_by_slot[slot.index], wait_for=slot.released, done=slot.ready)
+        slot.owner = block
+        block.slot = slot
+        self.stats.loads += 1
+        self.stats.copied_bytes += block.weights.nbytes
+        return True
+
+    @torch.compiler.disable
+    def begin(self, block: _StreamedBlock | None, lookahead: tuple[_StreamedBlock, ...]) -> None:
+        if block is not None:
+            if block.slot is None:
+                self.stats.on_demand_loads += 1
+                if not self.load(block):
+                    raise RuntimeError(
+                        f"layerwise offload: no free slot for block {block.weights.path!r}; every slot holds a "
+                        "running block (are blocks calling each other?)"
+                    )
+            self.transfers.compute_waits_for(block.slot.ready)
+            block.weights.bind(block.views_by_slot[block.slot.index])
+            block.running = True
+        for upcoming in lookahead:
+            if upcoming.slot is None and not self.load(upcoming):
+                break
+
+    @torch.compiler.disable
+    def end(self, block: _StreamedBlock) -> None:
+        self.transfers.record_on_compute(block.slot.released)
+        block.weights.bind(block.placeholders)
+        block.running = False
+
+    @torch.compiler.disable
+    def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...]) -> None:
+        # A block whose forward raised never ran its end(); settle it before the stack runs again.
+        for block in blocks:
+            if block.running:
+                self.end(block)
+        for upcoming in first:
+            if upcoming.slot is None and not self.load(upcoming):
+                break
+
+
+@dataclass
+class _State:
+    target: Any
+    topology: Topology | None = None
+    stacks: list[Stack] = field(default_factory=list)
+    weights: list[list[PackedWeights]] = field(default_factory=list)
+    resident: list[list[bool]] = field(default_factory=list)
+    host_memory: HostMemory | None = None
+    transfers: Transfers | None = None
+    streamed: list[list[_StreamedBlock | None]] = field(default_factory=list)
+    streamer: _Streamer | None = None
+    hooks: InstalledHooks = field(default_factory=InstalledHooks)
+    stats: LayerwiseStats = field(default_factory=LayerwiseStats)
+
+
+class LayerwiseOffloadBackend(OffloadBackend):
+    """Streams every block of every DiT through a few device slots; everything else stays on the device."""
+
+    strategy = OffloadStrategy.LAYERWISE
+    stages = ("discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "prime")
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._state: _State | None = None
+
+    @property
+    def stats(self) -> LayerwiseStats:
+        """Counters since enable: blocks, slots, bytes copied, on-demand (not prefetched) loads."""
+        if self._state is None:
+            raise RuntimeError("layerwise offload is not enabled")
+        return self._state.stats
+
+    def _new_state(self, target: Any) -> _State:
+        self._state = _State(target)
+        return self._state
+
+    def _forget(self) -> None:
+        self._state = None
+
+    # Enable stages ----------------------------------------------------------------------------------------
+
+    def _stage_discover(self, state: _State, journal: Journal) -> None:
+        plan = self.config.plan
+        state.topology = discover_components(state.target, plan)
+        check_topology(state.topology)
+        check_no_foreign_offload(state.topology, "layerwise")
+        state.stacks = resolve_stacks(state.target, state.topology, plan)
+        forced_paths = {c.path for c in state.topology.residents}
+        state.weights = [[PackedWeights(path, block) for path, block in stack.blocks] for stack in state.stacks]
+        flat = [w for stack in state.weights for w in stack]
+        forced = [w.path in forced_paths or w.empty for w in flat]
+        fixed_bytes = sum(t.numel() * t.element_size() for t in self._non_block_tensors(state))
+        resident = plan_residency(
+            [w.nbytes for w in flat], forced, fixed_bytes, self.config.max_device_memory, self.config.prefetch_depth + 1
+        )
+        it = iter(resident)
+        state.resident = [[next(it) for _ in stack] for stack in state.weights]
+        streamed = [w for w, r in zip(flat, resident) if not r]
+        state.stats.streamed_blocks = len(streamed)
+        state.stats.resident_blocks = sum(1 for w, r in zip(flat, resident) if r and not w.empty)
+        state.stats.streamed_bytes_per_pass = sum(w.nbytes for w in streamed)
+        state.stats.resident_device_bytes = fixed_bytes + sum(w.nbytes for w, r in zip(flat, resident) if r)
+        logger.info(
+            "layerwise offload: %d stacks (%s), %d blocks streamed (%s per pass), %d resident; non-block DiT "
+            "weights %s stay on %s; budget %s",
+            len(state.stacks),
+            ", ".join(f"{s.name}: {len(s.blocks)}" for s in state.stacks),
+            len(streamed),
+            format_bytes(state.stats.streamed_bytes_per_pass),
+            state.stats.resident_blocks,
+            format_bytes(fixed_bytes),
+            self.device,
+            "none" if self.config.max_device_memory is None else format_bytes(self.config.max_device_memory),
+        )
+
+    def _non_block_tensors(self, state: _State) -> list[torch.Tensor]:
+        in_blocks = {id(t) for stack in state.stacks for _, b in stack.blocks for _, t in named_tensors(b)}
+        seen: set[int] = set()
+        tensors = []
+        for stack in state.stacks:
+            for _, tensor in named_tensors(stack.owner):
+                if id(tensor) not in in_blocks and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    tensors.append(tensor)
+        return tensors
+
+    def _stage_move_residents(self, state: _State, journal: Journal) -> None:
+        tensors = self._non_block_tensors(state)
+        for component in state.topology.components:
+            if component.role != DIT:
+                tensors.extend(t for _, t in named_tensors(component.module))
+        for tensor in tensors:
+            journal.move_tensor(tensor, self.device)
+
+    def _stage_pack_blocks(self, state: _State, journal: Journal) -> None:
+        state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
+        state.stats.host_memory_mode = host_memory.mode
+        journal.record("release host memory", lambda: host_memory.release(self.device))
+        total = sum(w.nbytes for stack in state.weights for w in stack)
+        show = self.config.show_progress if self.config.show_progress is not None else total >= _PROGRESS_MIN_BYTES
+        with tqdm(total=total, unit="B", unit_scale=True, desc="layerwise offload: packing blocks", disable=not show) as bar:
+            for stack_weights, stack_resident in zip(state.weights, state.resident):
+                streamed_row: list[_StreamedBlock | None] = []
+                for weights, resident in zip(stack_weights, stack_resident):
+                    streamed_row.append(self._pack_one(weights, resident, host_memory, journal))
+                    bar.update(weights.nbytes)
+                state.streamed.append(streamed_row)
+        state.stats.host_bytes = total
+        release_freed_host_memory()
+
+    def _pack_one(
+        self, weights: PackedWeights, resident: bool, host_memory: HostMemory, journal: Journal
+    ) -> _StreamedBlock | None:
+        if weights.empty:
+            return None
+        weights.pack(host_memory)
+        clone = host_memory.needs_clone_on_release
+        journal.record(f"restore {weights.path}", lambda: weights.restore(clone=clone, to_original_device=True))
+        if resident:
+            buffers = {d: torch.empty(n, dtype=d, device=self.device) for d, n in weights.numel.items()}
+            views = weights.views_into(buffers)
+            for host_view, view in zip(weights.host_views, views):
+                view.copy_(host_view)
+            weights.bind(views)
+            return None
+        block = _StreamedBlock(weights, self.device)
+        weights.bind(block.placeholders)
+        return block
+
+    def _stage_allocate_slots(self, state: _State, journal: Journal) -> None:
+        blocks = [b for row in state.streamed for b in row if b is not None]
+        state.transfers = Transfers(self.device)
+        sizes: dict[torch.dtype, int] = {}
+        for block in blocks:
+            for dtype, numel in block.weights.numel.items():
+                sizes[dtype] = max(sizes.get(dtype, 0), numel)
+        count = self.config.prefetch_depth + 1 if blocks else 0
+        slots = [
+            _Slot(i, {d: torch.empty(n, dtype=d, device=self.device) for d, n in sizes.items()}, state.transfers)
+            for i in range(count)
+        ]
+        for block in blocks:
+            block.attach_slots(slots)
+        state.streamer = _Streamer(slots, state.transfers, state.stats)
+        state.stats.slot_count = count
+        state.stats.slot_bytes = sum(n * torch.empty(0, dtype=d).element_size() for d, n in sizes.items())
+        logger.info(
+            "layerwise offload: %d device slots of %s (prefetch depth %d)",
+            count,
+            format_bytes(state.stats.slot_bytes),
+            self.config.prefetch_depth,
+        )
+
+    def _stage_install_hooks(self, state: _State, journal: Journal) -> None:
+        journal.record("remove hooks", state.hooks.remove_all)
+        depth = self.config.prefetch_depth
+        streamer = state.streamer
+        for stack, row in zip(state.stacks, state.streamed):
+            ring = [b for b in row if b is not None]
+            if not ring:
+                continue
+            first = tuple(ring[:depth])
+            state.hooks.install(
+                stack.owner, CallbackHook(before=_bind(streamer.enter_stack, ring, first)), LAYERWISE_ENTRY_HOOK
+            )
+            for position, ((_, module), block) in enumerate(zip(stack.blocks, row)):
+                lookahead = _lookahead(row, position, depth)
+                after = _bind(streamer.end, block) if block is not None else None
+                state.hooks.install(
+                    module, CallbackHook(before=_bind(streamer.begin, block, lookahead), after=after), LAYERWISE_BLOCK_HOOK
+                )
+        roots = [stack.owner for stack in state.stacks]
+        refresh_registry_caches(roots)
+        journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
+
+    def _stage_prime(self, state: _State, journal: Journal) -> None:
+        for row in state.streamed:
+            ring = [b for b in row if b is not None]
+            if ring:
+                state.streamer.enter_stack(ring, tuple(ring[: self.config.prefetch_depth]))
+
+    # Disable ----------------------------------------------------------------------------------------------
+
+    def _disable(self) -> None:
+        state = self._state
+        if state.transfers is not None:
+            state.transfers.synchronize()
+        state.hooks.remove_all()
+        refresh_registry_caches([stack.owner for stack in state.stacks])
+        clone = state.host_memory.needs_clone_on_release
+        for stack_weights in state.weights:
+            for weights in stack_weights:
+                if not weights.empty:
+                    weights.restore(clone=clone, to_original_device=False)
+        state.host_memory.release(self.device)
+        logger.info("layerwise offload disabled: block weights are ordinary host tensors again")
+
+
+def _lookahead(row: list[_StreamedBlock | None], position: int, depth: int) -> tuple[_StreamedBlock, ...]:
+    """The next ``depth`` streamed blocks after ``position``, wrapping to the stack's start (next step)."""
+    ring = [(i, b) for i, b in enumerate(row) if b is not None]
+    after = [b for i, b in ring if i > position] + [b for i, b in ring if i <= position]
+    current = row[position]
+    return tuple(b for b in after if b is not current)[:depth]
+
+
+def _bind(function, *args):
+    def call() -> None:
+        function(*args)
+
+    return call
+
+
+def stack_modules(backend: LayerwiseOffloadBackend) -> list[nn.Module]:
+    """Block modules under the backend's control (for tests and reports)."""
+    state = backend._state
+    return [] if state is None else [m for stack in state.stacks for _, m in stack.blocks]

@@ -1,0 +1,197 @@
+"""Model-level offload: only the running DiT or encoder group is on the device; VAEs stay resident.
+
+Before an encoder runs, every DiT goes to the host; before a DiT runs, every encoder and every other DiT does
+(Wan 2.2's two experts included). Each component's weights are packed once into flat (pinned) host buffers per
+dtype. Onloading copies them into one fresh device buffer per dtype and rebinds the tensors to views of it;
+offloading only rebinds the tensors to their host views, since weights do not change while offload is enabled.
+Inputs and outputs are never moved, so Diffusers' ``_skip_keys`` do not apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config.offload import OffloadStrategy, format_bytes
+from .base import Journal, OffloadBackend
+from .discovery import (
+    DIT,
+    ENCODER,
+    Component,
+    Topology,
+    check_no_foreign_offload,
+    check_topology,
+    discover_components,
+    named_tensors,
+)
+from .hooks import MODEL_LEVEL_HOOK, CallbackHook, InstalledHooks, refresh_registry_caches
+from .memory import HostMemory, PackedWeights, release_freed_host_memory
+
+logger = logging.getLogger("diffusers_omni")
+
+
+class _Exclusive:
+    """A DiT or encoder that is on the device only while it (or its group) runs."""
+
+    def __init__(self, component: Component) -> None:
+        self.component = component
+        self.weights = PackedWeights(component.path, component.module)
+        self.onloaded = False
+        self._device_buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    @property
+    def role(self) -> str:
+        return self.component.role
+
+    @torch.compiler.disable
+    def onload(self, device: torch.device) -> None:
+        with torch.inference_mode(False):
+            self._device_buffers = {d: torch.empty(n, dtype=d, device=device) for d, n in self.weights.numel.items()}
+            views = self.weights.views_into(self._device_buffers)
+        # Same stream as the compute that follows, so no event or host synchronisation is needed.
+        for dtype, host in self.weights.host.items():
+            self._device_buffers[dtype].copy_(host, non_blocking=True)
+        self.weights.bind(views)
+        self.onloaded = True
+
+    @torch.compiler.disable
+    def offload(self) -> None:
+        self.weights.bind(self.weights.host_views)
+        self._device_buffers = {}
+        self.onloaded = False
+
+
+@dataclass
+class ModelLevelStats:
+    onloads: int = 0
+    offloads: int = 0
+    onloaded_bytes: int = 0
+    host_memory_mode: str = ""
+
+
+@dataclass
+class _State:
+    target: Any
+    topology: Topology | None = None
+    exclusives: list[_Exclusive] = field(default_factory=list)
+    host_memory: HostMemory | None = None
+    hooks: InstalledHooks = field(default_factory=InstalledHooks)
+    stats: ModelLevelStats = field(default_factory=ModelLevelStats)
+
+
+class ModelLevelOffloadBackend(OffloadBackend):
+    """Mutual exclusion between DiTs and encoders; VAEs and declared resident modules stay on the device."""
+
+    strategy = OffloadStrategy.MODEL_LEVEL
+    stages = ("discover", "move_residents", "pack_components", "install_hooks")
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self._state: _State | None = None
+
+    @property
+    def stats(self) -> ModelLevelStats:
+        if self._state is None:
+            raise RuntimeError("model-level offload is not enabled")
+        return self._state.stats
+
+    def onloaded(self) -> tuple[str, ...]:
+        """Labels of the DiTs and encoders currently on the device."""
+        if self._state is None:
+            return ()
+        return tuple(e.component.label for e in self._state.exclusives if e.onloaded)
+
+    @contextlib.contextmanager
+    def use(self, path: str) -> Iterator[nn.Module]:
+        """Onload component ``path`` (and offload what conflicts with it) for code that is not its ``forward``,
+        e.g. a method reading its weights directly."""
+        if self._state is None:
+            raise RuntimeError("model-level offload is not enabled")
+        for exclusive in self._state.exclusives:
+            if exclusive.component.path == path or exclusive.component.label == path:
+                self._activate(exclusive)
+                yield exclusive.component.module
+                return
+        resident = [c.label for c in self._state.topology.components if c.role not in (DIT, ENCODER)]
+        if path in resident:
+            yield next(c.module for c in self._state.topology.components if c.label == path)
+            return
+        known = [e.component.label for e in self._state.exclusives] + resident
+        raise ValueError(f"use({path!r}): not a component of this offload; allowed: {known}")
+
+    def _new_state(self, target: Any) -> _State:
+        self._state = _State(target)
+        return self._state
+
+    def _forget(self) -> None:
+        self._state = None
+
+    def _stage_discover(self, state: _State, journal: Journal) -> None:
+        state.topology = discover_components(state.target, self.config.plan)
+        check_topology(state.topology, allow_residents_inside=())
+        check_no_foreign_offload(state.topology, "model-level")
+        state.exclusives = [_Exclusive(c) for c in state.topology.dits + state.topology.encoders]
+        logger.info(
+            "model-level offload: DiTs %s and encoders %s take turns on %s; %s stay resident",
+            [c.label for c in state.topology.dits],
+            [c.label for c in state.topology.encoders],
+            self.device,
+            [c.label for c in state.topology.vaes + state.topology.residents],
+        )
+
+    def _stage_move_residents(self, state: _State, journal: Journal) -> None:
+        for component in state.topology.vaes + state.topology.residents:
+            for _, tensor in named_tensors(component.module):
+                journal.move_tensor(tensor, self.device)
+
+    def _stage_pack_components(self, state: _State, journal: Journal) -> None:
+        state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
+        state.stats.host_memory_mode = host_memory.mode
+        journal.record("release host memory", lambda: host_memory.release(self.device))
+        clone = host_memory.needs_clone_on_release
+        for exclusive in state.exclusives:
+            weights = exclusive.weights
+            weights.pack(host_memory)
+            journal.record(f"restore {weights.path}", lambda w=weights: w.restore(clone=clone, to_original_device=True))
+            logger.info("model-level offload: %s packed on host (%s)", exclusive.component.label, format_bytes(weights.nbytes))
+        release_freed_host_memory()
+
+    def _stage_install_hooks(self, state: _State, journal: Journal) -> None:
+        journal.record("remove hooks", state.hooks.remove_all)
+        for exclusive in state.exclusives:
+            state.hooks.install(
+                exclusive.component.module, CallbackHook(before=lambda e=exclusive: self._activate(e)), MODEL_LEVEL_HOOK
+            )
+        refresh_registry_caches([e.component.module for e in state.exclusives])
+
+    @torch.compiler.disable
+    def _activate(self, active: _Exclusive) -> None:
+        state = self._state
+        for other in state.exclusives:
+            conflicts = other.role == DIT or active.role == DIT
+            if other is not active and other.onloaded and conflicts:
+                other.offload()
+                state.stats.offloads += 1
+        if not active.onloaded:
+            active.onload(self.device)
+            state.stats.onloads += 1
+            state.stats.onloaded_bytes += active.weights.nbytes
+
+    def _disable(self) -> None:
+        state = self._state
+        if self.device.type != "cpu":
+            torch.get_device_module(self.device).synchronize(self.device)
+        state.hooks.remove_all()
+        refresh_registry_caches([e.component.module for e in state.exclusives])
+        clone = state.host_memory.needs_clone_on_release
+        for exclusive in state.exclusives:
+            exclusive.offload()
+            exclusive.weights.restore(clone=clone, to_original_device=False)
+        state.host_memory.release(self.device)
+        logger.info("model-level offload disabled: DiTs and encoders are ordinary host tensors again")
