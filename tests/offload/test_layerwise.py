@@ -1,0 +1,203 @@
+"""Layerwise offload on CPU: the same buffers, views, placeholders and ring as on an accelerator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from diffusers_omni import OffloadConfig, apply_offload
+from diffusers_omni.offload.layerwise import plan_residency, spread_positions
+
+from offload_helpers import bare_flux, bare_wan, block_bytes, flux_inputs, flux_pipe, generate, wan22_pipe
+
+CPU = OffloadConfig("layerwise", device="cpu")
+
+
+def _flux_blocks(model):
+    return list(model.transformer_blocks) + list(model.single_transformer_blocks)
+
+
+def test_bare_flux_bitwise_equal_and_empty_between_calls():
+    model = bare_flux()
+    with torch.no_grad():
+        reference = [model(**flux_inputs(seed))[0] for seed in range(3)]
+    ids = [id(p) for p in model.parameters()]
+    backend = apply_offload(model, CPU)
+    assert backend.stats.streamed_blocks == 7
+    assert backend.stats.loads == 1  # block 0 is primed before the first forward
+    with torch.no_grad():
+        for seed in range(3):
+            assert torch.equal(model(**flux_inputs(seed))[0], reference[seed])
+            assert all(block_bytes(block) == 0 for block in _flux_blocks(model))
+    assert [id(p) for p in model.parameters()] == ids
+    stats = backend.stats
+    # Every load was a prefetch (the last block prefetches block 0 for the next pass); a pass copies each block once.
+    assert stats.on_demand_loads == 0
+    assert stats.loads == 1 + 3 * 7
+    first_block_bytes = stats.copied_bytes - 3 * stats.streamed_bytes_per_pass
+    assert 0 < first_block_bytes < stats.streamed_bytes_per_pass
+    backend.disable()
+    backend.disable()  # idempotent
+    assert all(block_bytes(block) > 0 for block in _flux_blocks(model))
+    model.to(torch.float64).to(torch.float32)  # ordinary tensors: .to() works
+    with torch.no_grad():
+        assert torch.equal(model(**flux_inputs(0))[0], reference[0])
+
+
+def test_under_inference_mode_and_deeper_prefetch():
+    model = bare_flux()
+    with torch.inference_mode():
+        reference = model(**flux_inputs())[0]
+    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu", prefetch_depth=3))
+    assert backend.stats.slot_count == 4
+    with torch.inference_mode():
+        for _ in range(2):
+            assert torch.equal(model(**flux_inputs())[0], reference)
+    assert not any(torch.is_inference(p) for p in model.parameters())
+    assert backend.stats.on_demand_loads == 0
+    backend.disable()
+    assert not any(torch.is_inference(p) for p in model.parameters())
+
+
+def test_budget_keeps_spread_blocks_resident():
+    model = bare_flux(num_layers=2, num_single_layers=6)
+    blocks = _flux_blocks(model)
+    single = sum(p.numel() * 4 for p in blocks[-1].parameters())
+    non_block = sum(p.numel() * 4 for n, p in model.named_parameters() if "transformer_blocks" not in n)
+    budget = non_block + 2 * max(block_bytes(b) for b in blocks) + 3 * single + 64 * 1024
+    with torch.no_grad():
+        reference = model(**flux_inputs())[0]
+    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu", max_device_memory=budget))
+    stats = backend.stats
+    assert 0 < stats.resident_blocks < len(blocks)
+    assert stats.resident_blocks + stats.streamed_blocks == len(blocks)
+    resident = [block_bytes(b) > 0 for b in blocks]
+    assert sum(resident) == stats.resident_blocks
+    with torch.no_grad():
+        assert torch.equal(model(**flux_inputs())[0], reference)
+        assert torch.equal(model(**flux_inputs())[0], reference)
+    assert stats.on_demand_loads == 0
+    backend.disable()
+
+
+def test_budget_too_small_names_minimum():
+    with pytest.raises(ValueError, match=r"max_device_memory=1000 .* too small; allowed: at least"):
+        apply_offload(bare_flux(), OffloadConfig("layerwise", device="cpu", max_device_memory=1000))
+
+
+def test_whole_model_fits_budget():
+    model = bare_flux()
+    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu", max_device_memory="1GiB"))
+    assert backend.stats.streamed_blocks == 0 and backend.stats.slot_count == 0
+    backend.disable()
+
+
+def test_spread_and_plan():
+    assert spread_positions(2, 8) == [2, 6]
+    assert spread_positions(0, 5) == []
+    resident = plan_residency([10] * 8, [False] * 8, fixed_bytes=5, budget=5 + 2 * 10 + 30, slot_count=2)
+    assert sum(resident) == 3 and resident[0] is False and resident[-1] is False
+
+
+class _MixedBlock(nn.Module):
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width).to(dtype)
+        self.register_buffer("scale", torch.full((width,), 0.5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.to(self.proj.weight.dtype)).float() * self.scale.float()
+
+
+class _MixedModel(nn.Module):
+    _layerwise_offload_blocks_attrs = ("blocks",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            [_MixedBlock(8, torch.float32), _MixedBlock(8, torch.bfloat16), _MixedBlock(8, torch.float64)]
+        )
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_blocks_of_different_dtypes():
+    model = _MixedModel()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        reference = model(x)
+    backend = apply_offload(model, CPU)
+    assert backend.stats.streamed_blocks == 3
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), reference)
+    assert all(b.scale.numel() == 0 for b in model.blocks)
+    backend.disable()
+    assert all(b.scale.dtype == torch.float64 and b.scale.numel() == 8 for b in model.blocks)
+
+
+def test_forward_that_raised_does_not_wedge_the_ring():
+    model = _MixedModel()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        reference = model(x)
+    backend = apply_offload(model, CPU)
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        model(torch.randn(2, 5))
+    with torch.no_grad():
+        assert torch.equal(model(x), reference)
+    backend.disable()
+
+
+def test_flux_pipeline_bitwise_with_omni_attention():
+    pipe = flux_pipe()
+    reference = generate(pipe)
+    pipe.enable_omni_attention("TORCH_SDPA")
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    assert pipe._execution_device == torch.device("cpu")
+    assert torch.equal(generate(pipe), reference)
+    with torch.inference_mode():
+        assert torch.equal(generate(pipe), reference)
+    blocks = _flux_blocks(pipe.transformer)
+    assert all(block_bytes(b) == 0 for b in blocks)
+    assert backend.stats.on_demand_loads == 0
+    pipe.disable_omni_offload()
+    pipe.disable_omni_attention()
+    pipe.to("cpu")
+    assert torch.equal(generate(pipe), reference)
+
+
+def test_wan22_two_experts_share_the_slots():
+    pipe = wan22_pipe()
+    reference = generate(pipe, steps=4)
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    assert backend.stats.streamed_blocks == 2 and backend.stats.slot_count == 2
+    assert torch.equal(generate(pipe, steps=4), reference)
+    assert torch.equal(generate(pipe, steps=4), reference)
+    assert block_bytes(pipe.transformer.blocks[0]) == 0 and block_bytes(pipe.transformer_2.blocks[0]) == 0
+    pipe.disable_omni_offload()
+    assert torch.equal(generate(pipe, steps=4), reference)
+
+
+def test_bare_wan_transformer():
+    model = bare_wan()
+    g = torch.Generator().manual_seed(0)
+    inputs = {
+        "hidden_states": torch.randn(1, 16, 2, 4, 4, generator=g),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=g),
+        "return_dict": False,
+    }
+    with torch.no_grad():
+        reference = model(**inputs)[0]
+    backend = apply_offload(model, CPU)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs)[0], reference)
+        assert torch.equal(model(**inputs)[0], reference)
+    backend.disable()
