@@ -67,8 +67,23 @@ def register_transformer(declaration: TransformerDeclaration) -> TransformerDecl
     return declaration
 
 
+_loaded = False
+
+
 def _ensure_builtin_declarations() -> None:
-    from . import flux, wan  # noqa: F401  (registers on import)
+    """Import every architecture module in this package; each registers its declarations on import."""
+    global _loaded
+    if _loaded:
+        return
+    import importlib
+    import pkgutil
+
+    from .. import models
+
+    for info in pkgutil.iter_modules(models.__path__):
+        if info.name != "base" and not info.name.startswith("_"):
+            importlib.import_module(f"{models.__name__}.{info.name}")
+    _loaded = True
 
 
 def declaration_for(model: nn.Module) -> TransformerDeclaration | None:

@@ -2,21 +2,40 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import pkgutil
 from typing import Any
 
-# Diffusers pipeline class name → "module:OmniClass".
-_OMNI_PIPELINES: dict[str, str] = {
-    "FluxPipeline": "diffusers_omni.pipelines.flux:OmniFluxPipeline",
-    "WanPipeline": "diffusers_omni.pipelines.wan:OmniWanPipeline",
-    "WanImageToVideoPipeline": "diffusers_omni.pipelines.wan:OmniWanImageToVideoPipeline",
-}
+_INFRASTRUCTURE = frozenset({"mixin", "registry"})
 
-_KEEP_DISABLED = object()
+
+@functools.lru_cache(maxsize=1)
+def omni_pipelines() -> dict[str, type]:
+    """Diffusers pipeline class name → Omni class, collected from every family module in this package.
+
+    An Omni class serves the Diffusers pipeline it directly subclasses.
+    """
+    from .. import pipelines
+    from .mixin import OmniPipelineMixin
+
+    found: dict[str, type] = {}
+    for info in pkgutil.iter_modules(pipelines.__path__):
+        if info.name in _INFRASTRUCTURE or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{pipelines.__name__}.{info.name}")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != module.__name__ or not issubclass(cls, OmniPipelineMixin):
+                continue
+            for base in cls.__bases__:
+                if base.__module__.startswith("diffusers.") and base.__name__.endswith("Pipeline"):
+                    found[base.__name__] = cls
+    return found
 
 
 def supported_pipelines() -> list[str]:
-    return sorted(_OMNI_PIPELINES)
+    return sorted(omni_pipelines())
 
 
 def omni_pipeline_class(pipeline_cls: type) -> type:
@@ -25,11 +44,10 @@ def omni_pipeline_class(pipeline_cls: type) -> type:
 
     if issubclass(pipeline_cls, OmniPipelineMixin):
         return pipeline_cls
+    registry = omni_pipelines()
     for cls in pipeline_cls.__mro__:
-        path = _OMNI_PIPELINES.get(cls.__name__)
-        if path:
-            module, _, name = path.partition(":")
-            return getattr(importlib.import_module(module), name)
+        if cls.__name__ in registry:
+            return registry[cls.__name__]
     raise TypeError(
         f"{pipeline_cls.__name__} is not supported by diffusers-omni; supported pipelines: "
         f"{', '.join(supported_pipelines())}"
