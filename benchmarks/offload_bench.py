@@ -1,0 +1,590 @@
+#!/usr/bin/env python
+"""Offload benchmark: diffusers-omni layerwise / model-level offload against Diffusers' group offloading.
+
+One process per model builds a full-size random-weight bf16 transformer once (parameters allocated directly in
+bf16 on the host, filled from a small random pool) and measures, side by side:
+
+* resident step time (whole model on the device, measured last);
+* Diffusers ``enable_group_offload(block_level, num_blocks_per_group=1, use_stream=True)``, ``record_stream`` False
+  and True;
+* our layerwise offload, and (FLUX) with ``max_device_memory="12GiB"``;
+* our model-level switch: time to bring the DiT in while an encoder is on the device, against bytes ÷ bandwidth;
+* pinned host→device bandwidth (4 GiB) in the same process.
+
+A step is one transformer forward under ``torch.inference_mode`` (median of several after warm-up, synchronised).
+
+Usage (one process per model; results go to ``<out>.json``, ``<out>.md`` and ``<out>.png``)::
+
+    python benchmarks/offload_bench.py --models flux --out benchmarks/results/offload_h200_flux
+    python benchmarks/offload_bench.py --models wan --out benchmarks/results/offload_h200_wan
+    python benchmarks/offload_bench.py --smoke   # tiny models on CPU, checks the script's logic
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+GiB = 2**30
+TARGET_FACTOR = 1.05
+
+
+# Environment probes ---------------------------------------------------------------------------------------------
+
+
+def host_rss() -> dict[str, int]:
+    """Current and peak resident set size of this process, in bytes (Linux; zeros elsewhere)."""
+    values = {"rss": 0, "hwm": 0}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                values["rss"] = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                values["hwm"] = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return values
+
+
+def reset_peak_rss() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def trim_host_heap() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    trim_host_heap()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def measure_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Pinned host→device copy bandwidth in bytes/s (median of 5)."""
+    if device.type != "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        return nbytes / statistics.median(times)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del src, dst
+    free_memory(device)
+    return nbytes / statistics.median(times)
+
+
+# Model construction ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Parameters are created on the meta device (no host memory, no init); buffers stay real."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def materialize_random(model: nn.Module, dtype: torch.dtype, seed: int = 0) -> int:
+    """Give every meta parameter host storage in ``dtype`` filled from a random pool (std 0.02); returns bytes."""
+    generator = torch.Generator().manual_seed(seed)
+    pool = (torch.randn(2**24 + 7919, generator=generator) * 0.02).to(dtype)
+    offset = 0
+    total = 0
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            data = torch.empty(param.shape, dtype=dtype)
+            flat = data.view(-1)
+            filled = 0
+            while filled < flat.numel():
+                count = min(flat.numel() - filled, pool.numel() - offset)
+                flat[filled : filled + count].copy_(pool[offset : offset + count])
+                filled += count
+                offset = (offset + count) % (pool.numel() - 1)
+            module._parameters[name] = nn.Parameter(data, requires_grad=False)
+            total += data.numel() * data.element_size()
+    return total
+
+
+def build_model(name: str, smoke: bool) -> tuple[nn.Module, int]:
+    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+
+    if name == "flux":
+        kwargs: dict[str, Any] = {"guidance_embeds": True}
+        if smoke:
+            kwargs.update(num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
+                          joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
+        cls = FluxTransformer2DModel
+    else:
+        kwargs = {}
+        if smoke:
+            kwargs.update(num_layers=3, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32,
+                          freq_dim=32)
+        cls = WanTransformer3DModel
+    with parameters_on_meta():
+        model = cls(**kwargs)
+    # Buffers (rotary tables and the like) stay as the model built them.
+    nbytes = materialize_random(model, torch.bfloat16)
+    return model.eval(), nbytes
+
+
+def make_inputs(name: str, model: nn.Module, device: torch.device, smoke: bool) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    config = model.config
+    if name == "flux":
+        side = 4 if smoke else 64  # 1024² image → 64×64 packed latent tokens
+        text = 8 if smoke else 512
+        image_tokens = side * side
+        ids = torch.zeros(image_tokens, 3)
+        ids[:, 1] = torch.arange(side).repeat_interleave(side)
+        ids[:, 2] = torch.arange(side).repeat(side)
+        inputs = {
+            "hidden_states": torch.randn(1, image_tokens, config.in_channels, generator=generator),
+            "encoder_hidden_states": torch.randn(1, text, config.joint_attention_dim, generator=generator),
+            "pooled_projections": torch.randn(1, config.pooled_projection_dim, generator=generator),
+            "timestep": torch.tensor([0.5]),
+            "guidance": torch.tensor([3.5]),
+            "img_ids": ids,
+            "txt_ids": torch.zeros(text, 3),
+        }
+    else:
+        frames, height, width = (2, 4, 4) if smoke else (9, 60, 104)  # 33 frames, 480×832 → 14,040 tokens
+        text = 8 if smoke else 512
+        inputs = {
+            "hidden_states": torch.randn(1, config.in_channels, frames, height, width, generator=generator),
+            "timestep": torch.tensor([500]),
+            "encoder_hidden_states": torch.randn(1, text, config.text_dim, generator=generator),
+        }
+    out = {}
+    for key, value in inputs.items():
+        value = value.to(device)
+        out[key] = value.to(dtype) if value.is_floating_point() and key not in ("img_ids", "txt_ids", "timestep") else value
+    out["return_dict"] = False
+    return out
+
+
+# Measurements ---------------------------------------------------------------------------------------------------
+
+
+def time_steps(model: nn.Module, inputs: dict[str, Any], device: torch.device, warmup: int, repeats: int) -> dict:
+    times = []
+    with torch.inference_mode():
+        for index in range(warmup + repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            model(**inputs)
+            synchronize(device)
+            if index >= warmup:
+                times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times), "step_all_s": times}
+
+
+def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], None], model: nn.Module,
+                inputs: dict, device: torch.device, args: argparse.Namespace) -> dict:
+    print(f"[{label}] setting up", flush=True)
+    free_memory(device)
+    reset_peak(device)
+    rss_before = host_rss()["rss"]
+    peak_reset = reset_peak_rss()
+    start = time.perf_counter()
+    handle = setup()
+    synchronize(device)
+    setup_s = time.perf_counter() - start
+    rss = host_rss()
+    result = {
+        "variant": label,
+        "setup_s": setup_s,
+        "host_rss_before": rss_before,
+        "host_rss_after_setup": rss["rss"],
+        "host_rss_peak_setup": rss["hwm"] if peak_reset else None,
+    }
+    reset_peak(device)
+    result.update(time_steps(model, inputs, device, args.warmup, args.repeats))
+    result["peak_device_bytes"] = peak_bytes(device)
+    stats = getattr(handle, "stats", None)
+    if stats is not None and hasattr(stats, "streamed_bytes_per_pass"):
+        result.update({
+            "streamed_bytes": stats.streamed_bytes_per_pass,
+            "streamed_blocks": stats.streamed_blocks,
+            "resident_blocks": stats.resident_blocks,
+            "slot_bytes": stats.slot_bytes,
+            "slot_count": stats.slot_count,
+            "on_demand_loads": stats.on_demand_loads,
+            "host_memory_mode": stats.host_memory_mode,
+        })
+    start = time.perf_counter()
+    teardown(handle)
+    synchronize(device)
+    result["teardown_s"] = time.perf_counter() - start
+    print(f"[{label}] step {result['step_s']:.4f} s, setup {setup_s:.2f} s, peak "
+          f"{_gib(result['peak_device_bytes'])}", flush=True)
+    return result
+
+
+def remove_group_offload(model: nn.Module) -> None:
+    from diffusers.hooks import HookRegistry
+
+    registry = HookRegistry.check_if_exists_or_initialize(model)
+    for name in ("group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading"):
+        registry.remove_hook(name, recurse=True)
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            if tensor.device.type != "cpu":
+                tensor.data = tensor.data.cpu()
+
+
+class _SwitchHolder:
+    """A minimal pipeline for the model-level switch: one DiT and one encoder."""
+
+    _dit_modules = ("transformer",)
+    _encoder_modules = ("text_encoder",)
+    _vae_modules = ()
+    _resident_modules = ()
+
+    def __init__(self, transformer: nn.Module, text_encoder: nn.Module) -> None:
+        self.transformer = transformer
+        self.text_encoder = text_encoder
+
+
+def synthetic_encoder(nbytes: int) -> nn.Module:
+    width = 4096
+    layers = max(1, nbytes // (width * width * 2))
+    with parameters_on_meta():
+        encoder = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+    materialize_random(encoder, torch.bfloat16, seed=1)
+    return encoder.eval()
+
+
+def measure_model_level_switch(model: nn.Module, model_bytes: int, device: torch.device, bandwidth: float,
+                               args: argparse.Namespace) -> dict:
+    from diffusers_omni import OffloadConfig, get_offload_backend
+
+    encoder = synthetic_encoder(args.encoder_bytes)
+    encoder_bytes = sum(p.numel() * p.element_size() for p in encoder.parameters())
+    holder = _SwitchHolder(model, encoder)
+    backend = get_offload_backend(OffloadConfig("model_level", device=device))
+    start = time.perf_counter()
+    backend.enable(holder)
+    setup_s = time.perf_counter() - start
+    to_dit, to_encoder = [], []
+    for _ in range(args.switch_repeats):
+        for path, sink in (("text_encoder", to_encoder), ("transformer", to_dit)):
+            synchronize(device)
+            start = time.perf_counter()
+            with backend.use(path):
+                synchronize(device)
+            sink.append(time.perf_counter() - start)
+    backend.disable()
+    del holder, encoder, backend
+    free_memory(device)
+    dit_s = statistics.median(to_dit)
+    floor = model_bytes / bandwidth
+    result = {
+        "variant": "omni model-level switch",
+        "setup_s": setup_s,
+        "encoder_to_dit_s": dit_s,
+        "dit_to_encoder_s": statistics.median(to_encoder),
+        "dit_bytes": model_bytes,
+        "encoder_bytes": encoder_bytes,
+        "dit_floor_s": floor,
+        "ratio_to_floor": dit_s / floor,
+        "target_ratio": 1.1,
+        "meets_target": dit_s <= 1.1 * floor,
+    }
+    print(f"[model-level] encoder→DiT {dit_s:.3f} s for {_gib(model_bytes)} (floor {floor:.3f} s)", flush=True)
+    return result
+
+
+def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, bandwidth: float) -> dict:
+    from diffusers_omni import OffloadConfig, apply_offload
+
+    print(f"== {name}: building", flush=True)
+    start = time.perf_counter()
+    model, model_bytes = build_model(name, args.smoke)
+    build_s = time.perf_counter() - start
+    inputs = make_inputs(name, model, device, args.smoke)
+    print(f"== {name}: {_gib(model_bytes)} of bf16 parameters built in {build_s:.1f} s", flush=True)
+    variants: list[dict] = []
+    use_stream = device.type == "cuda"
+
+    def omni(budget: str | None):
+        def setup():
+            return apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory=budget))
+        return setup
+
+    def omni_teardown(backend):
+        backend.disable()
+
+    variants.append(run_variant("omni layerwise", omni(None), omni_teardown, model, inputs, device, args))
+    if name in args.budget_models:
+        variants.append(run_variant(f"omni layerwise {args.budget}", omni(args.budget), omni_teardown, model,
+                                    inputs, device, args))
+    switch = measure_model_level_switch(model, model_bytes, device, bandwidth, args) if not args.skip_model_level else None
+
+    for record_stream in ((False, True) if use_stream else (False,)):
+        def diffusers_setup(record_stream=record_stream):
+            model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                                       offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream,
+                                       record_stream=record_stream)
+            return None
+
+        label = f"diffusers group_offload record_stream={record_stream}"
+        variants.append(run_variant(label, diffusers_setup, lambda _: remove_group_offload(model), model, inputs,
+                                    device, args))
+
+    def resident_setup():
+        model.to(device)
+        return None
+
+    variants.append(run_variant("resident", resident_setup, lambda _: model.to("cpu"), model, inputs, device, args))
+    resident_step = variants[-1]["step_s"]
+    diffusers_peaks = [v["peak_device_bytes"] for v in variants if v["variant"].startswith("diffusers")]
+    for variant in variants:
+        if "streamed_bytes" not in variant:
+            continue
+        floor = variant["streamed_bytes"] / bandwidth
+        target = TARGET_FACTOR * max(resident_step, floor)
+        variant.update({
+            "stream_floor_s": floor,
+            "target_step_s": target,
+            "meets_step_target": variant["step_s"] <= target,
+            "meets_peak_target": None if variant["peak_device_bytes"] is None or not diffusers_peaks
+            else variant["peak_device_bytes"] <= min(diffusers_peaks),
+            "meets_setup_target": variant["setup_s"] <= 10 * model_bytes / (22.17 * GiB),
+            "meets_rss_target": None if not variant["host_rss_peak_setup"]
+            else variant["host_rss_peak_setup"] <= 1.1 * model_bytes + variant["host_rss_before"] - model_bytes,
+        })
+    del model
+    free_memory(device)
+    return {"model": name, "param_bytes": model_bytes, "build_s": build_s, "variants": variants,
+            "model_level_switch": switch}
+
+
+# Reports --------------------------------------------------------------------------------------------------------
+
+
+def _gib(nbytes: float | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / GiB:.2f} GiB"
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [
+        "# Offload benchmark",
+        "",
+        f"{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}; pinned host→device "
+        f"{report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (4 GiB copy, same process). Median of "
+        f"{report['args']['repeats']} steps after {report['args']['warmup']} warm-up, one transformer forward under "
+        "inference_mode. Targets: step ≤ 1.05 × max(resident, streamed bytes ÷ bandwidth); peak ≤ Diffusers'; "
+        "setup ≤ 10 s per 22.17 GiB; host RSS growth ≤ 0.1 × model.",
+        "",
+    ]
+    for entry in report["models"]:
+        lines += [
+            f"## {entry['model']} ({_gib(entry['param_bytes'])} bf16)",
+            "",
+            "| Variant | Step (s) | Target (s) | Peak device | Setup (s) | Host RSS peak in setup | Streamed | Meets |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for v in entry["variants"]:
+            meets = [v.get(k) for k in ("meets_step_target", "meets_peak_target", "meets_setup_target",
+                                        "meets_rss_target") if k in v]
+            verdict = "n/a" if not meets else ("yes" if all(m is not False for m in meets) else "NO: " + ", ".join(
+                k.split("_")[1] for k in ("meets_step_target", "meets_peak_target", "meets_setup_target",
+                                          "meets_rss_target") if v.get(k) is False))
+            lines.append(
+                f"| {v['variant']} | {_fmt(v['step_s'])} | {_fmt(v.get('target_step_s'))} | "
+                f"{_gib(v['peak_device_bytes'])} | {_fmt(v['setup_s'], '.1f')} | {_gib(v['host_rss_peak_setup'])} | "
+                f"{_gib(v.get('streamed_bytes'))} | {verdict} |"
+            )
+        switch = entry.get("model_level_switch")
+        if switch:
+            lines += [
+                "",
+                f"Model-level switch: encoder→DiT {switch['encoder_to_dit_s']:.3f} s for {_gib(switch['dit_bytes'])} "
+                f"(bytes ÷ bandwidth {switch['dit_floor_s']:.3f} s, ratio {switch['ratio_to_floor']:.2f}, target ≤ "
+                f"1.10: {_fmt(switch['meets_target'])}); DiT→encoder {switch['dit_to_encoder_s']:.3f} s for "
+                f"{_gib(switch['encoder_bytes'])}.",
+            ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed; no chart", flush=True)
+        return
+    models = report["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, entry in zip(axes[0], models):
+        labels = [v["variant"].replace("diffusers group_offload ", "diffusers\n").replace("omni ", "omni\n")
+                  for v in entry["variants"]]
+        steps = [v["step_s"] for v in entry["variants"]]
+        colors = ["tab:green" if v["variant"].startswith("omni") else "tab:gray" for v in entry["variants"]]
+        ax.bar(range(len(steps)), steps, color=colors)
+        for i, v in enumerate(entry["variants"]):
+            if "target_step_s" in v:
+                ax.hlines(v["target_step_s"], i - 0.4, i + 0.4, colors="tab:red", linestyles="--")
+            peak = v["peak_device_bytes"]
+            ax.text(i, steps[i], f"{steps[i]:.3f}s\n{_gib(peak)}", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(steps)), labels, fontsize=7)
+        ax.set_ylabel("seconds per transformer forward")
+        ax.set_title(f"{entry['model']} ({_gib(entry['param_bytes'])}); red: target")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def environment(device: torch.device) -> dict:
+    import diffusers
+
+    return {
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="flux,wan", help="comma-separated: flux, wan")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (checks the script, not speed)")
+    parser.add_argument("--out", default=None, help="output prefix (default benchmarks/results/offload_<device>)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget", default="12GiB", help="max_device_memory for the budgeted layerwise run")
+    parser.add_argument("--budget-models", default="flux", help="models that also run the budgeted variant")
+    parser.add_argument("--bandwidth-bytes", type=int, default=4 * GiB)
+    parser.add_argument("--encoder-bytes", type=int, default=4 * GiB, help="synthetic encoder for the switch test")
+    parser.add_argument("--switch-repeats", type=int, default=3)
+    parser.add_argument("--skip-model-level", action="store_true")
+    args = parser.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(args.models) - {"flux", "wan"})
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; allowed: flux, wan")
+    args.budget_models = [m.strip() for m in args.budget_models.split(",") if m.strip()]
+    if args.smoke:
+        args.warmup, args.repeats = 1, 2
+        args.bandwidth_bytes = min(args.bandwidth_bytes, 64 * 2**20)
+        args.encoder_bytes = min(args.encoder_bytes, 4 * 2**20)
+        args.switch_repeats = 2
+        if args.budget == "12GiB":
+            args.budget = "300KiB"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    out = Path(args.out or f"benchmarks/results/offload_{'smoke' if args.smoke else 'h200'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"measuring host→device bandwidth ({_gib(args.bandwidth_bytes)})", flush=True)
+    bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
+    print(f"bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    report = {"environment": environment(device), "args": vars(args), "bandwidth_bytes_per_s": bandwidth,
+              "models": []}
+    for name in args.models:
+        report["models"].append(benchmark_model(name, args, device, bandwidth))
+        # Write after every model so a later failure keeps what was measured.
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    out.with_suffix(".md").write_text(markdown(report))
+    chart(report, out.with_suffix(".png"))
+    print()
+    print(f"{'model':6} {'variant':44} {'step s':>8} {'target':>8} {'peak':>10} {'setup s':>8}")
+    for entry in report["models"]:
+        for v in entry["variants"]:
+            print(f"{entry['model']:6} {v['variant']:44} {v['step_s']:8.3f} {_fmt(v.get('target_step_s')):>8} "
+                  f"{_gib(v['peak_device_bytes']):>10} {v['setup_s']:8.1f}")
+    print(f"wrote {out.with_suffix('.json')}, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
