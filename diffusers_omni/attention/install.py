@@ -12,7 +12,7 @@ import torch.nn as nn
 from ..config.attention import AttentionConfig
 from .backends.base import AttentionBackend, AttentionCall
 from .platform import Platform, current_platform
-from .processors import RoleAttention, is_omni_processor
+from .processors import MaskPolicy, RoleAttention, is_omni_processor
 from .registry import get_backend_class
 from .selector import Resolution, resolve
 
@@ -30,6 +30,8 @@ class _InstalledAttention:
     config: AttentionConfig
     originals: dict[str, Any]
     report: list[dict]
+    installed: list[tuple[nn.Module, Any]]
+    guard: Any = None
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype | None:
@@ -109,28 +111,57 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
     """
     config = AttentionConfig.parse(config)
     declaration, plan = plan_attention(model, config)
-    state = getattr(model, _STATE_ATTR, None)
-    originals = dict(state.originals) if state else {}
+    previous = getattr(model, _STATE_ATTR, None)
+    originals = {}
     processors = {}
     backends: dict[tuple, AttentionBackend] = {}
+    mask_policy = MaskPolicy()
     for site, resolutions in plan:
         attend = {}
         for role, resolution in resolutions.items():
             key = (resolution.backend, resolution.spec)
             if key not in backends:
                 backends[key] = get_backend_class(resolution.backend)(resolution.spec)
-            attend[role] = RoleAttention(resolution, backends[key])
-        original = originals.get(site.name, site.module.processor)
+            attend[role] = RoleAttention(resolution, backends[key], mask_policy)
+        current = site.module.processor
+        original = current.original if is_omni_processor(current) else current
         processors[site.name] = (site, declaration.make_processor(site, original, attend), original)
 
-    report = []
+    report, installed = [], []
     for name, (site, processor, original) in processors.items():
         originals[name] = original
         site.module.set_processor(processor)
+        installed.append((site.module, processor))
         for role in site.roles:
             report.append(_report_entry(name, role, processor.attend[role.role].resolution))
-    setattr(model, _STATE_ATTR, _InstalledAttention(config, originals, report))
+    if previous is not None and previous.guard is not None:
+        previous.guard.remove()
+    state = _InstalledAttention(config, originals, report, installed)
+    state.guard = model.register_forward_pre_hook(_keep_applied)
+    setattr(model, _STATE_ATTR, state)
     return [dict(entry) for entry in report]
+
+
+def _keep_applied(model: nn.Module, args) -> None:
+    """Re-apply omni attention when Diffusers swapped processors since the last call (IP-adapter or LoRA
+    loading, PAG, …); raises naming the module when the new processor cannot be replaced."""
+    if torch.compiler.is_compiling():
+        return
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return
+    for module, processor in state.installed:
+        if module.processor is not processor:
+            break
+    else:
+        return
+    swapped = [
+        f"{name}: {type(module.processor).__name__}"
+        for name, module in model.named_modules()
+        if name in state.originals and not is_omni_processor(getattr(module, "processor", None))
+    ]
+    logger.info("Diffusers replaced attention processors (%s); re-applying omni attention", ", ".join(swapped[:3]))
+    apply_attention(model, state.config)
 
 
 def _report_entry(module: str, role, resolution: Resolution) -> dict:
@@ -148,6 +179,8 @@ def remove_attention(model: nn.Module) -> bool:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         return False
+    if state.guard is not None:
+        state.guard.remove()
     modules = dict(model.named_modules())
     for name, original in state.originals.items():
         module = modules.get(name)

@@ -17,14 +17,38 @@ from .backends.base import AttentionBackend
 from .selector import Resolution
 
 
+class MaskPolicy:
+    """Drops all-True masks before dispatch, deciding once per mask tensor.
+
+    Models build one mask per forward and pass the same tensor to every block, so remembering the last mask seen
+    costs one device-to-host read per forward instead of one per layer. One policy is shared by every processor
+    of a model.
+    """
+
+    __slots__ = ("_last", "_keep")
+
+    def __init__(self) -> None:
+        self._last: torch.Tensor | None = None
+        self._keep = True
+
+    def apply(self, attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+        if attn_mask is None or attn_mask.dtype != torch.bool or torch.compiler.is_compiling():
+            return attn_mask
+        if attn_mask is not self._last:
+            self._last = attn_mask
+            self._keep = not bool(attn_mask.all())
+        return attn_mask if self._keep else None
+
+
 class RoleAttention:
     """Attention for one role: a resolved backend, called with ``[B, S, H, D]`` tensors."""
 
-    __slots__ = ("resolution", "backend")
+    __slots__ = ("resolution", "backend", "mask_policy")
 
-    def __init__(self, resolution: Resolution, backend: AttentionBackend) -> None:
+    def __init__(self, resolution: Resolution, backend: AttentionBackend, mask_policy: MaskPolicy | None = None) -> None:
         self.resolution = resolution
         self.backend = backend
+        self.mask_policy = mask_policy or MaskPolicy()
 
     @property
     def role(self) -> str:
@@ -41,6 +65,14 @@ class RoleAttention:
         scale: float | None = None,
         enable_gqa: bool = False,
     ) -> torch.Tensor:
+        if attn_mask is not None:
+            attn_mask = self.mask_policy.apply(attn_mask)
+            if attn_mask is not None and not self.backend.supports_mask:
+                raise ValueError(
+                    f"attention role {self.role!r} received an attention mask, but its backend "
+                    f"{self.resolution.backend} accepts none (the model declared this role unmasked); select a "
+                    "mask-capable backend for this role, e.g. TORCH_SDPA"
+                )
         return self.backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def __repr__(self) -> str:

@@ -124,3 +124,70 @@ def test_block_compiles_fullgraph(transformer):
         compiled = torch.compile(block, fullgraph=True, backend="eager")(hidden, text, temb, image_rotary_emb=rope)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_processors_swapped_by_diffusers_are_replaced_again_on_the_next_call(transformer, caplog):
+    inputs = flux_inputs()
+    apply_attention(transformer, "TORCH_SDPA")
+    with torch.no_grad():
+        expected = transformer(**inputs).sample
+    transformer.set_attn_processor(FluxAttnProcessor())  # what Diffusers' loaders do
+    assert not is_omni_processor(transformer.transformer_blocks[0].attn.processor)
+    with torch.no_grad(), caplog.at_level("INFO", logger="diffusers_omni.attention"):
+        assert torch.equal(transformer(**inputs).sample, expected)
+    assert all(is_omni_processor(m.processor) for m in attention_modules(transformer).values())
+    assert "re-applying omni attention" in caplog.text
+    remove_attention(transformer)
+    assert all(isinstance(m.processor, FluxAttnProcessor) for m in attention_modules(transformer).values())
+
+
+def test_a_swapped_processor_that_cannot_be_replaced_raises_on_the_next_call(transformer):
+    apply_attention(transformer, "TORCH_SDPA")
+    transformer.single_transformer_blocks[0].attn.set_processor(object())
+    with pytest.raises(TypeError, match="'single_transformer_blocks.0.attn' uses processor object"):
+        with torch.no_grad():
+            transformer(**flux_inputs())
+
+
+def test_all_true_masks_are_dropped_and_other_masks_reach_the_backend(transformer, monkeypatch):
+    from diffusers_omni.attention.backends import sdpa
+
+    seen = []
+    original = sdpa.sdpa_bshd
+    monkeypatch.setattr(sdpa, "sdpa_bshd", lambda *a, **k: seen.append(a[3]) or original(*a, **k))
+    apply_attention(transformer, "TORCH_SDPA")
+    inputs = flux_inputs()
+    with torch.no_grad():
+        no_mask = transformer(**inputs).sample
+        full = torch.ones(1, 24, dtype=torch.bool)
+        assert torch.equal(transformer(**inputs, joint_attention_kwargs={"attention_mask": full}).sample, no_mask)
+        assert all(mask is None for mask in seen)
+        partial = full.clone()
+        partial[0, :4] = False
+        seen.clear()
+        masked = transformer(**inputs, joint_attention_kwargs={"attention_mask": partial}).sample
+    assert all(mask is partial for mask in seen) and len(seen) == 2
+    assert not torch.equal(masked, no_mask)
+
+
+def test_a_mask_reaching_a_maskless_backend_raises(transformer):
+    from diffusers_omni.attention.backends.base import AttentionBackend
+    from diffusers_omni.attention.registry import register_backend, reset_backend
+
+    class NoMask(AttentionBackend):
+        name = "NOMASK_TEST"
+        devices = frozenset({"cpu"})
+
+        def __call__(self, q, k, v, attn_mask=None, *args):
+            return q
+
+    register_backend("NOMASK_TEST", NoMask)
+    try:
+        apply_attention(transformer, "NOMASK_TEST")
+        partial = torch.ones(1, 24, dtype=torch.bool)
+        partial[0, 0] = False
+        with pytest.raises(ValueError, match="role 'flux.joint' received an attention mask.*NOMASK_TEST accepts none"):
+            with torch.no_grad():
+                transformer(**flux_inputs(), joint_attention_kwargs={"attention_mask": partial})
+    finally:
+        reset_backend("NOMASK_TEST")
