@@ -41,6 +41,8 @@ class TransformerDeclaration:
 
     Args:
         name: short family name used in role prefixes (``"flux"``).
+        display_name: the architecture as users know it (``"FLUX.1"``), for the supported-models table.
+        example_checkpoint: a hub id of a real checkpoint of this architecture.
         class_names: Diffusers class names this declaration covers.
         blocks_attrs: attributes holding the repeated blocks, in execution order (layerwise offload units).
         find_sites: ``(model) -> list[AttentionSite]`` for every attention module in the model.
@@ -56,6 +58,8 @@ class TransformerDeclaration:
     make_processor: Callable[[AttentionSite, Any, dict[str, RoleAttention]], OmniAttnProcessor]
     mask_free: bool = True
     roles: tuple[AttentionRole, ...] = field(default=())
+    display_name: str = ""
+    example_checkpoint: str = ""
 
 
 _DECLARATIONS: dict[str, TransformerDeclaration] = {}
@@ -97,6 +101,12 @@ def declaration_for(model: nn.Module) -> TransformerDeclaration | None:
 def supported_transformers() -> list[str]:
     _ensure_builtin_declarations()
     return sorted(_DECLARATIONS)
+
+
+def declarations() -> list[TransformerDeclaration]:
+    """Every registered declaration once, in registration order."""
+    _ensure_builtin_declarations()
+    return list(dict.fromkeys(_DECLARATIONS.values()))
 
 
 def blocks_attrs_for(model: nn.Module) -> tuple[str, ...]:

@@ -91,6 +91,8 @@ FLUX = register_transformer(
         find_sites=_find_sites,
         make_processor=_make_processor,
         mask_free=True,
+        display_name="FLUX.1",
+        example_checkpoint="black-forest-labs/FLUX.1-dev",
         roles=(JOINT, SINGLE),
     )
 )

@@ -109,6 +109,8 @@ WAN = register_transformer(
         find_sites=_find_sites,
         make_processor=_make_processor,
         mask_free=True,
+        display_name="Wan 2.1 / 2.2",
+        example_checkpoint="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
         roles=(WAN_SELF, WAN_CROSS, WAN_IMAGE_CROSS),
     )
 )

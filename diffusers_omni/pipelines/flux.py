@@ -8,6 +8,7 @@ from .mixin import OmniPipelineMixin
 
 
 class FluxComponents:
+    _omni_family = "flux"
     _dit_modules = ("transformer",)
     _encoder_modules = ("text_encoder", "text_encoder_2")
     _vae_modules = ("vae",)

@@ -41,6 +41,7 @@ class OmniPipelineMixin:
     Subclasses declare their components; the DiTs listed in ``_dit_modules`` get omni attention.
     """
 
+    _omni_family: ClassVar[str] = ""
     _dit_modules: ClassVar[tuple[str, ...]] = ()
     _encoder_modules: ClassVar[tuple[str, ...]] = ()
     _vae_modules: ClassVar[tuple[str, ...]] = ()

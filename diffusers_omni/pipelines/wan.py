@@ -8,6 +8,7 @@ from .mixin import OmniPipelineMixin
 
 
 class WanComponents:
+    _omni_family = "wan"
     _dit_modules = ("transformer", "transformer_2")
     _encoder_modules = ("text_encoder",)
     _vae_modules = ("vae",)
