@@ -1,0 +1,134 @@
+"""Checks every supported architecture must pass, on tiny local pipelines.
+
+A family's test module lists ``ModelCase``s and binds the standard tests:
+
+    CASES = [ModelCase("flux", tiny_flux_pipeline, OmniFluxPipeline, FLUX_CALL, {"flux.joint": "self", ...})]
+    globals().update(standard_tests(CASES))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn as nn
+
+from diffusers_omni import omnify
+from diffusers_omni.attention.processors import is_omni_processor
+from diffusers_omni.models.base import blocks_attrs_for
+from diffusers_omni.pipelines.mixin import SupportsComponentDiscovery
+
+
+def default_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: module for name, module in model.named_modules() if hasattr(module, "set_processor")}
+
+
+@dataclass
+class ModelCase:
+    """One tiny pipeline of a family and what omni attention must find in it."""
+
+    id: str
+    factory: Callable[..., Any]  # factory(pipeline_cls=None) -> pipeline
+    omni_cls: type
+    call: dict
+    roles: dict[str, str]  # every role expected in the report → its category
+    dits: tuple[str, ...] = ("transformer",)
+    attention_modules: Callable[[nn.Module], dict[str, nn.Module]] = default_attention_modules
+    output: Callable[[Any], torch.Tensor] = field(default=None)
+
+    def run(self, pipe) -> torch.Tensor:
+        result = pipe(**self.call, generator=torch.Generator().manual_seed(0))
+        if self.output is not None:
+            return self.output(result)
+        for attr in ("images", "frames", "videos", "audios"):
+            value = getattr(result, attr, None)
+            if isinstance(value, torch.Tensor):
+                return value
+        raise AssertionError(f"no tensor output in {type(result).__name__}; pass output_type='latent' or output=")
+
+
+def check_omnify_report(case: ModelCase) -> None:
+    pipe = omnify(case.factory(), "TORCH_SDPA")
+    assert type(pipe) is case.omni_cls
+    assert isinstance(pipe, SupportsComponentDiscovery)
+    report = pipe.omni_attention_report()
+    expected_modules = {
+        f"{dit}.{name}" for dit in case.dits for name in case.attention_modules(getattr(pipe, dit))
+    }
+    assert {entry["module"] for entry in report} == expected_modules
+    assert {entry["role"]: entry["category"] for entry in report} == case.roles
+    for dit in case.dits:
+        for module in case.attention_modules(getattr(pipe, dit)).values():
+            assert is_omni_processor(module.processor), module
+
+
+def check_bitwise_parity(case: ModelCase) -> None:
+    expected = case.run(case.factory())
+    pipe = omnify(case.factory(), "TORCH_SDPA")
+    assert torch.equal(case.run(pipe), expected)
+    pipe.disable_omni_attention()
+    assert torch.equal(case.run(pipe), expected)
+
+
+def check_role_override(case: ModelCase) -> None:
+    pipe = omnify(case.factory(), {"default": {"backend": "TORCH_SDPA"}, "per_role": {"cross": {"backend": "auto"}}})
+    for entry in pipe.omni_attention_report():
+        if entry["category"] == "cross":
+            assert entry["source"].startswith("per_role['cross'] auto → platform default"), entry
+        else:
+            assert entry["source"] == "default", entry
+    role = sorted(case.roles)[0]
+    report = pipe.enable_omni_attention({"per_role": {role: "TORCH_SDPA"}})
+    assert {e["source"] for e in report if e["role"] == role} == {f"per_role[{role!r}]"}
+
+
+def declared_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    blocks = []
+    for attr in blocks_attrs_for(model):
+        container = model.get_submodule(attr)
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            blocks += [(f"{attr}.{i}", block) for i, block in enumerate(container)]
+        else:
+            blocks.append((attr, container))
+    return blocks
+
+
+def check_blocks_in_forward_order(case: ModelCase) -> None:
+    pipe = omnify(case.factory(), "TORCH_SDPA")
+    for dit in case.dits:
+        model = getattr(pipe, dit)
+        blocks = declared_blocks(model)
+        assert blocks, f"{dit} declares no blocks"
+        seen: list[str] = []
+        handles = [
+            block.register_forward_pre_hook(lambda module, args, name=name: seen.append(name) if name not in seen else None)
+            for name, block in blocks
+        ]
+        try:
+            case.run(pipe)
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert seen == [name for name, _ in blocks], f"{dit}: forward order {seen}"
+
+
+def standard_tests(cases: list[ModelCase]) -> dict[str, Callable]:
+    """Parametrised test functions to bind into a test module's globals."""
+    ids = [case.id for case in cases]
+    checks = {
+        "test_omnify_report_lists_every_attention_module": check_omnify_report,
+        "test_torch_sdpa_bitwise_equal_to_stock_diffusers": check_bitwise_parity,
+        "test_per_role_override_shows_its_source": check_role_override,
+        "test_block_attrs_resolve_in_forward_order": check_blocks_in_forward_order,
+    }
+
+    def bind(name: str, check: Callable[[ModelCase], None]) -> Callable:
+        def test(case: ModelCase) -> None:
+            check(case)
+
+        test.__name__ = name
+        return pytest.mark.parametrize("case", cases, ids=ids)(test)
+
+    return {name: bind(name, check) for name, check in checks.items()}
