@@ -32,6 +32,7 @@ _LAZY = {
     "OmniFluxPipeline": "diffusers_omni.pipelines.flux",
     "OmniWanPipeline": "diffusers_omni.pipelines.wan",
     "OmniWanImageToVideoPipeline": "diffusers_omni.pipelines.wan",
+    "OmniWanVideoToVideoPipeline": "diffusers_omni.pipelines.wan",
     "OffloadConfig": "diffusers_omni.config.offload",
     "OffloadStrategy": "diffusers_omni.config.offload",
     "OffloadPlan": "diffusers_omni.config.offload",
@@ -74,4 +75,4 @@ if TYPE_CHECKING:
     from .pipelines.flux import OmniFluxPipeline
     from .pipelines.mixin import OmniPipelineMixin, SupportsComponentDiscovery
     from .pipelines.registry import omnify
-    from .pipelines.wan import OmniWanImageToVideoPipeline, OmniWanPipeline
+    from .pipelines.wan import OmniWanImageToVideoPipeline, OmniWanPipeline, OmniWanVideoToVideoPipeline

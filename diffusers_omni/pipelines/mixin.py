@@ -123,7 +123,12 @@ class OmniPipelineMixin:
                 "first"
             )
         backend = get_offload_backend(config)
-        if backend is not None:
+        delegate = getattr(self, "enable_omni_model_cpu_offload", None)
+        if backend is not None and backend.strategy.value == "model_level" and delegate is not None:
+            # Split models (one module serving as DiT and encoder, e.g. Cosmos3) know their own swap points.
+            logger.info("%s handles model-level offload itself (enable_omni_model_cpu_offload)", type(self).__name__)
+            backend = delegate(backend.config)
+        elif backend is not None:
             backend.enable(self)
         self.__dict__["_omni_offload_backend"] = backend
         return backend

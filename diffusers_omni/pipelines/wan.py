@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffusers import WanImageToVideoPipeline, WanPipeline
+from diffusers import WanImageToVideoPipeline, WanPipeline, WanVideoToVideoPipeline
 
 from .mixin import OmniPipelineMixin
 
@@ -23,3 +23,7 @@ class OmniWanImageToVideoPipeline(WanComponents, OmniPipelineMixin, WanImageToVi
     """``WanImageToVideoPipeline`` with omni attention and offload; the image encoder is an encoder too."""
 
     _encoder_modules = ("text_encoder", "image_encoder")
+
+
+class OmniWanVideoToVideoPipeline(WanComponents, OmniPipelineMixin, WanVideoToVideoPipeline):
+    """``WanVideoToVideoPipeline`` with omni attention and offload."""
