@@ -1,0 +1,206 @@
+"""SDXL (``UNet2DConditionModel``): ``attn1`` self-attention and ``attn2`` text cross-attention in every
+transformer layer of the down, mid and up blocks.
+
+Diffusers' legacy ``AttnProcessor2_0`` calls ``F.scaled_dot_product_attention`` on ``[B, H, S, D]`` tensors; the
+omni processors build the same tensors in the same order and hand their ``[B, S, H, D]`` transposes to the
+backend, so ``TORCH_SDPA`` runs the very same SDPA call. Roles: ``sdxl.self`` (``attn1``) and ``sdxl.cross``
+(``attn2``, 77 CLIP tokens). SDXL pipelines pass no attention mask; a mask given to the UNet
+(``encoder_attention_mask``) still reaches the backend, and a backend that takes none raises.
+
+Perturbed-Attention Guidance (``StableDiffusionXLPAGPipeline``) puts ``PAGIdentitySelfAttnProcessor2_0`` (or its
+CFG variant) on the chosen self-attention modules during a call; omni attention replaces those too (original path
+through ``sdxl.self``, the perturbed path makes no attention call: identity attention is the value projection).
+
+Blocks, in execution order: ``down_blocks``, ``mid_block``, ``up_blocks``. The mid block is a streamed unit of its
+own rather than resident: in SDXL it holds ten transformer layers at the widest channel count (about a tenth of
+the UNet's weights), and the offload planner can still keep it resident when the memory budget allows. The stem
+and head (``conv_in``, time and added-condition embeddings, ``conv_norm_out``, ``conv_out``) stay resident.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from diffusers.models.attention_processor import (
+    Attention,
+    AttnProcessor2_0,
+    PAGCFGIdentitySelfAttnProcessor2_0,
+    PAGIdentitySelfAttnProcessor2_0,
+)
+
+from ..attention.processors import OmniAttnProcessor, RoleAttention
+from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
+from .base import unsupported_processor_error
+
+SDXL_SELF = AttentionRole("sdxl.self", SELF)
+SDXL_CROSS = AttentionRole("sdxl.cross", CROSS)
+
+_PAG_PROCESSORS = (PAGIdentitySelfAttnProcessor2_0, PAGCFGIdentitySelfAttnProcessor2_0)
+
+
+def _tokens_last(attn: Attention, hidden_states: torch.Tensor, temb: torch.Tensor | None):
+    """Spatial norm and ``[B, C, H, W]`` → ``[B, H*W, C]``, as Diffusers; returns the spatial shape too."""
+    if attn.spatial_norm is not None:
+        hidden_states = attn.spatial_norm(hidden_states, temb)
+    shape = None
+    if hidden_states.ndim == 4:
+        shape = hidden_states.shape
+        batch_size, channel, height, width = shape
+        hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+    return hidden_states, shape
+
+
+def _spatial(hidden_states: torch.Tensor, shape) -> torch.Tensor:
+    if shape is None:
+        return hidden_states
+    return hidden_states.transpose(-1, -2).reshape(*shape)
+
+
+def _attention(
+    attention: RoleAttention,
+    attn: Attention,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    qk_norm: bool = True,
+) -> tuple[torch.Tensor, torch.dtype]:
+    """The body of ``AttnProcessor2_0`` from the mask preparation to the output projection; returns the output
+    and the query dtype. Diffusers' PAG processors skip the q/k norms (``qk_norm=False``)."""
+    batch_size, sequence_length, _ = (
+        hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+    )
+    if attention_mask is not None:
+        attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+        attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+
+    if attn.group_norm is not None:
+        hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+
+    query = attn.to_q(hidden_states)
+    if encoder_hidden_states is None:
+        encoder_hidden_states = hidden_states
+    elif attn.norm_cross:
+        encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+    key = attn.to_k(encoder_hidden_states)
+    value = attn.to_v(encoder_hidden_states)
+
+    head_dim = key.shape[-1] // attn.heads
+    query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+    key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+    value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+    if qk_norm and attn.norm_q is not None:
+        query = attn.norm_q(query)
+    if qk_norm and attn.norm_k is not None:
+        key = attn.norm_k(key)
+
+    # [B, H, S, D] → [B, S, H, D] views; the backend sees exactly the tensors Diffusers hands to SDPA.
+    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attention_mask)
+    out = out.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
+    return attn.to_out[1](attn.to_out[0](out)), query.dtype
+
+
+class OmniUNetAttnProcessor(OmniAttnProcessor):
+    """``AttnProcessor2_0`` through the backend resolved for the module's role (``sdxl.self`` or
+    ``sdxl.cross``)."""
+
+    def __init__(self, original, attend: dict[str, RoleAttention]) -> None:
+        super().__init__(original, attend)
+        (self._attention,) = attend.values()
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor:
+        # Like Diffusers, the deprecated ``scale`` argument is ignored.
+        residual = hidden_states
+        hidden_states, shape = _tokens_last(attn, hidden_states, temb)
+        hidden_states, _ = _attention(self._attention, attn, hidden_states, encoder_hidden_states, attention_mask)
+        hidden_states = _spatial(hidden_states, shape)
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
+class OmniPAGIdentitySelfAttnProcessor(OmniAttnProcessor):
+    """``PAGIdentitySelfAttnProcessor2_0`` / ``PAGCFGIdentitySelfAttnProcessor2_0`` through the resolved backend.
+
+    The batch is ``[original | perturbed]`` (``[uncond | cond | perturbed]`` with classifier-free guidance); the
+    original half runs self-attention (``sdxl.self``), the perturbed half identity attention (no attention call).
+    """
+
+    def __init__(self, original, attend: dict[str, RoleAttention], cfg: bool) -> None:
+        super().__init__(original, attend)
+        self.cfg = cfg
+        (self._attention,) = attend.values()
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states, shape = _tokens_last(attn, hidden_states, temb)
+        if self.cfg:
+            uncond, org, ptb = hidden_states.chunk(3)
+            org = torch.cat([uncond, org])
+        else:
+            org, ptb = hidden_states.chunk(2)
+
+        # Like Diffusers, the original path ignores encoder_hidden_states: PAG layers are self-attention.
+        out_org, dtype = _attention(self._attention, attn, org, None, attention_mask, qk_norm=False)
+        out_org = _spatial(out_org, None if shape is None else (org.shape[0], *shape[1:]))
+
+        if attn.group_norm is not None:
+            ptb = attn.group_norm(ptb.transpose(1, 2)).transpose(1, 2)
+        ptb = attn.to_v(ptb).to(dtype)
+        ptb = attn.to_out[1](attn.to_out[0](ptb))
+        ptb = _spatial(ptb, None if shape is None else (ptb.shape[0], *shape[1:]))
+
+        hidden_states = torch.cat([out_org, ptb])
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+        return hidden_states / attn.rescale_output_factor
+
+
+def _find_sites(model: nn.Module) -> list[AttentionSite]:
+    sites = []
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            role = SDXL_CROSS if module.is_cross_attention else SDXL_SELF
+            sites.append(AttentionSite(name, module, (role,), head_dim_of(module)))
+    return sites
+
+
+def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniAttnProcessor:
+    if isinstance(original, OmniAttnProcessor):
+        original = original.original
+    if isinstance(original, _PAG_PROCESSORS):
+        cfg = isinstance(original, PAGCFGIdentitySelfAttnProcessor2_0)
+        return OmniPAGIdentitySelfAttnProcessor(original, attend, cfg=cfg)
+    if not isinstance(original, AttnProcessor2_0):
+        raise unsupported_processor_error(site, original, (AttnProcessor2_0, *_PAG_PROCESSORS))
+    return OmniUNetAttnProcessor(original, attend)
+
+
+SDXL = register_transformer(
+    TransformerDeclaration(
+        name="sdxl",
+        class_names=("UNet2DConditionModel",),
+        blocks_attrs=("down_blocks", "mid_block", "up_blocks"),
+        find_sites=_find_sites,
+        make_processor=_make_processor,
+        mask_free=True,
+        display_name="Stable Diffusion XL",
+        example_checkpoint="stabilityai/stable-diffusion-xl-base-1.0",
+        roles=(SDXL_SELF, SDXL_CROSS),
+    )
+)

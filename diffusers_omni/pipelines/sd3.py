@@ -1,0 +1,99 @@
+"""Omni Stable Diffusion 3 / 3.5 pipelines, including Perturbed-Attention Guidance (PAG).
+
+ControlNet pipelines (``StableDiffusion3ControlNetPipeline``, ``StableDiffusion3ControlNetInpaintingPipeline``)
+add a ``SD3ControlNetModel`` and are not covered; modular pipelines neither.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffusers import (
+    StableDiffusion3Img2ImgPipeline,
+    StableDiffusion3InpaintPipeline,
+    StableDiffusion3PAGImg2ImgPipeline,
+    StableDiffusion3PAGPipeline,
+    StableDiffusion3Pipeline,
+)
+
+from ..attention import install
+from ..attention.install import apply_attention, plan_attention
+from .mixin import OmniPipelineMixin
+
+
+class SD3Components:
+    _omni_family = "sd3"
+    _dit_modules = ("transformer",)
+    _encoder_modules = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
+    _vae_modules = ("vae",)
+    _resident_modules = ()
+
+
+class OmniPAGMixin:
+    """Keeps omni attention applied through Diffusers' PAG processor swaps.
+
+    A PAG pipeline call saves the DiT's processors, installs PAG processors on ``pag_applied_layers``, runs the
+    denoising loop and puts the saved processors back. Omni attention follows along: the DiT's forward pre-hook
+    replaces the PAG processors with omni PAG processors (the family declaration knows them), and after the call
+    omni attention is re-applied so that its bookkeeping again refers to the processors Diffusers restored. The
+    roles PAG will use are resolved when omni attention is enabled, so a backend that cannot run them fails then.
+
+    ``from_pipe`` carries ``pag_applied_layers`` over (Diffusers would reset it to the pipeline's default).
+    """
+
+    @classmethod
+    def from_pipe(cls, pipeline, **kwargs):
+        layers = getattr(pipeline, "pag_applied_layers", None)
+        if layers is not None and "pag_applied_layers" not in kwargs:
+            kwargs["pag_applied_layers"] = list(layers)
+        return super().from_pipe(pipeline, **kwargs)
+
+    def enable_omni_attention(self, config: Any = None) -> list[dict]:
+        self._plan_pag_attention(config)
+        return super().enable_omni_attention(config)
+
+    def _plan_pag_attention(self, config: Any) -> None:
+        if not getattr(self, "pag_applied_layers", None) or getattr(self, "_pag_attn_processors", None) is None:
+            return
+        model = self.unet if hasattr(self, "unet") else self.transformer
+        saved = model.attn_processors
+        try:
+            for do_classifier_free_guidance in (True, False):
+                self._set_pag_attn_processor(self.pag_applied_layers, do_classifier_free_guidance)
+                plan_attention(model, config)
+        finally:
+            model.set_attn_processor(saved)
+
+    def __call__(self, *args, **kwargs):
+        # Diffusers restores the saved processors only when the call succeeds; restore them on failure too.
+        saved = {path: model.attn_processors for path, model in self.omni_dits().items()}
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            for path, model in self.omni_dits().items():
+                model.set_attn_processor(saved[path])
+                state = getattr(model, install._STATE_ATTR, None)
+                if state is not None:
+                    apply_attention(model, state.config)
+
+
+class OmniStableDiffusion3Pipeline(SD3Components, OmniPipelineMixin, StableDiffusion3Pipeline):
+    """``StableDiffusion3Pipeline`` with omni attention and offload."""
+
+
+class OmniStableDiffusion3Img2ImgPipeline(SD3Components, OmniPipelineMixin, StableDiffusion3Img2ImgPipeline):
+    """``StableDiffusion3Img2ImgPipeline`` with omni attention and offload."""
+
+
+class OmniStableDiffusion3InpaintPipeline(SD3Components, OmniPipelineMixin, StableDiffusion3InpaintPipeline):
+    """``StableDiffusion3InpaintPipeline`` with omni attention and offload."""
+
+
+class OmniStableDiffusion3PAGPipeline(SD3Components, OmniPAGMixin, OmniPipelineMixin, StableDiffusion3PAGPipeline):
+    """``StableDiffusion3PAGPipeline`` with omni attention (PAG layers included) and offload."""
+
+
+class OmniStableDiffusion3PAGImg2ImgPipeline(
+    SD3Components, OmniPAGMixin, OmniPipelineMixin, StableDiffusion3PAGImg2ImgPipeline
+):
+    """``StableDiffusion3PAGImg2ImgPipeline`` with omni attention (PAG layers included) and offload."""

@@ -1,0 +1,118 @@
+"""Tiny, randomly initialised, fully local Stable Diffusion 3 / 3.5 pipelines for fast CPU tests.
+
+The default transformer is SD3.5-Medium-like: RMS q/k norms and a dual-attention first block (image-only
+``attn2``), three blocks so that a PAG layer (``"blocks.1"``) lands on an ordinary joint block; pass
+``sd35_medium=False`` for an SD3-Medium-like one. Both CLIP text encoders and the T5 encoder are included.
+
+Call kwargs that keep the pipelines fast: ``height``/``width`` multiples of 4 (e.g. 32), a short
+``max_sequence_length`` (e.g. 16), ``num_inference_steps=2``. Pass ``pipeline_cls`` (any SD3 pipeline, Img2Img,
+Inpaint, PAG, or an Omni subclass) and extra init kwargs (e.g. ``pag_applied_layers``) to build it from the same
+components. Equal seeds give identical weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from diffusers import AutoencoderKL, DiffusionPipeline, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+from diffusers import StableDiffusion3Pipeline
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+
+from .tiny import _build_model, _t5_config_kwargs, tiny_clip_tokenizer, tiny_t5_tokenizer
+
+__all__ = ["tiny_sd3_components", "tiny_sd3_pipeline"]
+
+_CLIP_DIM = 32
+_JOINT_DIM = 2 * _CLIP_DIM  # both CLIP hidden states side by side, padded to the T5 width
+_LATENT_CHANNELS = 4
+
+
+def _clip_with_projection(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=_CLIP_DIM,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        projection_dim=_CLIP_DIM,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModelWithProjection(config)
+
+
+def _t5_text_encoder(tokenizer: T5Tokenizer) -> T5EncoderModel:
+    # SD3 pads the CLIP hidden states to the T5 width, so T5 must be at least as wide as both CLIPs together.
+    return T5EncoderModel(T5Config(**{**_t5_config_kwargs(tokenizer), "d_model": _JOINT_DIM}))
+
+
+def _vae() -> AutoencoderKL:
+    return AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(4, 8),
+        layers_per_block=1,
+        latent_channels=_LATENT_CHANNELS,
+        norm_num_groups=4,
+        sample_size=32,
+        scaling_factor=1.5305,
+        shift_factor=0.0609,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def _transformer(sd35_medium: bool) -> SD3Transformer2DModel:
+    return SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=_LATENT_CHANNELS,
+        num_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=_JOINT_DIM,
+        caption_projection_dim=16,
+        pooled_projection_dim=2 * _CLIP_DIM,
+        out_channels=_LATENT_CHANNELS,
+        pos_embed_max_size=16,
+        qk_norm="rms_norm" if sd35_medium else None,
+        dual_attention_layers=(0,) if sd35_medium else (),
+    )
+
+
+def tiny_sd3_components(seed: int = 0, sd35_medium: bool = True) -> dict[str, Any]:
+    """Components for a tiny ``StableDiffusion3Pipeline`` (SD3.5-Medium-like unless ``sd35_medium=False``)."""
+    tokenizer = tiny_clip_tokenizer()
+    tokenizer_2 = tiny_clip_tokenizer()
+    tokenizer_3 = tiny_t5_tokenizer()
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
+        "vae": _build_model(seed, _vae),
+        "text_encoder": _build_model(seed, lambda: _clip_with_projection(tokenizer)),
+        "tokenizer": tokenizer,
+        "text_encoder_2": _build_model(seed + 1, lambda: _clip_with_projection(tokenizer_2)),
+        "tokenizer_2": tokenizer_2,
+        "text_encoder_3": _build_model(seed, lambda: _t5_text_encoder(tokenizer_3)),
+        "tokenizer_3": tokenizer_3,
+        "transformer": _build_model(seed, lambda: _transformer(sd35_medium)),
+        "image_encoder": None,
+        "feature_extractor": None,
+    }
+
+
+def tiny_sd3_pipeline(
+    seed: int = 0,
+    pipeline_cls: type[DiffusionPipeline] | None = None,
+    *,
+    sd35_medium: bool = True,
+    **pipeline_kwargs: Any,
+) -> DiffusionPipeline:
+    """Tiny ``StableDiffusion3Pipeline`` (or ``pipeline_cls``) built from :func:`tiny_sd3_components`."""
+    pipeline_cls = pipeline_cls or StableDiffusion3Pipeline
+    accepted = inspect.signature(pipeline_cls.__init__).parameters
+    # PAG and ControlNet pipelines take no IP-adapter image encoder.
+    components = {k: v for k, v in tiny_sd3_components(seed, sd35_medium=sd35_medium).items() if k in accepted}
+    return pipeline_cls(**components, **pipeline_kwargs)
