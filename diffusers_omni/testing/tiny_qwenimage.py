@@ -7,8 +7,9 @@ padding mask can be exercised. The Edit pipelines get a ``Qwen2VLProcessor`` bui
 PIL image processor with small pixel bounds.
 
 Call kwargs that keep them fast: ``height``/``width`` multiples of 8 (e.g. 32), ``num_inference_steps=2``,
-``output_type="latent"``. The Edit pipelines resize the input image to about 1024x1024 pixels before encoding it
-(hard-coded in Diffusers), so they cost a few seconds on CPU even with these weights.
+``output_type="latent"``. The Edit pipelines resize the input image to about 1024x1024 pixels before VAE-encoding
+it (hard-coded in Diffusers), which gives the transformer some 16k condition tokens: they build, but running them
+takes minutes on CPU even with these weights.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def tiny_qwen2_5_vl_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForCond
             "num_attention_heads": 2,
             "num_key_value_heads": 2,
             "vocab_size": len(tokenizer),
+            "bos_token_id": None,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
             "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
             "rope_theta": 1000000.0,
         },
@@ -94,6 +98,9 @@ def tiny_qwen2_5_vl_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForCond
         },
         hidden_size=_TEXT_DIM,
         vocab_size=len(tokenizer),
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         image_token_id=ids("<|image_pad|>"),
         video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"),
@@ -102,18 +109,32 @@ def tiny_qwen2_5_vl_text_encoder(tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLForCond
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
+class _ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    """``Qwen2VLProcessor`` without a video processor.
+
+    Transformers checks every processor attribute's class on construction, and the video processor classes need
+    torchvision; the Edit pipelines never process video, so ``video_processor=None`` is accepted here.
+    """
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument is None and argument_name == "video_processor":
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
 def _qwen_processor(tokenizer: Qwen2Tokenizer) -> Qwen2VLProcessor:
     from transformers import Qwen2VLImageProcessorPil
 
+    # One 56x56 image → 4x4 patches of 14 px → 4 vision tokens after the 2x2 merge.
     image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
-    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=_CHAT_TEMPLATE)
+    return _ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=_CHAT_TEMPLATE)
 
 
 def _qwen_vae() -> AutoencoderKLQwenImage:
     return AutoencoderKLQwenImage(
         base_dim=8,
         z_dim=_Z_DIM,
-        dim_mult=[1, 2],
+        dim_mult=[1, 2, 2],
         num_res_blocks=1,
         temperal_downsample=[False, True],
         latents_mean=[0.0] * _Z_DIM,
