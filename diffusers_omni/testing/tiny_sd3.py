@@ -25,7 +25,7 @@ __all__ = ["tiny_sd3_components", "tiny_sd3_pipeline"]
 
 _CLIP_DIM = 32
 _JOINT_DIM = 2 * _CLIP_DIM  # both CLIP hidden states side by side, padded to the T5 width
-_LATENT_CHANNELS = 4
+_LATENT_CHANNELS = 16  # SD3 VAEs have 16; the inpaint pipeline insists on it
 
 
 def _clip_with_projection(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
