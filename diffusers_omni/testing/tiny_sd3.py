@@ -15,9 +15,21 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from diffusers import AutoencoderKL, DiffusionPipeline, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-from diffusers import StableDiffusion3Pipeline
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+from diffusers import (
+    AutoencoderKL,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+)
 
 from .tiny import _build_model, _t5_config_kwargs, tiny_clip_tokenizer, tiny_t5_tokenizer
 

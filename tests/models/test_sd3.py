@@ -92,6 +92,7 @@ def test_pag_layers_run_omni_processors_and_stay_applied(guidance_scale):
     call = {"guidance_scale": guidance_scale, "pag_scale": 3.0, "num_inference_steps": 1}
     expected = _run(pag_pipeline(), **call)
     pipe = omnify(pag_pipeline(), "TORCH_SDPA")
+    assert type(pipe) is OmniStableDiffusion3PAGPipeline
     before = pipe.omni_attention_report()
     stock = {name: module.processor.original for name, module in _attention_modules(pipe.transformer).items()}
 
@@ -189,7 +190,8 @@ def test_pag_on_a_dual_attention_block_raises_naming_the_module():
         _run(pipe, guidance_scale=1.0, pag_scale=3.0, num_inference_steps=1)
     # the failed call leaves omni attention applied, PAG processors gone
     assert all(is_omni_processor(m.processor) for m in _attention_modules(pipe.transformer).values())
-    assert not any(isinstance(m.processor, OmniPAGJointAttnProcessor) for m in _attention_modules(pipe.transformer).values())
+    modules = _attention_modules(pipe.transformer).values()
+    assert not any(isinstance(module.processor, OmniPAGJointAttnProcessor) for module in modules)
 
 
 def test_attention_mask_is_never_dropped_silently():
@@ -206,3 +208,16 @@ def test_ip_adapter_processor_swap_raises_naming_the_module():
     attn.set_processor(SD3IPAdapterJointAttnProcessor2_0(16, 8, 8, timesteps_emb_dim=16))
     with pytest.raises(TypeError, match=r"transformer_blocks\.1\.attn.*SD3IPAdapterJointAttnProcessor2_0"):
         _run(pipe, num_inference_steps=1)
+
+
+def test_every_sd3_pipeline_has_its_omni_class():
+    import diffusers
+
+    from diffusers_omni.pipelines import sd3
+    from diffusers_omni.pipelines.registry import omni_pipeline_class
+
+    for name in ("", "Img2Img", "Inpaint", "PAG", "PAGImg2Img"):
+        stock = getattr(diffusers, f"StableDiffusion3{name}Pipeline")
+        omni = omni_pipeline_class(stock)
+        assert omni is getattr(sd3, f"OmniStableDiffusion3{name}Pipeline")
+        assert omni._omni_family == "sd3" and omni._dit_modules == ("transformer",)

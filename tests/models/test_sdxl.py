@@ -89,7 +89,8 @@ def test_pag_layers_run_omni_processors_and_stay_applied(guidance_scale):
     call = {"guidance_scale": guidance_scale, "pag_scale": 3.0, "num_inference_steps": 1}
     layers = ["mid", "up"]
     expected = _run(tiny_sdxl_pipeline(pipeline_cls=StableDiffusionXLPAGPipeline, pag_applied_layers=layers), **call)
-    pipe = omnify(tiny_sdxl_pipeline(pipeline_cls=StableDiffusionXLPAGPipeline, pag_applied_layers=layers), "TORCH_SDPA")
+    pipe = tiny_sdxl_pipeline(pipeline_cls=StableDiffusionXLPAGPipeline, pag_applied_layers=layers)
+    pipe = omnify(pipe, "TORCH_SDPA")
     assert type(pipe) is OmniStableDiffusionXLPAGPipeline and pipe.pag_applied_layers == layers
     before = pipe.omni_attention_report()
     stock = {name: module.processor.original for name, module in _attention_modules(pipe.unet).items()}
@@ -180,5 +181,19 @@ def test_ip_adapter_processor_swap_raises_naming_the_module():
     pipe = omnify(tiny_sdxl_pipeline(), "TORCH_SDPA")
     attn = pipe.unet.mid_block.attentions[0].transformer_blocks[0].attn2
     attn.set_processor(IPAdapterAttnProcessor2_0(hidden_size=32, cross_attention_dim=64, num_tokens=(4,)))
-    with pytest.raises(TypeError, match=r"mid_block\.attentions\.0\.transformer_blocks\.0\.attn2.*IPAdapterAttnProcessor2_0"):
+    module = r"mid_block\.attentions\.0\.transformer_blocks\.0\.attn2"
+    with pytest.raises(TypeError, match=module + ".*IPAdapterAttnProcessor2_0"):
         _run(pipe, num_inference_steps=1)
+
+
+def test_every_sdxl_pipeline_has_its_omni_class():
+    import diffusers
+
+    from diffusers_omni.pipelines import sdxl
+    from diffusers_omni.pipelines.registry import omni_pipeline_class
+
+    for name in ("", "Img2Img", "Inpaint", "InstructPix2Pix", "PAG", "PAGImg2Img", "PAGInpaint"):
+        stock = getattr(diffusers, f"StableDiffusionXL{name}Pipeline")
+        omni = omni_pipeline_class(stock)
+        assert omni is getattr(sdxl, f"OmniStableDiffusionXL{name}Pipeline")
+        assert omni._omni_family == "sdxl" and omni._dit_modules == ("unet",)
