@@ -38,6 +38,8 @@ _LAZY = {
     "OffloadPlan": "diffusers_omni.config.offload",
     "get_offload_backend": "diffusers_omni.offload.factory",
     "apply_offload": "diffusers_omni.offload.api",
+    "load_transformer_mmap": "diffusers_omni.offload.loading",
+    "check_same_steps": "diffusers_omni.offload.dataparallel",
 }
 
 __all__ = [

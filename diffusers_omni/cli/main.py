@@ -39,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="torch_dtype for from_pretrained")
     generate.add_argument("--output", default="omni.png")
     generate.add_argument("-v", "--verbose", action="store_true")
+    generate.add_argument("--offload", choices=["none", "model-level", "layerwise", "distributed-layerwise"],
+                          default="none", help="offload strategy; distributed-layerwise runs under torchrun")
+    generate.add_argument("--no-allgather", action="store_true",
+                          help="distributed-layerwise: a full host copy per rank instead of 1/N shards + all-gather")
+    generate.add_argument("--resident-layers", type=int, default=0,
+                          help="distributed-layerwise with --no-allgather: leading blocks kept on the device")
+    generate.add_argument("--rank-seeds", help="comma-separated seed per rank (default: --seed + rank)")
+    generate.add_argument("--rank-prompt", action="append", help="prompt for the next rank (repeat once per rank)")
+    generate.add_argument("--per-rank-outputs", action="store_true",
+                          help="every rank writes OUTPUT with .rankN before the suffix (default: only rank 0 writes)")
     return parser
 
 

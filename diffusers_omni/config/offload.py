@@ -20,7 +20,7 @@ class OffloadStrategy(str, enum.Enum):
     """How weights move between host memory and the accelerator.
 
     ``MODEL_LEVEL`` keeps only the running DiT or encoder on the device; ``LAYERWISE`` streams the DiT's blocks one
-    after another; ``DISTRIBUTED_LAYERWISE`` shares the host copy across ranks (not implemented yet).
+    after another; ``DISTRIBUTED_LAYERWISE`` shares the host copy across the ranks of a process group.
     """
 
     NONE = "none"
@@ -192,6 +192,16 @@ class OffloadConfig:
         plan (`OffloadPlan`, *optional*): explicit topology overriding declarations.
         show_progress (`bool`, *optional*): progress bar while building host copies; ``None`` shows it for models
             of 1 GiB or more.
+        use_allgather (`bool`, defaults to `True`): distributed layerwise only. Each rank pins 1/N of every block
+            and blocks are rebuilt per layer by all-gather; ``False`` streams a full host copy per rank.
+        resident_layers (`int`, defaults to `0`): distributed layerwise only, with ``use_allgather=False``: the
+            first N blocks of the main DiT stay on the device.
+        tensor_parallel_size (`int`, defaults to `1`): the tensor-parallel degree the model was loaded with; must
+            be 1 with ``use_allgather=True`` (the shards would be sharded twice).
+        hsdp (`bool`, defaults to `False`): whether the weights are already sharded by HSDP/FSDP; not allowed with
+            ``use_allgather=True`` (double sharding).
+        process_group (`torch.distributed.ProcessGroup`, *optional*): distributed layerwise only: the ranks that
+            share the host copy; ``None`` is the default (world) group.
 
     Example:
     ```py
@@ -206,6 +216,11 @@ class OffloadConfig:
     prefetch_depth: int = 1
     plan: OffloadPlan | None = None
     show_progress: bool | None = None
+    use_allgather: bool = True
+    resident_layers: int = 0
+    tensor_parallel_size: int = 1
+    hsdp: bool = False
+    process_group: Any = field(default=None, compare=False)
     requested: tuple[OffloadStrategy, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -230,6 +245,52 @@ class OffloadConfig:
             raise TypeError(f"plan must be an OffloadPlan or None, got {type(self.plan).__name__}: {self.plan!r}")
         if self.show_progress is not None and not isinstance(self.show_progress, bool):
             raise TypeError(f"show_progress must be a bool or None, got {self.show_progress!r}")
+        self._validate_distributed()
+
+    def _validate_distributed(self) -> None:
+        for name in ("use_allgather", "hsdp"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name, low in (("resident_layers", 0), ("tensor_parallel_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
+            if value < low:
+                raise ValueError(f"{name}={value!r} is out of range; allowed: an int >= {low}")
+        if self.strategy is not OffloadStrategy.DISTRIBUTED_LAYERWISE:
+            changed = [
+                f"{n}={getattr(self, n)!r}"
+                for n, default in (("use_allgather", True), ("resident_layers", 0), ("process_group", None))
+                if getattr(self, n) != default
+            ]
+            if changed:
+                raise ValueError(
+                    f"{', '.join(changed)} apply only to strategy='distributed_layerwise', got "
+                    f"strategy={self.strategy.value!r}"
+                )
+            return
+        if self.use_allgather:
+            if self.resident_layers:
+                raise ValueError(
+                    f"resident_layers={self.resident_layers} needs full weights on each rank, but use_allgather=True "
+                    "keeps only 1/N of them; allowed: resident_layers=0, or use_allgather=False"
+                )
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} with use_allgather=True would shard weights "
+                    "twice (tensor-parallel slices, then 1/N host shards); allowed: tensor_parallel_size=1, or "
+                    "use_allgather=False"
+                )
+            if self.hsdp:
+                raise ValueError(
+                    "hsdp=True with use_allgather=True would shard weights twice (HSDP, then 1/N host shards); "
+                    "allowed: hsdp=False, or use_allgather=False"
+                )
+            if self.prefetch_depth != 1:
+                raise ValueError(
+                    f"prefetch_depth={self.prefetch_depth} does not apply with use_allgather=True (two fixed "
+                    "gathered slots); allowed: 1, or use_allgather=False"
+                )
 
     @property
     def dropped(self) -> tuple[OffloadStrategy, ...]:

@@ -39,14 +39,13 @@ def get_offload_backend(config: OffloadConfig | None) -> OffloadBackend | None:
         logger.info("offload: strategy 'none', nothing installed")
         return None
     if strategy is OffloadStrategy.DISTRIBUTED_LAYERWISE:
-        raise ValueError(
-            "strategy='distributed_layerwise' is not implemented yet (tracked in its own issue); allowed now: "
-            "'layerwise', 'model_level', 'none'"
-        )
-    if strategy is OffloadStrategy.LAYERWISE:
+        from .distributed import DistributedLayerwiseOffloadBackend
+
+        backend: OffloadBackend = DistributedLayerwiseOffloadBackend(config)
+    elif strategy is OffloadStrategy.LAYERWISE:
         from .layerwise import LayerwiseOffloadBackend
 
-        backend: OffloadBackend = LayerwiseOffloadBackend(config)
+        backend = LayerwiseOffloadBackend(config)
     else:
         from .model_level import ModelLevelOffloadBackend
 

@@ -157,6 +157,48 @@ class OmniPipelineMixin:
             OffloadConfig("layerwise", device=device, max_device_memory=max_device_memory, **options)
         )
 
+    def enable_distributed_layerwise_offload(
+        self,
+        use_allgather: bool = True,
+        resident_layers: int = 0,
+        group: Any = None,
+        device: str | torch.device | None = None,
+        **options: Any,
+    ) -> Any:
+        """Layerwise offload on every rank of an initialised ``torch.distributed`` group (call it on every rank).
+
+        Args:
+            use_allgather: each rank pins 1/N of every block and blocks are rebuilt per layer by all-gather
+                (device weights bounded by two blocks); ``False`` streams a full host copy on every rank.
+            resident_layers: with ``use_allgather=False``, the first N blocks of the main DiT stay on the device.
+            group: the process group sharing the host copy (default: the world group).
+            device: where this rank computes; ``None`` → the current CUDA device, or ``"cpu"`` without CUDA.
+            options: further ``OffloadConfig`` fields (``pin_memory``, ``plan``, ``tensor_parallel_size``, ...).
+
+        Example:
+        ```py
+        >>> torch.distributed.init_process_group("nccl")
+        >>> torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        >>> pipe.enable_distributed_layerwise_offload()
+        ```
+        """
+        from ..config.offload import OffloadConfig
+        from ..offload.distributed import require_process_group
+
+        require_process_group(group)
+        if device is None:
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return self.enable_omni_offload(
+            OffloadConfig(
+                "distributed_layerwise",
+                device=device,
+                use_allgather=use_allgather,
+                resident_layers=resident_layers,
+                process_group=group,
+                **options,
+            )
+        )
+
     def disable_omni_offload(self) -> None:
         """Remove omni offload hooks; offloaded weights become ordinary host tensors (move the pipeline with
         ``.to()`` afterwards). Does nothing when no offload is active."""

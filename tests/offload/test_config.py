@@ -79,8 +79,8 @@ def test_none_returns_no_backend():
     assert get_offload_backend(None) is None
 
 
-def test_distributed_is_a_clear_error():
-    with pytest.raises(ValueError, match="not implemented yet"):
+def test_distributed_without_process_group_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="initialised torch.distributed process group"):
         get_offload_backend(OffloadConfig(["distributed_layerwise", "layerwise"], device="cpu"))
 
 

@@ -1,0 +1,495 @@
+"""Distributed layerwise offload: the layerwise ring on every rank of a ``torch.distributed`` group.
+
+AllGather mode (default). Every block's per-dtype flat buffer (the ``PackedWeights`` layout of the single-device
+backend) is ceil-padded to a multiple of the group size N and cut into N equal shards; rank ``r`` keeps only shard
+``r`` in host memory (pinned), so host weights per rank are ≈ model ÷ N. Two fixed device slots per dtype, each
+sized for the largest padded block, receive the gathered blocks; block ``i`` of a ring always uses slot ``i % 2``.
+Loading block ``i`` is::
+
+    copy stream:   wait slot.released ─ H2D host shard → slot.staging ─ record slot.staged
+    comm stream:   wait slot.staged ─ all_gather_into_tensor(slot buffer, slot.staging) ─ record slot.ready
+    compute:       wait slot.ready ─ run block i ─ record slot.released
+
+The next block is loaded when block ``i`` starts, into the other slot. When a ring has an odd length the last
+block and the first share slot 0, so the wrap-around load of block 0 (for the next step) is issued when the last
+block *ends*, after its ``released`` event is recorded. Device weights are bounded by two blocks whatever the
+model size. Collectives gather bytes (``uint8`` views), so every dtype (float8 included) takes the same path and
+reconstruction is byte-exact. Every rank must run the same sequence of DiT forwards (lockstep); different prompts
+and seeds per rank are fine, see :mod:`.dataparallel`.
+
+No-AllGather mode. Each rank streams its own full host copy exactly as the single-device layerwise backend does;
+``resident_layers`` keeps the first blocks of the main DiT on the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from ..config.offload import OffloadStrategy, format_bytes
+from .base import Journal
+from .discovery import DIT, named_tensors
+from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
+from .layerwise import LayerwiseOffloadBackend, LayerwiseStats, _bind, _State
+from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
+
+logger = logging.getLogger("diffusers_omni")
+
+SLOT_COUNT = 2
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements in each rank's shard of a flat buffer of ``numel`` elements (ceil-padded: ``10, 4`` → ``3``)."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size!r} is out of range; allowed: an int >= 1")
+    return -(-numel // world_size)
+
+
+def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of ``rank``'s shard in the padded flat buffer (may reach past ``numel``: padding)."""
+    size = shard_numel(numel, world_size)
+    return rank * size, (rank + 1) * size
+
+
+def all_gather_bytes(output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
+    """Gather every rank's ``shard`` into ``output`` (``world_size × shard`` elements, rank order).
+
+    Both tensors are viewed as ``uint8`` so dtypes the backend does not know (gloo has no float8) travel as bytes.
+    Uses the one-tensor collective (``all_gather_into_tensor``, or its successor ``all_gather_single``), which
+    NCCL and (since torch 2.x) gloo implement.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output.view(torch.uint8), shard.view(torch.uint8), group=group)
+
+
+def require_process_group(group: Any = None) -> Any:
+    """The group to shard over (``None`` → the default group); raises when torch.distributed is not set up."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "distributed layerwise offload needs an initialised torch.distributed process group; launch with "
+            "`torchrun --nproc-per-node N ...` (or accelerate launch) and call "
+            "torch.distributed.init_process_group('nccl' on GPUs, 'gloo' on CPU) before enabling it; for one "
+            "process use enable_layerwise_offload()"
+        )
+    return group if group is not None else dist.group.WORLD
+
+
+def quantization_reasons(module: torch.nn.Module, label: str) -> list[str]:
+    """Why ``module`` looks quantised online (its weights are not plain checkpoint tensors)."""
+    reasons = []
+    config = getattr(module, "config", None)
+    quant_config = getattr(module, "quantization_config", None) or (
+        config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
+    )
+    if quant_config is not None:
+        reasons.append(f"{label!r} has a quantization_config ({type(quant_config).__name__})")
+    if getattr(module, "hf_quantizer", None) is not None or getattr(module, "is_quantized", False):
+        reasons.append(f"{label!r} was quantised by a Diffusers quantizer")
+    for name, tensor in named_tensors(module):
+        if type(tensor.data) is not torch.Tensor:
+            reasons.append(f"{label}.{name} is a {type(tensor.data).__name__} tensor subclass (e.g. torchao)")
+            break
+    return reasons
+
+
+class _GatherTransfers(Transfers):
+    """H2D copies on the copy stream, all-gathers on a communication stream; synchronous with ``device='cpu'``."""
+
+    def __init__(self, device: torch.device, group: Any) -> None:
+        super().__init__(device)
+        self.group = group
+        if self.asynchronous:
+            self.comm_stream = self._module.Stream(device)
+
+    def gather(self, h2d: list[tuple[torch.Tensor, torch.Tensor]], gathers: list[tuple[torch.Tensor, torch.Tensor]],
+               wait_for=None, staged=None, done=None) -> None:
+        if not self.asynchronous:
+            for src, dst in h2d:
+                dst.copy_(src)
+            for output, shard in gathers:
+                all_gather_bytes(output, shard, self.group)
+            return
+        with self._module.stream(self.copy_stream):
+            if wait_for is not None:
+                self.copy_stream.wait_event(wait_for)
+            for src, dst in h2d:
+                dst.copy_(src, non_blocking=True)
+            staged.record(self.copy_stream)
+        with self._module.stream(self.comm_stream):
+            self.comm_stream.wait_event(staged)
+            # async_op=False: the collective is ordered on (and completes before later work of) the comm stream;
+            # the host does not wait for it.
+            for output, shard in gathers:
+                all_gather_bytes(output, shard, self.group)
+            done.record(self.comm_stream)
+
+
+class _GatherSlot:
+    """One fixed device slot: a full-block buffer and a one-shard staging buffer per dtype, and its events."""
+
+    def __init__(self, index: int, sizes: dict[torch.dtype, int], shards: dict[torch.dtype, int],
+                 device: torch.device, transfers: _GatherTransfers) -> None:
+        self.index = index
+        self.buffers = {d: torch.zeros(n, dtype=d, device=device) for d, n in sizes.items()}
+        self.staging = {d: torch.zeros(n, dtype=d, device=device) for d, n in shards.items()}
+        self.staged = transfers.new_event()
+        self.ready = transfers.new_event()
+        self.released = transfers.new_event()
+        self.owner: _ShardedBlock | None = None
+
+
+class _ShardedBlock:
+    """One block whose host copy is this rank's shard of each per-dtype flat buffer."""
+
+    def __init__(self, weights: PackedWeights, world_size: int, rank: int, device: torch.device) -> None:
+        self.weights = weights
+        self.world_size = world_size
+        self.rank = rank
+        self.shard = {d: shard_numel(n, world_size) for d, n in weights.numel.items()}
+        self.host: dict[torch.dtype, torch.Tensor] = {}
+        self.placeholders = [placeholder(s.dtype, device) for s in weights.slots]
+        self.slot: _GatherSlot | None = None
+        self.views: list[torch.Tensor] = []
+        self.h2d: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.running = False
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.host.values())
+
+    def pack(self, host_memory: HostMemory) -> None:
+        """Copy this rank's slice of every tensor into its shard buffers (zero padding elsewhere)."""
+        self.host = {d: host_memory.allocate(n, d) for d, n in self.shard.items()}
+        for buffer in self.host.values():
+            buffer.zero_()
+        for slot in self.weights.slots:
+            start, end = shard_range(self.weights.numel[slot.dtype], self.world_size, self.rank)
+            numel = slot.shape.numel()
+            lo, hi = max(slot.offset, start), min(slot.offset + numel, end)
+            if lo < hi:
+                source = slot.tensor.data.reshape(-1)[lo - slot.offset : hi - slot.offset]
+                self.host[slot.dtype][lo - start : hi - start].copy_(source)
+        for buffer in self.host.values():
+            host_memory.pin(buffer)
+
+    def attach(self, slot: _GatherSlot) -> None:
+        self.slot = slot
+        self.views = self.weights.views_into(slot.buffers)
+        self.h2d = [(self.host[d], slot.staging[d].narrow(0, 0, n)) for d, n in self.shard.items()]
+        self.gathers = [
+            (slot.buffers[d].narrow(0, 0, n * self.world_size), slot.staging[d].narrow(0, 0, n))
+            for d, n in self.shard.items()
+        ]
+
+
+@dataclass
+class DistributedStats(LayerwiseStats):
+    rank: int = 0
+    world_size: int = 1
+    use_allgather: bool = True
+    gathers: int = 0
+    host_bytes_per_dtype: dict = field(default_factory=dict)
+
+
+class _GatherStreamer:
+    """Fixed-slot ring (block ``i`` → slot ``i % 2``). Every rank makes the same calls in the same order."""
+
+    def __init__(self, transfers: _GatherTransfers, stats: DistributedStats) -> None:
+        self.transfers = transfers
+        self.stats = stats
+
+    def load(self, block: _ShardedBlock) -> None:
+        slot = block.slot
+        if slot.owner is block:
+            return
+        if slot.owner is not None and slot.owner.running:
+            raise RuntimeError(
+                f"distributed layerwise offload: slot {slot.index} still holds running block "
+                f"{slot.owner.weights.path!r} while {block.weights.path!r} needs it (are blocks calling each other?)"
+            )
+        self.transfers.gather(block.h2d, block.gathers, wait_for=slot.released, staged=slot.staged, done=slot.ready)
+        slot.owner = block
+        self.stats.loads += 1
+        self.stats.gathers += len(block.gathers)
+        self.stats.copied_bytes += block.host_bytes
+
+    @torch.compiler.disable
+    def begin(self, block: _ShardedBlock, following: _ShardedBlock | None) -> None:
+        if block.slot.owner is not block:
+            self.stats.on_demand_loads += 1
+            self.load(block)
+        self.transfers.compute_waits_for(block.slot.ready)
+        block.weights.bind(block.views)
+        block.running = True
+        if following is not None and following.slot is not block.slot:
+            self.load(following)
+
+    @torch.compiler.disable
+    def end(self, block: _ShardedBlock, following: _ShardedBlock | None) -> None:
+        self.transfers.record_on_compute(block.slot.released)
+        block.weights.bind(block.placeholders)
+        block.running = False
+        if following is not None and following.slot is block.slot:
+            self.load(following)  # odd ring: the wrap-around shares the last block's slot
+
+    @torch.compiler.disable
+    def enter_stack(self, ring: list[_ShardedBlock]) -> None:
+        for block in ring:
+            if block.running:  # a forward raised before end(); settle it
+                self.end(block, None)
+        self.load(ring[0])
+
+
+class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
+    """Layerwise offload on every rank of a process group, with 1/N host shards gathered per block (AllGather
+    mode) or a full copy per rank (no-AllGather mode). Enable and disable are collective: call them on every rank.
+    """
+
+    strategy = OffloadStrategy.DISTRIBUTED_LAYERWISE
+    stages = ("discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_step_check",
+              "prime")
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.group = require_process_group(config.process_group)
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.use_allgather = config.use_allgather
+        backend = str(dist.get_backend(self.group)).lower()
+        if self.device.type == "cpu" and backend == "nccl":
+            raise ValueError("device='cpu' cannot use an NCCL process group; allowed: a gloo group for CPU runs")
+
+    @property
+    def stats(self) -> DistributedStats:
+        return super().stats
+
+    def _new_state(self, target: Any) -> _State:
+        state = super()._new_state(target)
+        state.stats = DistributedStats(rank=self.rank, world_size=self.world_size, use_allgather=self.use_allgather)
+        return state
+
+    # Discover: local checks, then every rank agrees (so one rank's error never leaves the others in a collective).
+
+    def _stage_discover(self, state: _State, journal: Journal) -> None:
+        error: BaseException | None = None
+        digest = ""
+        try:
+            super()._stage_discover(state, journal)
+            self._check_and_place_residents(state)
+            digest = _layout_digest(state)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard about it
+            error = exc
+        answers: list[Any] = [None] * self.world_size
+        dist.all_gather_object(answers, (None if error is None else f"{type(error).__name__}: {error}", digest),
+                               group=self.group)
+        if error is not None:
+            raise error
+        failed = [(r, message) for r, (message, _) in enumerate(answers) if message is not None]
+        if failed:
+            rank, message = failed[0]
+            raise RuntimeError(f"distributed layerwise offload: rank {rank} could not enable ({message}); no rank "
+                               "enabled it")
+        digests = {d for _, d in answers}
+        if len(digests) > 1:
+            raise ValueError(
+                "distributed layerwise offload: ranks hold different models (block layouts differ: "
+                f"{[d[:8] for _, d in answers]}); every rank must load the same model and pipeline"
+            )
+
+    def _check_and_place_residents(self, state: _State) -> None:
+        if self.use_allgather:
+            reasons = [r for c in state.topology.dits for r in quantization_reasons(c.module, c.label)]
+            if reasons:
+                raise ValueError(
+                    "use_allgather=True cannot shard online-quantised weights (" + "; ".join(reasons) + "); allowed: "
+                    "use_allgather=False, or a checkpoint saved already quantised and loaded as plain tensors"
+                )
+        layers = self.config.resident_layers
+        if layers:
+            main = state.weights[0]
+            if layers > len(main):
+                raise ValueError(
+                    f"resident_layers={layers} exceeds the {len(main)} blocks of {state.stacks[0].name!r}; allowed: "
+                    f"0..{len(main)}"
+                )
+            for i in range(layers):
+                state.resident[0][i] = True
+        flat = [(w, r) for ws, rs in zip(state.weights, state.resident) for w, r in zip(ws, rs)]
+        stats = state.stats
+        stats.streamed_blocks = sum(1 for w, r in flat if not r and not w.empty)
+        stats.resident_blocks = sum(1 for w, r in flat if r and not w.empty)
+        stats.streamed_bytes_per_pass = sum(w.nbytes for w, r in flat if not r)
+
+    # AllGather stages ------------------------------------------------------------------------------------
+
+    def _stage_pack_blocks(self, state: _State, journal: Journal) -> None:
+        if not self.use_allgather:
+            super()._stage_pack_blocks(state, journal)
+            state.stats.host_bytes_per_dtype = {
+                str(d): n * torch.empty(0, dtype=d).element_size()
+                for d, n in _sum_numel(w for ws in state.weights for w in ws if not w.empty).items()
+            }
+            return
+        state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
+        state.stats.host_memory_mode = host_memory.mode
+        journal.record("release host memory", lambda: host_memory.release(self.device))
+        total = sum(w.nbytes for ws in state.weights for w in ws)
+        show = self.config.show_progress if self.config.show_progress is not None else total >= 2**30
+        per_dtype: dict[str, int] = {}
+        desc = f"distributed offload rank {self.rank}/{self.world_size}: packing shards"
+        with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show) as bar:
+            for stack_weights, stack_resident in zip(state.weights, state.resident):
+                row: list[_ShardedBlock | None] = []
+                for weights, resident in zip(stack_weights, stack_resident):
+                    if weights.empty or resident:
+                        if resident:  # plan-declared residents: a full device copy (no sharding)
+                            for slot in weights.slots:
+                                journal.move_tensor(slot.tensor, self.device)
+                        row.append(None)
+                        continue
+                    block = _ShardedBlock(weights, self.world_size, self.rank, self.device)
+                    block.pack(host_memory)
+                    originals = [s.tensor.data for s in weights.slots]
+                    journal.record(f"restore {weights.path}", _bind(weights.bind, originals))
+                    weights.bind(block.placeholders)  # the originals are freed once enable commits
+                    for d, t in block.host.items():
+                        per_dtype[str(d)] = per_dtype.get(str(d), 0) + t.numel() * t.element_size()
+                    row.append(block)
+                    bar.update(weights.nbytes)
+                state.streamed.append(row)
+        state.stats.host_bytes = sum(per_dtype.values())
+        state.stats.host_bytes_per_dtype = per_dtype
+        release_freed_host_memory()
+        logger.info("distributed offload rank %d/%d: host shards %s (of %s)", self.rank, self.world_size,
+                    format_bytes(state.stats.host_bytes), format_bytes(total))
+
+    def _stage_allocate_slots(self, state: _State, journal: Journal) -> None:
+        if not self.use_allgather:
+            super()._stage_allocate_slots(state, journal)
+            return
+        blocks = [b for row in state.streamed for b in row if b is not None]
+        state.transfers = transfers = _GatherTransfers(self.device, self.group)
+        shards: dict[torch.dtype, int] = {}
+        for block in blocks:
+            for dtype, numel in block.shard.items():
+                shards[dtype] = max(shards.get(dtype, 0), numel)
+        sizes = {d: n * self.world_size for d, n in shards.items()}
+        slots = [_GatherSlot(i, sizes, shards, self.device, transfers) for i in range(SLOT_COUNT)] if blocks else []
+        for row in state.streamed:
+            ring = [b for b in row if b is not None]
+            for position, block in enumerate(ring):
+                block.attach(slots[position % SLOT_COUNT])
+        state.streamer = _GatherStreamer(transfers, state.stats)
+        state.stats.slot_count = len(slots)
+        state.stats.slot_bytes = sum(n * torch.empty(0, dtype=d).element_size() for d, n in sizes.items())
+        logger.info("distributed offload: %d device slots of %s (+ staging shards of %s)", len(slots),
+                    format_bytes(state.stats.slot_bytes),
+                    format_bytes(sum(n * torch.empty(0, dtype=d).element_size() for d, n in shards.items())))
+
+    def _stage_install_hooks(self, state: _State, journal: Journal) -> None:
+        if not self.use_allgather:
+            super()._stage_install_hooks(state, journal)
+            return
+        journal.record("remove hooks", state.hooks.remove_all)
+        streamer = state.streamer
+        for stack, row in zip(state.stacks, state.streamed):
+            ring = [b for b in row if b is not None]
+            if not ring:
+                continue
+            state.hooks.install(stack.owner, CallbackHook(before=_bind(streamer.enter_stack, ring)),
+                                LAYERWISE_ENTRY_HOOK)
+            following = {id(b): ring[(i + 1) % len(ring)] if len(ring) > 1 else None for i, b in enumerate(ring)}
+            for (_, module), block in zip(stack.blocks, row):
+                if block is None:
+                    continue
+                nxt = following[id(block)]
+                hook = CallbackHook(before=_bind(streamer.begin, block, nxt), after=_bind(streamer.end, block, nxt))
+                state.hooks.install(module, hook, LAYERWISE_BLOCK_HOOK)
+        roots = [stack.owner for stack in state.stacks]
+        refresh_registry_caches(roots)
+        journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
+
+    def _stage_install_step_check(self, state: _State, journal: Journal) -> None:
+        from .dataparallel import install_step_check
+
+        remove = install_step_check(state.target, self.group)
+        if remove is not None:
+            journal.record("remove step check", remove)
+            self._remove_step_check = remove
+
+    def _stage_prime(self, state: _State, journal: Journal) -> None:
+        if not self.use_allgather:
+            super()._stage_prime(state, journal)
+            return
+        for row in state.streamed:
+            ring = [b for b in row if b is not None]
+            if ring:
+                state.streamer.enter_stack(ring)
+
+    # Disable ---------------------------------------------------------------------------------------------
+
+    def _disable(self) -> None:
+        remove = self.__dict__.pop("_remove_step_check", None)
+        if remove is not None:
+            remove()
+        if not self.use_allgather:
+            super()._disable()
+            return
+        state = self._state
+        state.transfers.synchronize()
+        state.hooks.remove_all()
+        refresh_registry_caches([stack.owner for stack in state.stacks])
+        # Collective: every rank gathers every block once more and keeps full, ordinary host tensors.
+        for row in state.streamed:
+            for block in row:
+                if block is None:
+                    continue
+                block.slot.owner = None
+                state.transfers.gather(block.h2d, block.gathers, wait_for=block.slot.released,
+                                       staged=block.slot.staged, done=block.slot.ready)
+                state.transfers.synchronize()
+                block.weights.bind([view.to("cpu", copy=True) for view in block.views])
+                block.host = {}
+        state.host_memory.release(self.device)
+        logger.info("distributed layerwise offload disabled: block weights are full host tensors again")
+
+
+def _sum_numel(weights) -> dict[torch.dtype, int]:
+    total: dict[torch.dtype, int] = {}
+    for w in weights:
+        for d, n in w.numel.items():
+            total[d] = total.get(d, 0) + n
+    return total
+
+
+def _layout_digest(state: _State) -> str:
+    """A hash of every block's path, tensor shapes and dtypes: equal on every rank that loaded the same model."""
+    h = hashlib.sha256()
+    for stack_weights, resident in zip(state.weights, state.resident):
+        for w, r in zip(stack_weights, resident):
+            h.update(f"{w.path}|{r}|".encode())
+            for s in w.slots:
+                h.update(f"{s.dtype}:{tuple(s.shape)}:{s.offset};".encode())
+    return h.hexdigest()
+
+
+def host_bytes_per_rank(numel: dict[torch.dtype, int], world_size: int) -> dict[torch.dtype, int]:
+    """Bytes one rank pins for a block with ``numel`` elements per dtype: ``ceil(numel / N)`` elements each."""
+    return {d: shard_numel(n, world_size) * torch.empty(0, dtype=d).element_size() for d, n in numel.items()}
+
+
+__all__ = [
+    "DistributedLayerwiseOffloadBackend",
+    "all_gather_bytes",
+    "host_bytes_per_rank",
+    "require_process_group",
+    "shard_numel",
+    "shard_range",
+]
