@@ -75,7 +75,12 @@ CASES = [
     ),
 ]
 
-globals().update(standard_tests(CASES))
+# Every check on text-to-video (2.0 and 2.3 style); the conditioned pipelines share the transformer and the
+# connectors, so they run the parity check only (keeps this module fast on 2 CPU cores).
+globals().update(standard_tests([CASES[0], CASES[3]]))
+test_conditioned_pipelines_torch_sdpa_bitwise_equal_to_stock_diffusers = standard_tests(CASES[1:3])[
+    "test_torch_sdpa_bitwise_equal_to_stock_diffusers"
+]
 
 
 def test_ltx23_uses_the_perturbed_processor():
