@@ -14,7 +14,7 @@ from .backends.base import AttentionBackend, AttentionCall
 from .platform import Platform, current_platform
 from .processors import MaskPolicy, RoleAttention, is_omni_processor
 from .registry import get_backend_class
-from .selector import Resolution, resolve
+from .selector import Resolution, deterministic_requested, resolve
 
 logger = logging.getLogger("diffusers_omni.attention")
 
@@ -72,6 +72,7 @@ def plan_attention(model: nn.Module, config: Any = None, platform: Platform | No
     platform = platform or current_platform()
     device_type = _call_device_type(model, platform)
     dtype = _model_dtype(model)
+    deterministic, _ = deterministic_requested(config)
     plan = []
     for site in declaration.find_sites(model):
         resolutions = {}
@@ -82,6 +83,7 @@ def plan_attention(model: nn.Module, config: Any = None, platform: Platform | No
                 head_dim=site.head_dim,
                 has_mask=role.masked,
                 mask_free_path=declaration.mask_free,
+                deterministic=deterministic,
             )
             resolutions[role.role] = resolve(config, role.role, role.category, call, platform)
         plan.append((site, resolutions))
@@ -119,9 +121,11 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
     for site, resolutions in plan:
         attend = {}
         for role, resolution in resolutions.items():
-            key = (resolution.backend, resolution.spec)
+            key = (resolution.backend, resolution.spec, resolution.call.deterministic)
             if key not in backends:
                 backends[key] = get_backend_class(resolution.backend)(resolution.spec)
+                if resolution.call.deterministic:
+                    backends[key].enable_deterministic()
             attend[role] = RoleAttention(resolution, backends[key], mask_policy)
         current = site.module.processor
         original = current.original if is_omni_processor(current) else current

@@ -40,15 +40,42 @@ class MaskPolicy:
         return attn_mask if self._keep else None
 
 
-class RoleAttention:
-    """Attention for one role: a resolved backend, called with ``[B, S, H, D]`` tensors."""
+class _ForwardOnlyAttention(torch.autograd.Function):
+    """Runs a forward-only backend inside the graph so that a backward through it raises instead of returning no
+    gradient (or a wrong one) for Q, K and V."""
 
-    __slots__ = ("resolution", "backend", "mask_policy")
+    @staticmethod
+    def forward(ctx, run, message, query, key, value):
+        ctx.message = message
+        return run(query, key, value)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        raise RuntimeError(ctx.message)
+
+
+class RoleAttention:
+    """Attention for one role: a resolved backend, called with ``[B, S, H, D]`` tensors.
+
+    When the backend has no backward (``supports_backward = False``) and the call needs gradients, the output is
+    produced through ``_ForwardOnlyAttention``: the forward value is the backend's, and a backward raises naming
+    the backend and the role.
+    """
+
+    __slots__ = ("resolution", "backend", "mask_policy", "_no_backward")
 
     def __init__(self, resolution: Resolution, backend: AttentionBackend, mask_policy: MaskPolicy | None = None) -> None:
         self.resolution = resolution
         self.backend = backend
         self.mask_policy = mask_policy or MaskPolicy()
+        self._no_backward = None
+        if not backend.supports_backward:
+            self._no_backward = (
+                f"attention backend {resolution.backend} (role {resolution.role!r}) is forward-only "
+                "(supports_backward=False) and computes no gradients; backward through it is refused rather than "
+                f"returning missing or wrong gradients. Select a backend with a backward pass for role "
+                f"{resolution.role!r} when training (e.g. TORCH_SDPA), or run this forward under torch.no_grad()."
+            )
 
     @property
     def role(self) -> str:
@@ -73,6 +100,15 @@ class RoleAttention:
                     f"{self.resolution.backend} accepts none (the model declared this role unmasked); select a "
                     "mask-capable backend for this role, e.g. TORCH_SDPA"
                 )
+        if self._no_backward is not None and torch.is_grad_enabled() and (
+            query.requires_grad or key.requires_grad or value.requires_grad
+        ):
+            backend = self.backend
+
+            def run(q, k, v):
+                return backend(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+            return _ForwardOnlyAttention.apply(run, self._no_backward, query, key, value)
         return self.backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def __repr__(self) -> str:

@@ -22,6 +22,10 @@ from .registry import get_backend_class
 logger = logging.getLogger("diffusers_omni.attention")
 
 ENV_BACKEND = "DIFFUSION_ATTENTION_BACKEND"
+ENV_DETERMINISTIC = "DIFFUSERS_OMNI_DETERMINISTIC"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
 
 
 class BackendNotSupportedError(ValueError):
@@ -74,6 +78,26 @@ def select_spec(config: AttentionConfig, role: str, category: str) -> tuple[Atte
         name = normalize_backend_name(env, field_name=f"environment variable {ENV_BACKEND}")
         return AttentionSpec(backend=name), f"env {ENV_BACKEND}"
     return None, ""
+
+
+def deterministic_requested(config: AttentionConfig | None) -> tuple[bool, str]:
+    """Whether deterministic mode is on, and where that came from (``config`` / ``env ...`` / ``""``).
+
+    ``AttentionConfig.deterministic`` wins when set; otherwise ``DIFFUSERS_OMNI_DETERMINISTIC`` (1/true/yes/on or
+    0/false/no/off) decides.
+    """
+    config = AttentionConfig.parse(config)
+    if config.deterministic is not None:
+        return config.deterministic, "config"
+    raw = os.environ.get(ENV_DETERMINISTIC, "").strip().lower()
+    if raw in _TRUE:
+        return True, f"env {ENV_DETERMINISTIC}"
+    if raw in _FALSE:
+        return False, ""
+    raise ValueError(
+        f"environment variable {ENV_DETERMINISTIC}={os.environ[ENV_DETERMINISTIC]!r} is not a boolean; allowed: "
+        f"{', '.join(_TRUE)} or {', '.join(v for v in _FALSE if v)}"
+    )
 
 
 def _platform_default(call: AttentionCall, platform: Platform) -> tuple[str, tuple[Candidate, ...]]:

@@ -22,6 +22,7 @@ def collect_info(platform=None) -> dict:
     for name in registered_backend_names():
         cls = get_backend_class(name)
         reasons = cls.availability_reasons(platform)
+        determinism = cls.determinism_reasons(platform)
         backends.append(
             {
                 "name": name,
@@ -29,7 +30,10 @@ def collect_info(platform=None) -> dict:
                 "reasons": reasons,
                 "supports_mask": cls.supports_mask,
                 "supports_backward": cls.supports_backward,
-                "deterministic": cls.deterministic,
+                # Whether the backend can promise bitwise run-to-run reproducibility here under deterministic
+                # mode (AttentionConfig(deterministic=True) or DIFFUSERS_OMNI_DETERMINISTIC=1), and why not.
+                "deterministic": not determinism,
+                "deterministic_reasons": determinism,
             }
         )
     probe = AttentionCall(device_type=platform.device_type, head_dim=128)
@@ -46,7 +50,22 @@ def collect_info(platform=None) -> dict:
         "platform": platform.to_dict(),
         "flash_attention_implementations": flash_attention_implementations(),
         "routing": routes,
+        "deterministic_mode": _deterministic_mode(),
         "backends": backends,
+    }
+
+
+def _deterministic_mode() -> dict:
+    from ..attention.selector import ENV_DETERMINISTIC, deterministic_requested
+
+    try:
+        enabled, source = deterministic_requested(None)
+    except ValueError as exc:
+        return {"enabled": None, "source": f"env {ENV_DETERMINISTIC}", "error": str(exc)}
+    return {
+        "enabled": enabled,
+        "source": source or "AttentionConfig(deterministic=True) or DIFFUSERS_OMNI_DETERMINISTIC=1 turn it on",
+        "torch_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
     }
 
 
@@ -58,12 +77,16 @@ def format_info(info: dict) -> str:
         f"CUDA: {info['cuda'] or 'none'}  cuDNN: {info['cudnn'] or 'none'}",
         f"FlashAttention implementations found: {', '.join(info['flash_attention_implementations']) or 'none'}",
         "default routing: " + " → ".join(r["backend"] + (f" (if {', '.join(r['when'])})" if r["when"] else "") for r in info["routing"]),
+        f"deterministic mode: {'on' if info['deterministic_mode'].get('enabled') else 'off'} "
+        f"({info['deterministic_mode']['source']})",
         "",
         "backends:",
     ]
     for backend in info["backends"]:
+        det = "deterministic" if backend["deterministic"] else "not deterministic"
         if backend["available"]:
-            lines.append(f"  {backend['name']:18s} available")
+            lines.append(f"  {backend['name']:18s} available, {det}")
+            lines.extend(f"      - {reason}" for reason in backend["deterministic_reasons"])
         else:
             lines.append(f"  {backend['name']:18s} unavailable")
             lines.extend(f"      - {reason}" for reason in backend["reasons"])

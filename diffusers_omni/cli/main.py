@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--rank-prompt", action="append", help="prompt for the next rank (repeat once per rank)")
     generate.add_argument("--per-rank-outputs", action="store_true",
                           help="every rank writes OUTPUT with .rankN before the suffix (default: only rank 0 writes)")
+    from .align import add_parser as add_align_parser
+
+    add_align_parser(sub)
     return parser
 
 
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         from .info import run
     elif args.command == "explain":
         from .explain import run
+    elif args.command == "align":
+        from .align import run
     else:
         from .generate import run
     try:

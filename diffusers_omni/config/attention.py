@@ -328,6 +328,11 @@ class AttentionConfig:
     Args:
         default (`AttentionSpec`, *optional*): the spec for every role without an override.
         per_role (`dict[str, AttentionSpec]`): overrides keyed by role (``"flux.joint"``) or category (``"cross"``).
+        deterministic (`bool`, *optional*): ``True`` asks every role for a kernel whose output (and gradients) are
+            bitwise identical run to run on the same inputs; a backend that cannot promise it is refused at enable
+            time with its reasons, and the platform default skips it. ``False`` turns the request off even when the
+            environment variable ``DIFFUSERS_OMNI_DETERMINISTIC`` is set; ``None`` (default) defers to that
+            variable. See ``docs/user_guide/alignment.md``.
 
     Example:
     ```py
@@ -337,8 +342,14 @@ class AttentionConfig:
 
     default: AttentionSpec | None = None
     per_role: Mapping[str, AttentionSpec] = field(default_factory=dict)
+    deterministic: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.deterministic is not None and not isinstance(self.deterministic, bool):
+            raise TypeError(
+                f"deterministic must be True, False or None, got {type(self.deterministic).__name__}: "
+                f"{self.deterministic!r}"
+            )
         if self.default is not None:
             object.__setattr__(self, "default", AttentionSpec.parse(self.default, where="default"))
         if not isinstance(self.per_role, Mapping):
@@ -372,17 +383,26 @@ class AttentionConfig:
         if isinstance(value, Mapping):
             if _looks_like_spec(value):
                 return cls(default=AttentionSpec.parse(value, where="default"))
-            unknown = sorted(set(value) - {"default", "per_role"})
+            unknown = sorted(set(value) - {"default", "per_role", "deterministic"})
             if unknown:
-                raise ValueError(f"attention config has unknown key(s) {unknown}; allowed: ['default', 'per_role']")
-            return cls(default=value.get("default"), per_role=value.get("per_role") or {})
+                raise ValueError(
+                    f"attention config has unknown key(s) {unknown}; allowed: ['default', 'per_role', 'deterministic']"
+                )
+            return cls(
+                default=value.get("default"),
+                per_role=value.get("per_role") or {},
+                deterministic=value.get("deterministic"),
+            )
         raise TypeError(
             "attention config must be an AttentionConfig, an AttentionSpec, a backend name, a dict or a JSON "
             f"string, got {type(value).__name__}"
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "default": self.default.to_dict() if self.default else None,
             "per_role": {role: spec.to_dict() for role, spec in self.per_role.items()},
         }
+        if self.deterministic is not None:
+            out["deterministic"] = self.deterministic
+        return out

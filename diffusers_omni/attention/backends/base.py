@@ -29,6 +29,8 @@ class AttentionCall:
     has_mask: bool = False
     gqa: bool = False
     mask_free_path: bool = False
+    # Deterministic mode was requested (AttentionConfig.deterministic or DIFFUSERS_OMNI_DETERMINISTIC).
+    deterministic: bool = False
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "") if self.dtype is not None else "any dtype"
@@ -37,6 +39,8 @@ class AttentionCall:
             parts.append("masked")
         if self.gqa:
             parts.append("GQA")
+        if self.deterministic:
+            parts.append("deterministic")
         return ", ".join(parts)
 
 
@@ -65,12 +69,29 @@ class AttentionBackend:
     supports_mask: ClassVar[bool] = False
     supports_gqa: ClassVar[bool] = True
     supports_backward: ClassVar[bool] = True
+    # True when the backend has a deterministic mode: under AttentionConfig(deterministic=True) its forward and
+    # backward are bitwise reproducible run to run on the same inputs, device and software stack.
+    # ``determinism_reasons`` says why not otherwise (or why not on a given platform).
     deterministic: ClassVar[bool] = False
     # (import name, install hint) pairs checked without importing the package.
     packages: ClassVar[tuple[tuple[str, str], ...]] = ()
 
+    # Set by ``enable_deterministic`` at enable time, never on the hot path.
+    deterministic_mode: bool = False
+
     def __init__(self, spec: "AttentionSpec | None" = None) -> None:
         self.spec = spec
+
+    @classmethod
+    def determinism_reasons(cls, platform: "Platform") -> list[str]:
+        """Why this backend cannot promise bitwise run-to-run reproducibility on ``platform`` (empty: it can)."""
+        if cls.deterministic:
+            return []
+        return [f"{cls.name} declares no deterministic mode (deterministic=False); its kernels may differ run to run"]
+
+    def enable_deterministic(self) -> None:
+        """Switch this instance to its deterministic kernel choice (called once, at enable time)."""
+        self.deterministic_mode = True
 
     @classmethod
     def availability_reasons(cls, platform: "Platform") -> list[str]:
@@ -119,6 +140,8 @@ class AttentionBackend:
             reasons.append(f"the call passes an attention mask; {cls.name} accepts no mask")
         if call.gqa and not cls.supports_gqa:
             reasons.append(f"the call uses grouped-query attention; {cls.name} requires equal Q and KV heads")
+        if call.deterministic:
+            reasons.extend(f"deterministic mode is requested; {r}" for r in cls.determinism_reasons(platform))
         reasons.extend(cls.extra_call_reasons(call, platform))
         return reasons
 
@@ -127,8 +150,20 @@ class AttentionBackend:
         return []
 
     def describe(self) -> dict:
-        """Identity of the kernel this instance runs, for reports."""
-        return {"backend": self.name}
+        """Identity of the kernel this instance runs, for reports and kernel fingerprints.
+
+        Keys every backend fills: ``backend``, ``implementation`` (what is called), ``version`` (of the package
+        providing it), ``kernel_repo`` and ``kernel_revision`` (hub kernels; ``None`` otherwise) and
+        ``deterministic`` (whether deterministic mode is on). Subclasses extend the dict.
+        """
+        return {
+            "backend": self.name,
+            "implementation": f"{type(self).__module__}.{type(self).__qualname__}",
+            "version": None,
+            "kernel_repo": None,
+            "kernel_revision": None,
+            "deterministic": self.deterministic_mode,
+        }
 
     def __call__(
         self,

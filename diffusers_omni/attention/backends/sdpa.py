@@ -51,19 +51,78 @@ def sdpa_bshd(
     return out.permute(0, 2, 1, 3)
 
 
+# Deterministic mode on CUDA: PyTorch's dispatcher picks among these, in this order, never cuDNN. Flash and
+# memory-efficient forwards have no atomics; their backwards switch to deterministic variants when
+# ``torch.use_deterministic_algorithms(True)`` is on (flash: FA2's deterministic dQ accumulation; efficient: one
+# key split). cuDNN attention is left out because PyTorch itself refuses it under deterministic algorithms
+# (``check_cudnn_deterministic`` in sdp_utils.cpp). None of these kernels is chosen by ``requires_grad`` on sm_80+
+# (except head_dim > 192 on sm_86/89), so a training-mode forward runs the same kernel as inference.
+_DETERMINISTIC_CUDA_KERNELS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+_DETERMINISTIC_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def _needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+
+
 class TorchSDPABackend(AttentionBackend):
-    """PyTorch SDPA with PyTorch's own kernel choice: always available, the correctness reference."""
+    """PyTorch SDPA with PyTorch's own kernel choice: always available, the correctness reference.
+
+    Deterministic mode (``AttentionConfig(deterministic=True)``): on CPU the call is unchanged (PyTorch's CPU flash
+    and math kernels reduce in a fixed order; reproducible at a fixed thread count). On CUDA the kernel set is
+    pinned to flash → memory-efficient → math (no cuDNN), and a call that will need gradients raises unless
+    ``torch.use_deterministic_algorithms(True)`` is on, because only then are those backwards deterministic.
+    """
 
     name: ClassVar[str] = "TORCH_SDPA"
     devices = frozenset({"cuda", "cpu", "mps", "xpu", "npu"})
     supports_mask = True
     supports_gqa = True
     supports_backward = True
-    # The math and flash kernels are deterministic in forward; PyTorch decides which one runs.
-    deterministic = False
+    deterministic = True
+
+    _pinned: tuple | None = None
+
+    @classmethod
+    def determinism_reasons(cls, platform) -> list[str]:
+        reasons = super().determinism_reasons(platform)  # subclasses may declare deterministic = False
+        if not reasons and platform.device_type not in _DETERMINISTIC_DEVICES:
+            reasons.append(
+                f"platform device is {platform.device_type!r}; {cls.name} has a deterministic mode only on "
+                f"{sorted(_DETERMINISTIC_DEVICES)}"
+            )
+        return reasons
+
+    def enable_deterministic(self) -> None:
+        super().enable_deterministic()
+        from torch.nn.attention import SDPBackend
+
+        self._pinned = tuple(getattr(SDPBackend, k) for k in _DETERMINISTIC_CUDA_KERNELS)
+
+    def _deterministic_cuda(self, args) -> torch.Tensor:
+        query, key, value = args[:3]
+        if _needs_grad(query, key, value) and not torch.are_deterministic_algorithms_enabled():
+            raise RuntimeError(
+                f"{self.name} deterministic mode: this CUDA attention call needs gradients, and PyTorch's flash and "
+                "memory-efficient SDPA backwards are deterministic only under torch.use_deterministic_algorithms("
+                "True) (set CUBLAS_WORKSPACE_CONFIG=:4096:8 as well); call it before training, or turn deterministic "
+                "mode off"
+            )
+        with torch.nn.attention.sdpa_kernel(list(self._pinned)):
+            return sdpa_bshd(*args)
 
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if self._pinned is not None and query.device.type == "cuda":
+            return self._deterministic_cuda((query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa))
         return sdpa_bshd(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    def describe(self) -> dict:
+        return {
+            **super().describe(),
+            "implementation": "torch.nn.functional.scaled_dot_product_attention",
+            "version": torch.__version__,
+            "cuda_kernels": list(_DETERMINISTIC_CUDA_KERNELS) if self._pinned is not None else "dispatcher",
+        }
 
 
 _CUDNN_DTYPES = frozenset({torch.float16, torch.bfloat16})
@@ -91,6 +150,14 @@ class CudnnAttentionBackend(AttentionBackend):
     def __init__(self, spec=None) -> None:
         super().__init__(spec)
         self._rejected: set[tuple] = set()
+
+    @classmethod
+    def determinism_reasons(cls, platform) -> list[str]:
+        return [
+            f"{cls.name} calls cuDNN fused attention, whose backward gives no run-to-run determinism guarantee "
+            "(PyTorch's own SDPA dispatcher refuses cuDNN attention under torch.use_deterministic_algorithms(True)); "
+            "use TORCH_SDPA, which pins deterministic kernels in this mode"
+        ]
 
     @classmethod
     def extra_availability_reasons(cls, platform) -> list[str]:
@@ -128,4 +195,9 @@ class CudnnAttentionBackend(AttentionBackend):
         return out.permute(0, 2, 1, 3)
 
     def describe(self) -> dict:
-        return {"backend": self.name, "cudnn_version": torch.backends.cudnn.version()}
+        return {
+            **super().describe(),
+            "implementation": "torch.ops.aten._scaled_dot_product_cudnn_attention",
+            "version": torch.__version__,
+            "cudnn_version": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        }
