@@ -104,7 +104,7 @@ COSMOS3 = register_transformer(
         make_processor=_make_processor,
         mask_free=True,
         display_name="Cosmos3",
-        example_checkpoint="nvidia/Cosmos3-Omni-8B",
+        example_checkpoint="nvidia/Cosmos3-Nano",
         roles=(UNDERSTANDING, GENERATION),
     )
 )

@@ -194,7 +194,7 @@ HUNYUANVIDEO15 = register_transformer(
         make_processor=_make_processor,
         mask_free=False,
         display_name="HunyuanVideo-1.5",
-        example_checkpoint="hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v",
+        example_checkpoint="hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",
         roles=(TOKEN_REFINER, JOINT),
     )
 )

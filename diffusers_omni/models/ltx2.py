@@ -197,9 +197,10 @@ LTX2 = register_transformer(
     )
 )
 
+# Same family name: the connectors belong to the LTX-2 pipelines (their roles are ``ltx2.*`` too).
 LTX2_CONNECTORS = register_transformer(
     TransformerDeclaration(
-        name="ltx2_connectors",
+        name="ltx2",
         class_names=("LTX2TextConnectors",),
         blocks_attrs=("video_connector.transformer_blocks", "audio_connector.transformer_blocks"),
         find_sites=_connector_sites,
