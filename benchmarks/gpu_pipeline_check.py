@@ -31,9 +31,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    stock = tiny_flux_pipeline().to("cuda", torch.bfloat16)
+    stock = tiny_flux_pipeline()
+    for component in stock.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.to(device="cuda", dtype=torch.bfloat16)
     expected = latents(stock)
-    results = {}
+    results = {"transformer_dtype": str(stock.transformer.dtype), "device": torch.cuda.get_device_name()}
     configs = {
         "platform default": None,
         "CUDNN_ATTN on flux.single": {"per_role": {"flux.single": {"backend": "CUDNN_ATTN"}}},

@@ -1,11 +1,14 @@
-"""Layerwise offload: DiT blocks stream from flat host buffers into a few fixed device slots, one ring per stack.
+"""Layerwise offload: DiT blocks stream from flat host buffers onto the device, one prefetch ring per DiT.
 
-Each block's tensors live in one contiguous (pinned) host buffer per dtype. A pool of ``prefetch_depth + 1``
-device slots, each sized for the largest streamed block, receives them. When a block starts, its tensors are
-rebound to views of the slot holding it and the next streamed blocks are copied into the oldest slots on a
-copy stream; when it ends, its tensors go back to empty placeholders. Two events per slot order everything
-without host synchronisation: the compute stream waits for ``ready`` before the block runs, and the copy stream
-waits for ``released`` (recorded after the slot's last block ran) before overwriting the slot.
+Each block's tensors live in one contiguous (pinned) host buffer per dtype. At most ``prefetch_depth + 1`` blocks
+are on the device at once. When a block starts, its tensors are rebound to views of its device buffer and the
+next streamed blocks are copied on a copy stream; when it ends, its tensors go back to empty placeholders and
+its buffer is released. Device buffers are taken from PyTorch's caching allocator at the size of each block, so
+device memory follows the blocks actually in flight (a small block does not hold a slot sized for the largest).
+Ordering needs no host synchronisation: a buffer is allocated on the compute stream and the copy stream waits
+for an event recorded right after the allocation (so the memory's previous users have finished), the compute
+stream waits for the copy's ``ready`` event before the block runs, and ``record_stream`` tells the allocator
+that the copy stream used the buffer.
 """
 
 from __future__ import annotations
@@ -80,31 +83,35 @@ def plan_residency(
 
 
 class _Slot:
-    """One fixed device buffer per dtype, and the events ordering its reuse."""
+    """One in-flight block's device buffers (one per dtype, allocated per load) and the events ordering them."""
 
-    def __init__(self, index: int, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers) -> None:
+    def __init__(self, index: int, transfers: Transfers) -> None:
         self.index = index
-        self.buffers = buffers
+        self.buffers: dict[torch.dtype, torch.Tensor] | None = None
+        self.allocated = transfers.new_event()
         self.ready = transfers.new_event()
-        self.released = transfers.new_event()
         self.owner: _StreamedBlock | None = None
+
+    def release(self) -> None:
+        if self.owner is not None:
+            self.owner.slot = None
+        self.owner = None
+        self.buffers = None
 
 
 class _StreamedBlock:
     def __init__(self, weights: PackedWeights, device: torch.device) -> None:
         self.weights = weights
+        self.device = device
         self.placeholders = [placeholder(s.dtype, device) for s in weights.slots]
-        self.views_by_slot: list[list[torch.Tensor]] = []
-        self.copy_pairs_by_slot: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         self.slot: _Slot | None = None
         self.running = False
 
-    def attach_slots(self, slots: list[_Slot]) -> None:
-        self.views_by_slot = [self.weights.views_into(slot.buffers) for slot in slots]
-        self.copy_pairs_by_slot = [
-            [(host, slot.buffers[dtype].narrow(0, 0, host.numel())) for dtype, host in self.weights.host.items()]
-            for slot in slots
-        ]
+    def allocate(self) -> dict[torch.dtype, torch.Tensor]:
+        return {d: torch.empty(n, dtype=d, device=self.device) for d, n in self.weights.numel.items()}
+
+    def copy_pairs(self, buffers: dict[torch.dtype, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(host, buffers[dtype].narrow(0, 0, host.numel())) for dtype, host in self.weights.host.items()]
 
 
 @dataclass
@@ -136,15 +143,20 @@ class _Streamer:
         if slot.owner is not None and slot.owner.running:
             return None
         self._cursor = (self._cursor + 1) % len(self.slots)
-        if slot.owner is not None:
-            slot.owner.slot = None
+        slot.release()
         return slot
 
     def load(self, block: _StreamedBlock) -> bool:
         slot = self._take_slot()
         if slot is None:
             return False
-        self.transfers.copy(block.copy_pairs_by_slot[slot.index], wait_for=slot.released, done=slot.ready)
+        # Normal (not inference) tensors, so parameters never point at inference tensors between calls.
+        with torch.inference_mode(False):
+            buffers = block.allocate()
+        self.transfers.record_on_compute(slot.allocated)
+        self.transfers.copy(block.copy_pairs(buffers), wait_for=slot.allocated, done=slot.ready)
+        self.transfers.used_by_copy_stream(buffers.values())
+        slot.buffers = buffers
         slot.owner = block
         block.slot = slot
         self.stats.loads += 1
@@ -162,7 +174,8 @@ class _Streamer:
                         "running block (are blocks calling each other?)"
                     )
             self.transfers.compute_waits_for(block.slot.ready)
-            block.weights.bind(block.views_by_slot[block.slot.index])
+            with torch.inference_mode(False):
+                block.weights.bind(block.weights.views_into(block.slot.buffers))
             block.running = True
         for upcoming in lookahead:
             if upcoming.slot is None and not self.load(upcoming):
@@ -170,9 +183,10 @@ class _Streamer:
 
     @torch.compiler.disable
     def end(self, block: _StreamedBlock) -> None:
-        self.transfers.record_on_compute(block.slot.released)
         block.weights.bind(block.placeholders)
         block.running = False
+        if block.slot is not None:
+            block.slot.release()
 
     @torch.compiler.disable
     def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...]) -> None:
@@ -317,23 +331,15 @@ class LayerwiseOffloadBackend(OffloadBackend):
     def _stage_allocate_slots(self, state: _State, journal: Journal) -> None:
         blocks = [b for row in state.streamed for b in row if b is not None]
         state.transfers = Transfers(self.device)
-        sizes: dict[torch.dtype, int] = {}
-        for block in blocks:
-            for dtype, numel in block.weights.numel.items():
-                sizes[dtype] = max(sizes.get(dtype, 0), numel)
         count = self.config.prefetch_depth + 1 if blocks else 0
-        slots = [
-            _Slot(i, {d: torch.empty(n, dtype=d, device=self.device) for d, n in sizes.items()}, state.transfers)
-            for i in range(count)
-        ]
-        for block in blocks:
-            block.attach_slots(slots)
+        slots = [_Slot(i, state.transfers) for i in range(count)]
         state.streamer = _Streamer(slots, state.transfers, state.stats)
         state.stats.slot_count = count
-        state.stats.slot_bytes = sum(n * torch.empty(0, dtype=d).element_size() for d, n in sizes.items())
+        state.stats.slot_bytes = max((b.weights.nbytes for b in blocks), default=0)
         logger.info(
-            "layerwise offload: %d device slots of %s (prefetch depth %d)",
+            "layerwise offload: up to %d blocks on %s at once (largest %s; prefetch depth %d)",
             count,
+            self.device,
             format_bytes(state.stats.slot_bytes),
             self.config.prefetch_depth,
         )
