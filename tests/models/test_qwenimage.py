@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers import QwenImageImg2ImgPipeline
 from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+from PIL import Image
 
 from diffusers_omni import omnify
 from diffusers_omni.attention.backends.base import AttentionBackend
@@ -13,7 +14,6 @@ from diffusers_omni.attention.registry import register_backend, reset_backend
 from diffusers_omni.pipelines import qwenimage as omni_qwenimage
 from diffusers_omni.pipelines.qwenimage import OmniQwenImageImg2ImgPipeline, OmniQwenImagePipeline
 from diffusers_omni.testing.tiny_qwenimage import tiny_qwenimage_edit_pipeline, tiny_qwenimage_pipeline
-from PIL import Image
 
 from .harness import ModelCase, check_bitwise_parity, check_omnify_report, standard_tests
 

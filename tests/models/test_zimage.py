@@ -140,3 +140,21 @@ def test_an_unknown_swapped_processor_raises_naming_the_module():
     pipe.transformer.layers[1].attention.set_processor(object())
     with pytest.raises(TypeError, match="'layers.1.attention' uses processor object"):
         _run(pipe, SMALL)
+
+
+def test_the_omni_variant_gets_a_siglip_refiner_role_and_its_pipeline_an_omni_class():
+    from diffusers import ZImageOmniPipeline, ZImageTransformer2DModel
+
+    from diffusers_omni import apply_attention
+    from diffusers_omni.pipelines.registry import omni_pipeline_class
+    from diffusers_omni.pipelines.zimage import OmniZImageOmniPipeline
+
+    assert omni_pipeline_class(ZImageOmniPipeline) is OmniZImageOmniPipeline
+    model = ZImageTransformer2DModel(
+        dim=32, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=16, siglip_feat_dim=8,
+        axes_dims=[8, 4, 4], axes_lens=[256, 32, 32],
+    )
+    report = apply_attention(model, "TORCH_SDPA")
+    assert {e["module"]: e["role"] for e in report if e["module"].startswith("siglip_refiner.")} == {
+        "siglip_refiner.0.attention": "zimage.siglip_refiner"
+    }
