@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -21,6 +21,7 @@ from .base import unsupported_processor_error
 JOINT = AttentionRole("flux.joint", SELF)
 SINGLE = AttentionRole("flux.single", SELF)
 IP_ADAPTER = AttentionRole("flux.ip_adapter", CROSS)
+_IP_SUFFIX = ".ip_adapter"
 
 
 def _unbound_error(processor: Any) -> RuntimeError:
@@ -91,7 +92,8 @@ class OmniFluxIPAdapterAttnProcessor(OmniAttnProcessor, nn.Module):
     """FLUX.1 attention with IP-adapter image attention (replaces ``FluxIPAdapterAttnProcessor``).
 
     The joint attention goes through the ``flux.joint`` role; each IP-adapter's attention of the image queries
-    (normalised, without rotary embeddings) over its image-prompt tokens goes through ``flux.ip_adapter``.
+    (normalised, without rotary embeddings) over its image-prompt tokens goes through ``flux.ip_adapter`` (any
+    role named ``*.ip_adapter``).
 
     Like the Diffusers processor this is an ``nn.Module`` holding the adapter weights: ``to_k_ip`` and
     ``to_v_ip`` are the original processor's own module lists, registered here under the same names, so the
@@ -105,8 +107,9 @@ class OmniFluxIPAdapterAttnProcessor(OmniAttnProcessor, nn.Module):
         # Plain attributes: the original must not become a submodule (its weights would appear twice).
         object.__setattr__(self, "original", FluxAttnProcessor() if original is None else original)
         object.__setattr__(self, "attend", attend or {})
-        self._attention = self.attend.get(JOINT.role) or self.attend.get(SINGLE.role)
-        self._ip_attention = self.attend.get(IP_ADAPTER.role)
+        # Roles are found by suffix so that architectures reusing FLUX.1 attention (Chroma) name their own.
+        self._attention = next((ra for role, ra in self.attend.items() if not role.endswith(_IP_SUFFIX)), None)
+        self._ip_attention = next((ra for role, ra in self.attend.items() if role.endswith(_IP_SUFFIX)), None)
         if isinstance(self.original, FluxIPAdapterAttnProcessor):
             self.to_k_ip = self.original.to_k_ip
             self.to_v_ip = self.original.to_v_ip
@@ -179,20 +182,31 @@ def _unwrap(processor: Any) -> Any:
     return processor.original if isinstance(processor, OmniAttnProcessor) else processor
 
 
-def _find_sites(model: nn.Module) -> list[AttentionSite]:
-    sites = []
-    for name, module in model.named_modules():
-        if not isinstance(module, FluxAttention):
-            continue
-        roles: tuple[AttentionRole, ...]
-        roles = (SINGLE,) if name.startswith("single_transformer_blocks.") else (JOINT,)
-        if isinstance(_unwrap(module.processor), FluxIPAdapterAttnProcessor):
-            roles += (IP_ADAPTER,)
-        sites.append(AttentionSite(name, module, roles, head_dim_of(module)))
-    return sites
+def flux_attention_sites(
+    joint: AttentionRole, single: AttentionRole, ip_adapter: AttentionRole
+) -> Callable[[nn.Module], list[AttentionSite]]:
+    """``find_sites`` for a model built from ``FluxAttention`` modules (FLUX.1, Chroma): ``joint`` in the
+    double-stream blocks, ``single`` in ``single_transformer_blocks``, plus ``ip_adapter`` where an IP-adapter
+    processor is installed."""
+
+    def find_sites(model: nn.Module) -> list[AttentionSite]:
+        sites = []
+        for name, module in model.named_modules():
+            if not isinstance(module, FluxAttention):
+                continue
+            roles: tuple[AttentionRole, ...]
+            roles = (single,) if name.startswith("single_transformer_blocks.") else (joint,)
+            if isinstance(_unwrap(module.processor), FluxIPAdapterAttnProcessor):
+                roles += (ip_adapter,)
+            sites.append(AttentionSite(name, module, roles, head_dim_of(module)))
+        return sites
+
+    return find_sites
 
 
-def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniAttnProcessor:
+def make_flux_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniAttnProcessor:
+    """``make_processor`` for ``FluxAttention`` modules: replaces ``FluxAttnProcessor`` and
+    ``FluxIPAdapterAttnProcessor``; raises naming the module for anything else."""
     original = _unwrap(original)
     if isinstance(original, FluxIPAdapterAttnProcessor):
         return OmniFluxIPAdapterAttnProcessor(original, attend)
@@ -206,8 +220,8 @@ FLUX = register_transformer(
         name="flux",
         class_names=("FluxTransformer2DModel",),
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
-        find_sites=_find_sites,
-        make_processor=_make_processor,
+        find_sites=flux_attention_sites(JOINT, SINGLE, IP_ADAPTER),
+        make_processor=make_flux_processor,
         mask_free=True,
         display_name="FLUX.1",
         example_checkpoint="black-forest-labs/FLUX.1-dev",
