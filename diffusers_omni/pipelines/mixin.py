@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -35,6 +36,20 @@ def get_submodule_path(root: Any, path: str) -> Any:
     return obj
 
 
+# Set by ``omnify`` while it builds the Omni pipeline: Diffusers' ``from_pipe`` ends with ``to(dtype=float32 or the
+# requested dtype)``, which would cast the very components omnify promises to share unchanged.
+_sharing_components: contextvars.ContextVar[bool] = contextvars.ContextVar("omni_sharing_components", default=False)
+
+
+@contextlib.contextmanager
+def sharing_components() -> Iterator[None]:
+    token = _sharing_components.set(True)
+    try:
+        yield
+    finally:
+        _sharing_components.reset(token)
+
+
 class OmniPipelineMixin:
     """Adds omni attention (and later offload) to a Diffusers pipeline class.
 
@@ -46,6 +61,11 @@ class OmniPipelineMixin:
     _encoder_modules: ClassVar[tuple[str, ...]] = ()
     _vae_modules: ClassVar[tuple[str, ...]] = ()
     _resident_modules: ClassVar[tuple[str, ...]] = ()
+
+    def to(self, *args: Any, **kwargs: Any):
+        if _sharing_components.get() and not args and set(kwargs) <= {"dtype", "torch_dtype"}:
+            return self
+        return super().to(*args, **kwargs)
 
     def omni_dits(self) -> dict[str, nn.Module]:
         """The declared DiTs present in this pipeline, by path."""

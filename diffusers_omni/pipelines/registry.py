@@ -63,15 +63,22 @@ def omnify(pipe: Any, attention: Any = None, *, enable_attention: bool = True):
             platform default.
         enable_attention (`bool`, defaults to `True`): install omni attention right away.
 
-    The components are shared, not copied: the original pipeline object sees the omni processors too.
+    The components are shared, not copied or cast (unlike ``from_pipe``, which casts every component to one
+    dtype): the original pipeline object sees the omni processors too.
 
     Example:
     ```py
     >>> pipe = omnify(FluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev"), "TORCH_SDPA")
     ```
     """
+    from .mixin import sharing_components
+
     omni_cls = omni_pipeline_class(type(pipe))
-    omni = pipe if isinstance(pipe, omni_cls) else omni_cls.from_pipe(pipe)
+    if isinstance(pipe, omni_cls):
+        omni = pipe
+    else:
+        with sharing_components():
+            omni = omni_cls.from_pipe(pipe)
     if enable_attention:
         omni.enable_omni_attention(attention)
     return omni

@@ -134,3 +134,14 @@ def test_from_pretrained_and_from_pipe(tmp_path):
     out = run(loaded, FLUX_CALL)
     # Weights reload identically; CPU kernels may differ in the last bit for differently aligned tensors.
     torch.testing.assert_close(out, run(stock, FLUX_CALL), atol=1e-5, rtol=1e-5)
+
+
+def test_omnify_shares_components_without_casting_them():
+    stock = tiny_flux_pipeline()
+    stock.transformer.to(torch.bfloat16)
+    expected = run(stock, FLUX_CALL)
+    pipe = omnify(stock, "TORCH_SDPA")
+    assert pipe.transformer.dtype == torch.bfloat16 and pipe.vae.dtype == torch.float32
+    assert torch.equal(run(pipe, FLUX_CALL), expected)
+    # Plain from_pipe keeps Diffusers' own semantics (it casts to float32 by default).
+    assert OmniFluxPipeline.from_pipe(stock).transformer.dtype == torch.float32
