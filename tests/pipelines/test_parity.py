@@ -138,10 +138,15 @@ def test_from_pretrained_and_from_pipe(tmp_path):
 
 def test_omnify_shares_components_without_casting_them():
     stock = tiny_flux_pipeline()
-    stock.transformer.to(torch.bfloat16)
-    expected = run(stock, FLUX_CALL)
+    for component in stock.components.values():
+        if isinstance(component, torch.nn.Module) and component is not stock.vae:
+            component.to(torch.bfloat16)
     pipe = omnify(stock, "TORCH_SDPA")
     assert pipe.transformer.dtype == torch.bfloat16 and pipe.vae.dtype == torch.float32
+    pipe.vae.to(torch.bfloat16)
+    pipe.disable_omni_attention()
+    expected = run(stock, FLUX_CALL)
+    pipe.enable_omni_attention("TORCH_SDPA")
     assert torch.equal(run(pipe, FLUX_CALL), expected)
     # Plain from_pipe keeps Diffusers' own semantics (it casts to float32 by default).
     assert OmniFluxPipeline.from_pipe(stock).transformer.dtype == torch.float32
