@@ -215,23 +215,32 @@ def test_fuse_qkv_projections_after_enable_stays_omni_and_bitwise_equal_to_stock
     assert pipe.transformer.transformer_blocks[0].attn.fused_projections
 
 
-def _add_lora(transformer) -> None:
-    peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        transformer.add_adapter(config, adapter_name="tiny")
+def _tiny_lora(transformer) -> dict[str, torch.Tensor]:
+    """A random rank-2 LoRA on every attention's ``to_q``/``to_v``, in Diffusers' PEFT key layout."""
+    generator = torch.Generator().manual_seed(5)
+    state_dict = {}
+    for name, module in transformer.named_modules():
+        if name.endswith(("attn.to_q", "attn.to_v")):
+            state_dict[f"transformer.{name}.lora_A.weight"] = 0.3 * torch.randn(2, module.in_features, generator=generator)
+            state_dict[f"transformer.{name}.lora_B.weight"] = 0.3 * torch.randn(module.out_features, 2, generator=generator)
+    return state_dict
 
 
-def test_lora_after_enable_stays_omni_and_bitwise_equal_to_stock_lora():
+def test_lora_loaded_after_enable_stays_omni_and_bitwise_equal_to_stock_lora():
+    pytest.importorskip("peft")
     stock = tiny_flux_pipeline()
-    _add_lora(stock.transformer)
+    stock.load_lora_weights(_tiny_lora(stock.transformer), adapter_name="tiny")
     expected = _run(stock, SMALL)
     assert not torch.equal(expected, _run(tiny_flux_pipeline(), SMALL))  # the LoRA does change the output
 
     pipe = omnify(tiny_flux_pipeline(), "TORCH_SDPA")
-    _add_lora(pipe.transformer)
+    pipe.load_lora_weights(_tiny_lora(pipe.transformer), adapter_name="tiny")
     assert torch.equal(_run(pipe, SMALL), expected)
+    assert all(is_omni_processor(p) for p in pipe.transformer.attn_processors.values())
+
+    stock.fuse_lora()
+    pipe.fuse_lora()
+    assert torch.equal(_run(pipe, SMALL), _run(stock, SMALL))
     assert all(is_omni_processor(p) for p in pipe.transformer.attn_processors.values())
 
 
