@@ -27,6 +27,10 @@ _LAZY = {
     "remove_attention": "diffusers_omni.attention.install",
     "attention_report": "diffusers_omni.attention.install",
     "omnify": "diffusers_omni.pipelines.registry",
+    "check_alignment": "diffusers_omni.alignment",
+    "kernel_fingerprint": "diffusers_omni.alignment",
+    "compare_fingerprints": "diffusers_omni.alignment",
+    "record_transformer_inputs": "diffusers_omni.alignment",
     "OmniPipelineMixin": "diffusers_omni.pipelines.mixin",
     "SupportsComponentDiscovery": "diffusers_omni.pipelines.mixin",
     "OmniFluxPipeline": "diffusers_omni.pipelines.flux",
@@ -76,5 +80,6 @@ if TYPE_CHECKING:
     from .offload.factory import get_offload_backend
     from .pipelines.flux import OmniFluxPipeline
     from .pipelines.mixin import OmniPipelineMixin, SupportsComponentDiscovery
+    from .alignment import check_alignment, compare_fingerprints, kernel_fingerprint, record_transformer_inputs
     from .pipelines.registry import omnify
     from .pipelines.wan import OmniWanImageToVideoPipeline, OmniWanPipeline, OmniWanVideoToVideoPipeline

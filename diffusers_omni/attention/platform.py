@@ -141,7 +141,6 @@ ROUTE_CONDITIONS: dict[str, Callable[[Platform, "AttentionCall"], bool]] = {
     "head_dim_128": lambda platform, call: call.head_dim == 128,
     "cudnn_at_least_9_5": lambda platform, call: (platform.cudnn_version or 0) >= 90500,
     "flash_attn_3_or_4_importable": _flash_attn_3_or_4_importable,
-    "call_has_mask": lambda platform, call: call.has_mask,
 }
 
 _BLACKWELL_TAIL = (
@@ -153,8 +152,9 @@ _BLACKWELL_TAIL = (
 
 # benchmarks/results/attention_h200.md: on an H200 (torch 2.11, cuDNN 9.19) PyTorch's unpinned SDPA lands on
 # cuDNN and was the fastest dense kernel at every DiT shape (PyTorch's built-in FlashAttention-2 ran at 55-60% of
-# it); pinning cuDNN gave the same output bit for bit but ran up to 8% slower on unmasked calls. Pinning pays for
-# masked calls, where the unpinned dispatcher leaves cuDNN for the memory-efficient kernel.
+# it); pinning cuDNN gave the same output bit for bit but ran up to 8% slower. With boolean key-padding masks the
+# unpinned dispatcher also stayed on cuDNN (3x the memory-efficient kernel), so masked calls gain nothing from
+# pinning on this stack either.
 _HOPPER_WHY = "unpinned SDPA lands on cuDNN on Hopper and was fastest on unmasked DiT shapes"
 
 PLATFORM_ROUTES: dict[str, tuple[Route, ...]] = {
@@ -169,7 +169,6 @@ PLATFORM_ROUTES: dict[str, tuple[Route, ...]] = {
     "blackwell_workstation": _BLACKWELL_TAIL,
     "hopper": (
         Route("FLASH_ATTN", when=("flash_attn_3_or_4_importable",)),
-        Route("CUDNN_ATTN", when=("call_has_mask",), why="cuDNN keeps masked calls off the memory-efficient kernel"),
         Route("TORCH_SDPA", why=_HOPPER_WHY),
     ),
     "ada": (

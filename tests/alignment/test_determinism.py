@@ -45,10 +45,11 @@ def test_explicit_backend_that_cannot_be_deterministic_is_refused_with_reasons()
 
 
 def test_platform_default_skips_non_deterministic_candidates():
-    masked = AttentionCall("cuda", torch.bfloat16, 128, has_mask=True)
-    with use_platform(HOPPER):
-        assert resolve(None, "r", "self", masked).backend == "CUDNN_ATTN"
-        chosen = resolve(None, "r", "self", AttentionCall("cuda", torch.bfloat16, 128, has_mask=True, deterministic=True))
+    blackwell = Platform("cuda", "B200", (10, 0), 91000)
+    call = AttentionCall("cuda", torch.bfloat16, 128)
+    with use_platform(blackwell):
+        assert resolve(None, "r", "self", call).backend == "CUDNN_ATTN"
+        chosen = resolve(None, "r", "self", AttentionCall("cuda", torch.bfloat16, 128, deterministic=True))
     assert chosen.backend == "TORCH_SDPA"
     skipped = {c.backend: c.reasons for c in chosen.candidates}
     assert any("deterministic mode is requested" in r for r in skipped["CUDNN_ATTN"])

@@ -73,7 +73,7 @@ def test_unimplemented_backend_explains_itself():
         (CPU, cpu_call(), "TORCH_SDPA"),
         (Platform("mps", "MPS"), AttentionCall("mps", torch.float16, 64), "TORCH_SDPA"),
         (HOPPER, cuda_call(), "TORCH_SDPA"),
-        (HOPPER, cuda_call(has_mask=True), "CUDNN_ATTN"),
+        (HOPPER, cuda_call(has_mask=True), "TORCH_SDPA"),
         (HOPPER, cuda_call(has_mask=True, dtype=torch.float32), "TORCH_SDPA"),
         (AMPERE, cuda_call(), "TORCH_SDPA"),
         (BLACKWELL_DC, cuda_call(mask_free_path=True), "CUDNN_ATTN"),
