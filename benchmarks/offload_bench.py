@@ -383,13 +383,17 @@ def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, b
     def omni_teardown(backend):
         backend.disable()
 
-    variants.append(run_variant("omni layerwise", omni(None), omni_teardown, model, inputs, device, args))
-    if name in args.budget_models:
+    if "layerwise" in args.variants:
+        variants.append(run_variant("omni layerwise", omni(None), omni_teardown, model, inputs, device, args))
+    if name in args.budget_models and "budget" in args.variants:
         variants.append(run_variant(f"omni layerwise {args.budget}", omni(args.budget), omni_teardown, model,
                                     inputs, device, args))
-    switch = measure_model_level_switch(model, model_bytes, device, bandwidth, args) if not args.skip_model_level else None
+    switch = None
+    if not args.skip_model_level and "model-level" in args.variants:
+        switch = measure_model_level_switch(model, model_bytes, device, bandwidth, args)
 
-    for record_stream in ((False, True) if use_stream else (False,)):
+    record_streams = ((False, True) if use_stream else (False,)) if "diffusers" in args.variants else ()
+    for record_stream in record_streams:
         def diffusers_setup(record_stream=record_stream):
             model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
                                        offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream,
@@ -542,12 +546,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--encoder-bytes", type=int, default=4 * GiB, help="synthetic encoder for the switch test")
     parser.add_argument("--switch-repeats", type=int, default=3)
     parser.add_argument("--skip-model-level", action="store_true")
+    parser.add_argument(
+        "--variants",
+        default="layerwise,budget,model-level,diffusers",
+        help="comma-separated subset of layerwise, budget, model-level, diffusers (resident always runs: the targets "
+        "need it)",
+    )
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(args.models) - {"flux", "wan"})
     if unknown:
         parser.error(f"--models: unknown {unknown}; allowed: flux, wan")
     args.budget_models = [m.strip() for m in args.budget_models.split(",") if m.strip()]
+    args.variants = {v.strip() for v in args.variants.split(",") if v.strip()}
+    unknown_variants = sorted(args.variants - {"layerwise", "budget", "model-level", "diffusers"})
+    if unknown_variants:
+        parser.error(f"--variants: unknown {unknown_variants}; allowed: layerwise, budget, model-level, diffusers")
     if args.smoke:
         args.warmup, args.repeats = 1, 2
         args.bandwidth_bytes = min(args.bandwidth_bytes, 64 * 2**20)
