@@ -82,6 +82,7 @@ def plan_attention(model: nn.Module, config: Any = None, platform: Platform | No
                 dtype=dtype,
                 head_dim=site.head_dim,
                 has_mask=role.masked,
+                gqa=role.gqa,
                 mask_free_path=declaration.mask_free,
                 deterministic=deterministic,
             )

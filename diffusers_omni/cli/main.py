@@ -18,6 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.add_argument("--platform", help="simulate a platform: cpu, mps or sm_XY[,cudnn=N]")
 
+    models = sub.add_parser("models", help="supported architectures, pipelines, roles and blocks")
+    models.add_argument("--json", action="store_true", help="machine-readable output")
+
     explain = sub.add_parser("explain", help="per-role backend resolution for a pipeline")
     explain.add_argument("--model", default="tiny-flux", help=_MODEL_HELP)
     explain.add_argument("--attention", help="backend name, or JSON {'default': ..., 'per_role': ...}")
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "info":
         from .info import run
+    elif args.command == "models":
+        from .models import run
     elif args.command == "explain":
         from .explain import run
     elif args.command == "align":

@@ -15,11 +15,13 @@ CROSS = "cross"
 
 @dataclass(frozen=True)
 class AttentionRole:
-    """One attention call made by a module: a model-specific role, its category, and whether it is masked."""
+    """One attention call made by a module: a model-specific role, its category, whether it is masked, and whether
+    it uses grouped-query attention (fewer KV heads than query heads)."""
 
     role: str
     category: str
     masked: bool = False
+    gqa: bool = False
 
 
 @dataclass(frozen=True)

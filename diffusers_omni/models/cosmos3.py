@@ -27,8 +27,8 @@ from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, register_transformer
 from .base import unsupported_processor_error
 
-UNDERSTANDING = AttentionRole("cosmos3.understanding", SELF)
-GENERATION = AttentionRole("cosmos3.generation", SELF)
+UNDERSTANDING = AttentionRole("cosmos3.understanding", SELF, gqa=True)
+GENERATION = AttentionRole("cosmos3.generation", SELF, gqa=True)
 
 
 class OmniCosmos3AttnProcessor(OmniAttnProcessor):

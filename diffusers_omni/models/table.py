@@ -37,7 +37,10 @@ def supported_models() -> list[dict]:
                 "example_checkpoint": declaration.example_checkpoint,
                 "dit_classes": list(declaration.class_names),
                 "pipelines": sorted(pipelines_by_family.get(declaration.name, [])),
-                "roles": [f"{role.role} ({role.category}{', masked' if role.masked else ''})" for role in declaration.roles],
+                "roles": [
+                    f"{role.role} ({role.category}{', masked' if role.masked else ''}{', GQA' if role.gqa else ''})"
+                    for role in declaration.roles
+                ],
                 "model_level_offload": True,
                 "layerwise_offload": streamable,
                 "distributed_layerwise_offload": streamable,

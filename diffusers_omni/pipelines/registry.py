@@ -48,9 +48,12 @@ def omni_pipeline_class(pipeline_cls: type) -> type:
     for cls in pipeline_cls.__mro__:
         if cls.__name__ in registry:
             return registry[cls.__name__]
+    from ..models.base import declarations
+
+    families = sorted({d.display_name or d.name for d in declarations()})
     raise TypeError(
-        f"{pipeline_cls.__name__} is not supported by diffusers-omni; supported pipelines: "
-        f"{', '.join(supported_pipelines())}"
+        f"{pipeline_cls.__name__} is not supported by diffusers-omni; supported families: {', '.join(families)} "
+        f"({len(registry)} pipelines; `diffusers-omni models` lists them)"
     )
 
 

@@ -51,3 +51,11 @@ def test_generate_wan_writes_a_frame(tmp_path):
     args = ["generate", "--model", "tiny-wan", "--steps", "2", "--height", "32", "--width", "32", "--output", str(output)]
     assert main(args) == 0
     assert output.exists()
+
+
+def test_models_lists_every_declaration(capsys):
+    assert main(["models", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    names = {row["architecture"] for row in rows}
+    assert {"FLUX.1", "Wan 2.1 / 2.2"} <= names
+    assert any("OmniFluxPipeline" in row["pipelines"] for row in rows)

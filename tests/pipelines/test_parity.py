@@ -103,7 +103,7 @@ def test_omnify_rejects_unsupported_pipelines():
         norm_num_groups=4,
     )
     pipe = DDPMPipeline(unet=unet, scheduler=DDPMScheduler())
-    with pytest.raises(TypeError, match="DDPMPipeline is not supported.*FluxPipeline"):
+    with pytest.raises(TypeError, match="DDPMPipeline is not supported.*supported families: .*FLUX.1.*Wan 2.1"):
         omnify(pipe)
 
 
