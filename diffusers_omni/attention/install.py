@@ -127,7 +127,13 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
                 backends[key] = get_backend_class(resolution.backend)(resolution.spec)
                 if resolution.call.deterministic:
                     backends[key].enable_deterministic()
-            attend[role] = RoleAttention(resolution, backends[key], mask_policy)
+            backend = backends[key]
+            # Optional enable-time hook: a backend may specialise itself per site and role (calibration, layer
+            # exemptions, per-role guards) or raise; nothing is installed yet, so a raise leaves the model as is.
+            bind_site = getattr(backend, "bind_site", None)
+            if bind_site is not None:
+                backend = bind_site(model, site, resolution)
+            attend[role] = RoleAttention(resolution, backend, mask_policy)
         current = site.module.processor
         original = current.original if is_omni_processor(current) else current
         processors[site.name] = (site, declaration.make_processor(site, original, attend), original)

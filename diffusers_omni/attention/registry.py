@@ -13,12 +13,12 @@ _DEFAULT_PATHS: dict[str, str] = {
     "TORCH_SDPA": f"{_PKG}.sdpa:TorchSDPABackend",
     "FLASH_ATTN": f"{_PKG}.flash:FlashAttentionBackend",
     "CUDNN_ATTN": f"{_PKG}.sdpa:CudnnAttentionBackend",
-    "FLASHINFER_ATTN": f"{_PKG}.pending:FlashInferBackend",
+    "FLASHINFER_ATTN": f"{_PKG}.flashinfer:FlashInferBackend",
     "TRTLLM_ATTN": f"{_PKG}.pending:TrtllmBackend",
     "SAGE_ATTN": f"{_PKG}.pending:SageAttentionBackend",
     "SAGE_ATTN_3": f"{_PKG}.pending:SageAttention3Backend",
-    "FLASH_ATTN_HUB": f"{_PKG}.pending:FlashAttentionHubBackend",
-    "FLASH_ATTN_3_HUB": f"{_PKG}.pending:FlashAttention3HubBackend",
+    "FLASH_ATTN_HUB": f"{_PKG}.hub:FlashAttentionHubBackend",
+    "FLASH_ATTN_3_HUB": f"{_PKG}.hub:FlashAttention3HubBackend",
     "RAINFUSION_ATTN": f"{_PKG}.pending:RainFusionBackend",
 }
 

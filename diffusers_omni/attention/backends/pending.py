@@ -8,23 +8,7 @@ from __future__ import annotations
 
 from .base import UnavailableBackend
 
-_DENSE = "FlashAttention, FlashInfer and Hub kernel backends"
 _QUANTIZED = "quantized and sparse attention backends"
-
-
-class FlashInferBackend(UnavailableBackend):
-    name = "FLASHINFER_ATTN"
-    pending = _DENSE
-
-
-class FlashAttentionHubBackend(UnavailableBackend):
-    name = "FLASH_ATTN_HUB"
-    pending = _DENSE
-
-
-class FlashAttention3HubBackend(UnavailableBackend):
-    name = "FLASH_ATTN_3_HUB"
-    pending = _DENSE
 
 
 class TrtllmBackend(UnavailableBackend):
