@@ -14,12 +14,12 @@ _DEFAULT_PATHS: dict[str, str] = {
     "FLASH_ATTN": f"{_PKG}.flash:FlashAttentionBackend",
     "CUDNN_ATTN": f"{_PKG}.sdpa:CudnnAttentionBackend",
     "FLASHINFER_ATTN": f"{_PKG}.flashinfer:FlashInferBackend",
-    "TRTLLM_ATTN": f"{_PKG}.pending:TrtllmBackend",
-    "SAGE_ATTN": f"{_PKG}.pending:SageAttentionBackend",
-    "SAGE_ATTN_3": f"{_PKG}.pending:SageAttention3Backend",
+    "TRTLLM_ATTN": f"{_PKG}.trtllm:TrtllmAttentionBackend",
+    "SAGE_ATTN": f"{_PKG}.sage:SageAttentionBackend",
+    "SAGE_ATTN_3": f"{_PKG}.sage:SageAttention3Backend",
     "FLASH_ATTN_HUB": f"{_PKG}.hub:FlashAttentionHubBackend",
     "FLASH_ATTN_3_HUB": f"{_PKG}.hub:FlashAttention3HubBackend",
-    "RAINFUSION_ATTN": f"{_PKG}.pending:RainFusionBackend",
+    "RAINFUSION_ATTN": f"{_PKG}.rainfusion:RainFusionBackend",
 }
 
 _entries: dict[str, str | type[AttentionBackend]] = dict(_DEFAULT_PATHS)

@@ -7,25 +7,3 @@ therefore never picks one.
 from __future__ import annotations
 
 from .base import UnavailableBackend
-
-_QUANTIZED = "quantized and sparse attention backends"
-
-
-class TrtllmBackend(UnavailableBackend):
-    name = "TRTLLM_ATTN"
-    pending = _QUANTIZED
-
-
-class SageAttentionBackend(UnavailableBackend):
-    name = "SAGE_ATTN"
-    pending = _QUANTIZED
-
-
-class SageAttention3Backend(UnavailableBackend):
-    name = "SAGE_ATTN_3"
-    pending = _QUANTIZED
-
-
-class RainFusionBackend(UnavailableBackend):
-    name = "RAINFUSION_ATTN"
-    pending = _QUANTIZED
