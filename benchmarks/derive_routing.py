@@ -1,0 +1,65 @@
+"""Derive ``diffusers_omni/attention/routing_table.json`` from committed attention benchmark results.
+
+For each platform family and shape class (q-length bucket, kv-length bucket, head_dim, masked) the ranking lists
+the backends measured there, best first: among backends whose TFLOP/s is within ``--tolerance`` of the fastest at
+every shape of the class, the one earliest in ``PREFERENCE`` comes first (TORCH_SDPA first: the reference, with a
+backward everywhere); the others follow by speed. Only rows that are backends (``is_backend``) count.
+
+    python benchmarks/derive_routing.py benchmarks/results/attention_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from diffusers_omni.attention.routing import BUCKET_EDGES, TABLE_PATH, rule_key  # noqa: E402
+
+PREFERENCE = ("TORCH_SDPA", "CUDNN_ATTN", "FLASH_ATTN", "FLASHINFER_ATTN")
+
+
+def derive(results: list[dict], tolerance: float = 0.03) -> dict:
+    # ratios[family][key][backend] = list of (tflops / fastest tflops) over the shapes of the class
+    ratios: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    sources = []
+    for result in results:
+        family = result["platform"]["family"]
+        sources.append(f"{result['platform']['device_name']} torch {result['torch']} {result['date']}")
+        for shape in result["shapes"]:
+            rows = {n: r for n, r in shape["results"].items() if r.get("is_backend")}
+            if not rows:
+                continue
+            fastest = max(r["tflops"] for r in rows.values())
+            key = rule_key(shape["Sq"], shape["Skv"], shape["D"], shape["masked"])
+            for name, row in rows.items():
+                ratios[family][key][name].append(row["tflops"] / fastest)
+    families = {}
+    for family, classes in ratios.items():
+        families[family] = {}
+        for key, per_backend in sorted(classes.items()):
+            worst = {name: min(values) for name, values in per_backend.items()}
+            within = [n for n in worst if worst[n] >= 1 - tolerance]
+            rank = lambda n: (PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE), -worst[n])  # noqa: E731
+            ranking = sorted(within, key=rank) + sorted(set(worst) - set(within), key=lambda n: -worst[n])
+            families[family][key] = {"ranking": ranking, "worst_ratio": {n: round(worst[n], 4) for n in ranking}}
+    return {"tolerance": tolerance, "bucket_edges": list(BUCKET_EDGES), "sources": sources, "families": families}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="attention_bench.py JSON results")
+    parser.add_argument("--tolerance", type=float, default=0.03)
+    parser.add_argument("--out", default=str(TABLE_PATH))
+    args = parser.parse_args()
+    table = derive([json.loads(Path(p).read_text()) for p in args.results], args.tolerance)
+    Path(args.out).write_text(json.dumps(table, indent=2) + "\n")
+    print(json.dumps(table, indent=2))
+
+
+if __name__ == "__main__":
+    main()

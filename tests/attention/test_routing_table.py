@@ -1,0 +1,76 @@
+import json
+from pathlib import Path
+
+import torch
+
+from diffusers_omni.attention.routing import ShapeRouter, length_bucket, load_table, rule_key
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _derive():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("derive_routing", ROOT / "benchmarks" / "derive_routing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.derive
+
+
+def test_committed_table_is_derived_from_committed_results():
+    results = json.loads((ROOT / "benchmarks/results/attention_h200.json").read_text())
+    assert _derive()([results]) == load_table()
+
+
+def test_hopper_table_meets_the_3_percent_rule_and_picks_sdpa_today():
+    results = json.loads((ROOT / "benchmarks/results/attention_h200.json").read_text())
+    table = load_table()
+    for shape in results["shapes"]:
+        rows = {n: r for n, r in shape["results"].items() if r["is_backend"]}
+        router = ShapeRouter("hopper", {name: None for name in rows}, table)
+        chosen = router.choose(shape["Sq"], shape["Skv"], shape["D"], shape["masked"])
+        assert chosen == "TORCH_SDPA"  # only TORCH_SDPA and CUDNN_ATTN were measured so far
+        assert rows[chosen]["tflops"] >= 0.97 * max(r["tflops"] for r in rows.values()), shape["shape"]
+
+
+def test_faster_backend_in_results_takes_the_class():
+    fake = {"platform": {"family": "hopper", "device_name": "H200"}, "torch": "x", "date": "d", "shapes": [
+        {"Sq": 4608, "Skv": 4608, "D": 128, "masked": False, "results": {
+            "TORCH_SDPA": {"tflops": 500.0, "is_backend": True},
+            "FLASHINFER_ATTN": {"tflops": 614.0, "is_backend": True},
+            "ref: x": {"tflops": 900.0, "is_backend": False}}},
+        {"Sq": 32760, "Skv": 512, "D": 128, "masked": False, "results": {
+            "TORCH_SDPA": {"tflops": 548.0, "is_backend": True},
+            "FLASHINFER_ATTN": {"tflops": 540.0, "is_backend": True}}}]}
+    table = _derive()([fake])
+    router = ShapeRouter("hopper", {"FLASHINFER_ATTN": None, "TORCH_SDPA": None}, table)
+    assert router.choose(4608, 4608, 128, False) == "FLASHINFER_ATTN"
+    assert router.choose(32760, 512, 128, False) == "TORCH_SDPA"  # within 3%: the preferred one
+    # Not installed: the next in the ranking.
+    assert ShapeRouter("hopper", {"TORCH_SDPA": None}, table).choose(4608, 4608, 128, False) == "TORCH_SDPA"
+    # Not covered: the first candidate.
+    assert router.choose(4608, 4608, 80, False) == "FLASHINFER_ATTN"
+
+
+class _Counting:
+    supports_mask = True
+    supports_backward = True
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, q, k, v, *args):
+        self.calls += 1
+        return q
+
+
+def test_router_caches_per_signature():
+    a, b = _Counting(), _Counting()
+    table = {"families": {"hopper": {rule_key(100, 100, 64, False): {"ranking": ["B", "A"]}}}}
+    router = ShapeRouter("hopper", {"A": a, "B": b}, table)
+    q = torch.zeros(1, 100, 2, 64)
+    for _ in range(3):
+        router(q, q, q)
+    router(q, torch.zeros(1, 50000, 2, 64), q)
+    assert (a.calls, b.calls) == (1, 3) and len(router._chosen) == 2
+    assert [length_bucket(n) for n in (77, 4096, 32760, 54000)] == [0, 1, 2, 3]
