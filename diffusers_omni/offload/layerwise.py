@@ -138,17 +138,16 @@ class _Streamer:
         self.stats = stats
         self._cursor = 0
 
-    def _take_slot(self, evict: bool) -> _Slot | None:
-        """The oldest slot, if it is free (or, with ``evict``, holds a block that is not running)."""
+    def _take_slot(self) -> _Slot | None:
         slot = self.slots[self._cursor]
-        if slot.owner is not None and (slot.owner.running or not evict):
+        if slot.owner is not None and slot.owner.running:
             return None
         self._cursor = (self._cursor + 1) % len(self.slots)
         slot.release()
         return slot
 
-    def load(self, block: _StreamedBlock, evict: bool = True) -> bool:
-        slot = self._take_slot(evict)
+    def load(self, block: _StreamedBlock) -> bool:
+        slot = self._take_slot()
         if slot is None:
             return False
         # Normal (not inference) tensors, so parameters never point at inference tensors between calls.
@@ -178,10 +177,8 @@ class _Streamer:
             with torch.inference_mode(False):
                 block.weights.bind(block.weights.views_into(block.slot.buffers))
             block.running = True
-        # Fill every free slot with the next streamed blocks, so the copy stream keeps working through resident
-        # blocks; never evict a block fetched for sooner use.
         for upcoming in lookahead:
-            if upcoming.slot is None and not self.load(upcoming, evict=False):
+            if upcoming.slot is None and not self.load(upcoming):
                 break
 
     @torch.compiler.disable
@@ -360,7 +357,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 stack.owner, CallbackHook(before=_bind(streamer.enter_stack, ring, first)), LAYERWISE_ENTRY_HOOK
             )
             for position, ((_, module), block) in enumerate(zip(stack.blocks, row)):
-                lookahead = _lookahead(row, position, depth + 1)
+                lookahead = _lookahead(row, position, depth)
                 after = _bind(streamer.end, block) if block is not None else None
                 state.hooks.install(
                     module, CallbackHook(before=_bind(streamer.begin, block, lookahead), after=after), LAYERWISE_BLOCK_HOOK
