@@ -32,8 +32,8 @@ def test_documented_minimax_h3_case():
 
 # (grid, spatial residue, temporal residue, sparse blocks, runs sparse)
 GRIDS = [
-    ((21, 64, 112), 0, 0, 1_176, True),  # 8x8-aligned (512x896 px): 150,528 rows = 1,176 blocks, nothing promoted
-    ((21, 60, 104), 8_320, 96, 958, True),  # Wan 480x832: latent h=60 is not 8-aligned, 20 frames x 416 rows promoted
+    ((21, 64, 112), 0, 0, 1_176, True),  # 8x8-aligned: 150,528 rows = 1,176 blocks, nothing promoted
+    ((21, 60, 104), 8_320, 96, 958, True),  # h=60 is not 8-aligned: 20 frames x 416 rows promoted
     ((62, 24, 42), 2_928, 48, 465, True),
     ((13, 30, 52), 12 * (1560 - 24 * 48), (20_280 - 12 * 408) % 128, (20_280 - 12 * 408) // 128, True),
     ((1, 64, 64), 0, 0, 32, True),  # a single frame: 4,096 rows, exactly 32 blocks
