@@ -27,7 +27,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     align = sub.add_parser("align", help="per-layer comparison of a transformer call under two configurations")
     align.add_argument("--model", default="tiny-flux", help=f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}")
     align.add_argument("--a", help=f"side a: {_SIDE_HELP} (default: the platform default)")
-    align.add_argument("--b", help=f"side b, same forms as --a; omit to run side a only (with --save-a/--fingerprint)")
+    align.add_argument("--b", help="side b, same forms as --a; omit to run side a only (with --save-a/--fingerprint)")
     for side in ("a", "b"):
         align.add_argument(f"--dtype-{side}", choices=["float32", "bfloat16", "float16"], help=f"run side {side} in this dtype")
         align.add_argument(f"--mode-{side}", choices=["inference", "training"], default="inference", help=f"side {side}: no_grad inference or a training-mode forward")
@@ -94,7 +94,7 @@ def _record(args, pipe):
 def run(args) -> int:
     import torch
 
-    from ..alignment import AlignmentSide, RecordedInputs, capture_layers, compare_layer_outputs, kernel_fingerprint, save_fingerprint
+    from ..alignment import AlignmentSide, RecordedInputs, capture_layers, compare_layer_outputs, save_fingerprint
     from .common import configure_logging, load_pipeline
 
     configure_logging(args.verbose)

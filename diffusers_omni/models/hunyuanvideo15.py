@@ -20,6 +20,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
+from ._legacy import OmniLegacyAttnProcessor
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
 from .base import unsupported_processor_error
@@ -88,77 +89,6 @@ class OmniHunyuanVideo15AttnProcessor(OmniAttnProcessor):
             if getattr(attn, "to_add_out", None) is not None:
                 encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         return hidden_states, encoder_hidden_states
-
-
-class OmniLegacyAttnProcessor(OmniAttnProcessor):
-    """Diffusers' legacy ``AttnProcessor2_0`` (``F.scaled_dot_product_attention`` in ``[B, H, S, D]``) routed
-    through a role's backend in ``[B, S, H, D]``.
-
-    The projections, the mask preparation (``prepare_attention_mask`` then a ``[B, H, Sq, Skv]`` view) and the
-    output path are Diffusers' own; only the attention call changes layout, and ``TORCH_SDPA`` permutes back to the
-    very same strides, so the SDPA call is identical.
-    """
-
-    def __init__(self, original, attend: dict[str, RoleAttention]) -> None:
-        super().__init__(original, attend)
-        (self._attention,) = attend.values()
-
-    def __call__(
-        self,
-        attn: Attention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        temb: torch.Tensor | None = None,
-        *args,
-        **kwargs,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        if attn.spatial_norm is not None:
-            hidden_states = attn.spatial_norm(hidden_states, temb)
-
-        input_ndim = hidden_states.ndim
-        if input_ndim == 4:
-            batch_size, channel, height, width = hidden_states.shape
-            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
-
-        batch_size, sequence_length, _ = (
-            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
-        )
-        if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
-
-        if attn.group_norm is not None:
-            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
-
-        query = attn.to_q(hidden_states)
-        if encoder_hidden_states is None:
-            encoder_hidden_states = hidden_states
-        elif attn.norm_cross:
-            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
-        key = attn.to_k(encoder_hidden_states)
-        value = attn.to_v(encoder_hidden_states)
-
-        head_dim = key.shape[-1] // attn.heads
-        query = query.view(batch_size, -1, attn.heads, head_dim)
-        key = key.view(batch_size, -1, attn.heads, head_dim)
-        value = value.view(batch_size, -1, attn.heads, head_dim)
-        # Norms act on the head dimension only, so applying them in [B, S, H, D] gives Diffusers' values.
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-
-        hidden_states = self._attention(query, key, value, attn_mask=attention_mask)
-        hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
-
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        if input_ndim == 4:
-            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
-        if attn.residual_connection:
-            hidden_states = hidden_states + residual
-        return hidden_states / attn.rescale_output_factor
 
 
 def _find_sites(model: nn.Module) -> list[AttentionSite]:

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from ..config.offload import OffloadStrategy, format_bytes
 from .base import Journal
-from .discovery import DIT, named_tensors
+from .discovery import named_tensors
 from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
 from .layerwise import LayerwiseOffloadBackend, LayerwiseStats, _bind, _State
 from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory

@@ -13,14 +13,8 @@ from typing import Any
 import torch
 from diffusers import (
     DiffusionPipeline,
-    FluxControlImg2ImgPipeline,
-    FluxControlInpaintPipeline,
     FluxControlPipeline,
     FluxFillPipeline,
-    FluxImg2ImgPipeline,
-    FluxInpaintPipeline,
-    FluxKontextInpaintPipeline,
-    FluxKontextPipeline,
     FluxTransformer2DModel,
 )
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-import torch
 from diffusers import (
     AutoencoderKLHunyuanVideo15,
     DiffusionPipeline,
