@@ -29,7 +29,8 @@ def supported_models() -> list[dict]:
     for omni_cls in omni_pipelines().values():
         pipelines_by_family.setdefault(omni_cls._omni_family, []).append(omni_cls.__name__)
     rows = []
-    for declaration in declarations():
+    # Sorted: registration order depends on which model modules were imported first.
+    for declaration in sorted(declarations(), key=lambda d: (d.display_name or d.name).lower()):
         streamable = bool(declaration.blocks_attrs)
         rows.append(
             {
