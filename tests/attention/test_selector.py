@@ -62,21 +62,6 @@ def test_explicit_backend_that_cannot_run_raises_with_reasons():
     assert "dtype is float32; CUDNN_ATTN requires one of bfloat16, float16" in message
 
 
-def test_unimplemented_backend_explains_itself():
-    from diffusers_omni.attention.backends.base import UnavailableBackend
-
-    class PendingAttention(UnavailableBackend):
-        name = "PENDING_TEST_ATTN"
-        pending = "a later issue"
-
-    register_backend("PENDING_TEST_ATTN", PendingAttention)
-    try:
-        with pytest.raises(BackendNotSupportedError, match="not implemented in this diffusers-omni release"):
-            resolve("PENDING_TEST_ATTN", "flux.joint", "self", cuda_call(), HOPPER)
-    finally:
-        reset_backend("PENDING_TEST_ATTN")
-
-
 @pytest.mark.parametrize(
     "platform, call, expected",
     [

@@ -177,13 +177,3 @@ class AttentionBackend:
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         raise NotImplementedError
-
-
-class UnavailableBackend(AttentionBackend):
-    """A registered name whose implementation has not landed yet: it always explains why it cannot run."""
-
-    pending: ClassVar[str] = ""
-
-    @classmethod
-    def extra_availability_reasons(cls, platform: "Platform") -> list[str]:
-        return [f"{cls.name} is not implemented in this diffusers-omni release yet ({cls.pending})"]
