@@ -12,6 +12,7 @@ import torch.nn as nn
 from ..config.attention import AttentionConfig
 from .backends.base import AttentionBackend, AttentionCall
 from .platform import Platform, current_platform
+from .model_state import remove_states
 from .processors import MaskPolicy, RoleAttention, is_omni_processor
 from .registry import get_backend_class
 from .selector import Resolution, deterministic_requested, resolve
@@ -192,6 +193,7 @@ def remove_attention(model: nn.Module) -> bool:
         return False
     if state.guard is not None:
         state.guard.remove()
+    remove_states(model)
     modules = dict(model.named_modules())
     for name, original in state.originals.items():
         module = modules.get(name)

@@ -13,6 +13,8 @@ from typing import Any, Callable
 
 import torch
 
+from .model_state import remember_state
+
 logger = logging.getLogger("diffusers_omni.attention")
 
 Normalizer = Callable[[float], float]
@@ -108,4 +110,5 @@ def timestep_state(model: torch.nn.Module, model_name: str) -> TimestepState:
 
     state.handle = model.register_forward_pre_hook(hook, with_kwargs=True)
     setattr(model, _STATE_ATTR, state)
+    remember_state(model, _STATE_ATTR)
     return state

@@ -191,3 +191,31 @@ def test_a_mask_reaching_a_maskless_backend_raises(transformer):
                 transformer(**flux_inputs(), joint_attention_kwargs={"attention_mask": partial})
     finally:
         reset_backend("NOMASK_TEST")
+
+
+def test_remove_attention_removes_hooks_that_backends_attached(transformer):
+    from diffusers_omni.attention.backends.sdpa import TorchSDPABackend
+    from diffusers_omni.attention.registry import register_backend, reset_backend
+    from diffusers_omni.attention.timestep_gate import timestep_state
+
+    class GatedBackend(TorchSDPABackend):
+        name = "GATED_TEST"
+
+        def bind_site(self, model, site, resolution):
+            timestep_state(model, "flux")
+            return self
+
+    hooks_before = dict(transformer._forward_pre_hooks)
+    register_backend("GATED_TEST", GatedBackend)
+    try:
+        apply_attention(transformer, "GATED_TEST")
+        assert hasattr(transformer, "_omni_timestep_state")
+        assert len(transformer._forward_pre_hooks) > len(hooks_before)
+        with torch.no_grad():
+            transformer(**flux_inputs())
+        assert transformer._omni_timestep_state.t == 0.5  # FLUX passes t in [0, 1] already
+        remove_attention(transformer)
+    finally:
+        reset_backend("GATED_TEST")
+    assert not hasattr(transformer, "_omni_timestep_state")
+    assert dict(transformer._forward_pre_hooks) == hooks_before

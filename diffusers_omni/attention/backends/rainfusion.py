@@ -21,6 +21,8 @@ from typing import ClassVar
 
 import torch
 
+from ..model_state import remember_state
+
 from ..rainfusion_plan import RainFusionPlan, VideoGeometry, dense_reason, plan_geometry, video_order
 from .base import AttentionBackend
 from .sdpa import TorchSDPABackend
@@ -52,6 +54,7 @@ def rainfusion_state(model: torch.nn.Module) -> RainFusionState:
 
         state.handle = model.register_forward_pre_hook(count_step)
         setattr(model, _STATE_ATTR, state)
+        remember_state(model, _STATE_ATTR)
     return state
 
 
