@@ -136,11 +136,24 @@ def _flash_attn_3_or_4_importable(platform: Platform, call: "AttentionCall") -> 
     return any(impl in ("FA3", "FA4") for impl in flash_attention_implementations())
 
 
+def _measured_flash_attn_first(platform: Platform, call: "AttentionCall") -> bool:
+    """The committed routing table ranks FLASH_ATTN first in every measured shape class of this platform family
+    (and head dim, when known). Without measurements FLASH_ATTN is not preferred: on an H200, FlashAttention-3 lost
+    to unpinned SDPA at FLUX and cross-attention shapes (shared BASELINE), so importability alone is not enough."""
+    from .routing import load_table
+
+    rules = load_table().get("families", {}).get(platform.family, {})
+    if call.head_dim is not None:
+        rules = {key: rule for key, rule in rules.items() if f"/d{call.head_dim}/" in key}
+    return bool(rules) and all((rule.get("ranking") or [None])[0] == "FLASH_ATTN" for rule in rules.values())
+
+
 ROUTE_CONDITIONS: dict[str, Callable[[Platform, "AttentionCall"], bool]] = {
     "model_declares_mask_free_path": lambda platform, call: call.mask_free_path and not call.has_mask,
     "head_dim_128": lambda platform, call: call.head_dim == 128,
     "cudnn_at_least_9_5": lambda platform, call: (platform.cudnn_version or 0) >= 90500,
     "flash_attn_3_or_4_importable": _flash_attn_3_or_4_importable,
+    "measured_flash_attn_first": _measured_flash_attn_first,
 }
 
 _BLACKWELL_TAIL = (
@@ -168,7 +181,7 @@ PLATFORM_ROUTES: dict[str, tuple[Route, ...]] = {
     ),
     "blackwell_workstation": _BLACKWELL_TAIL,
     "hopper": (
-        Route("FLASH_ATTN", when=("flash_attn_3_or_4_importable",)),
+        Route("FLASH_ATTN", when=("flash_attn_3_or_4_importable", "measured_flash_attn_first")),
         Route("TORCH_SDPA", why=_HOPPER_WHY),
     ),
     "ada": (

@@ -160,3 +160,22 @@ def test_use_platform_scopes_the_override():
     with use_platform(HOPPER):
         assert diffusers_omni.current_platform() is HOPPER
     assert diffusers_omni.current_platform() is not HOPPER
+
+
+def test_hopper_prefers_flash_attn_only_where_measurements_rank_it_first(monkeypatch):
+    from diffusers_omni.attention import platform as platform_module
+    from diffusers_omni.attention import routing
+
+    monkeypatch.setattr(platform_module, "_flash_attn_3_or_4_importable", lambda p, c: True)
+    monkeypatch.setitem(platform_module.ROUTE_CONDITIONS, "flash_attn_3_or_4_importable", lambda p, c: True)
+    # The committed table has no FLASH_ATTN measurements: importable is not enough.
+    resolution = resolve(None, "flux.joint", "self", cuda_call(), HOPPER)
+    assert resolution.backend == "TORCH_SDPA"
+    assert resolution.candidates[0].reasons == ("routing condition 'measured_flash_attn_first' does not hold",)
+    measured = {"families": {"hopper": {"q1/kv1/d128/dense": {"ranking": ["FLASH_ATTN", "TORCH_SDPA"]}}}}
+    monkeypatch.setattr(routing, "load_table", lambda path=None: measured)
+    from diffusers_omni.attention.selector import clear_resolution_cache
+
+    clear_resolution_cache()
+    assert platform_module.ROUTE_CONDITIONS["measured_flash_attn_first"](HOPPER, cuda_call())
+    assert not platform_module.ROUTE_CONDITIONS["measured_flash_attn_first"](HOPPER, cuda_call(head_dim=64))

@@ -20,7 +20,7 @@ def test_info_simulated_hopper(capsys):
     assert main(["info", "--platform", "sm_90,cudnn=91900"]) == 0
     out = capsys.readouterr().out
     assert "Hopper sm_90, cuDNN 91900" in out
-    assert "FLASH_ATTN (if flash_attn_3_or_4_importable) → TORCH_SDPA" in out
+    assert "FLASH_ATTN (if flash_attn_3_or_4_importable, measured_flash_attn_first) → TORCH_SDPA" in out
 
 
 def test_explain_prints_each_role_and_source(capsys):
