@@ -32,6 +32,28 @@ def _unbound_error(processor: Any) -> RuntimeError:
     )
 
 
+def joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, projections=_get_qkv_projections):
+    """Q, K, V of the joint ``[text | image]`` sequence, ``[B, S, H, D]``, with q/k norms and rotary embeddings
+    applied in the order of Diffusers' FLUX processors (FLUX.2 passes its own ``projections``)."""
+    query, key, value, text_query, text_key, text_value = projections(attn, hidden_states, encoder_hidden_states)
+    query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
+    key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
+    value = value.unflatten(-1, (-1, attn.head_dim))
+
+    if attn.added_kv_proj_dim is not None:
+        text_query = attn.norm_added_q(text_query.unflatten(-1, (-1, attn.head_dim)))
+        text_key = attn.norm_added_k(text_key.unflatten(-1, (-1, attn.head_dim)))
+        text_value = text_value.unflatten(-1, (-1, attn.head_dim))
+        query = torch.cat([text_query, query], dim=1)
+        key = torch.cat([text_key, key], dim=1)
+        value = torch.cat([text_value, value], dim=1)
+
+    if image_rotary_emb is not None:
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    return query, key, value
+
+
 class OmniFluxAttnProcessor(OmniAttnProcessor):
     """FLUX.1 attention through the backend resolved for the module's role.
 
@@ -57,24 +79,7 @@ class OmniFluxAttnProcessor(OmniAttnProcessor):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self._attention is None:
             raise _unbound_error(self)
-        query, key, value, text_query, text_key, text_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-        value = value.unflatten(-1, (-1, attn.head_dim))
-
-        if attn.added_kv_proj_dim is not None:
-            text_query = attn.norm_added_q(text_query.unflatten(-1, (-1, attn.head_dim)))
-            text_key = attn.norm_added_k(text_key.unflatten(-1, (-1, attn.head_dim)))
-            text_value = text_value.unflatten(-1, (-1, attn.head_dim))
-            query = torch.cat([text_query, query], dim=1)
-            key = torch.cat([text_key, key], dim=1)
-            value = torch.cat([text_value, value], dim=1)
-
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
 
         out = self._attention(query, key, value, attn_mask=attention_mask)
         out = out.flatten(2, 3).to(query.dtype)

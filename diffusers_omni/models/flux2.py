@@ -30,6 +30,7 @@ from diffusers.models.transformers.transformer_flux2 import (
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
 from .base import unsupported_processor_error
+from .flux import joint_qkv
 
 FLUX2_JOINT = AttentionRole("flux2.joint", SELF)
 FLUX2_SINGLE = AttentionRole("flux2.single", SELF)
@@ -117,24 +118,7 @@ class OmniFlux2AttnProcessor(_Flux2Processor):
         kv_cache_mode: str | None = None,
         num_ref_tokens: int = 0,
     ):
-        query, key, value, text_query, text_key, text_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
-        key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
-        value = value.unflatten(-1, (-1, attn.head_dim))
-
-        if attn.added_kv_proj_dim is not None:
-            text_query = attn.norm_added_q(text_query.unflatten(-1, (-1, attn.head_dim)))
-            text_key = attn.norm_added_k(text_key.unflatten(-1, (-1, attn.head_dim)))
-            text_value = text_value.unflatten(-1, (-1, attn.head_dim))
-            query = torch.cat([text_query, query], dim=1)
-            key = torch.cat([text_key, key], dim=1)
-            value = torch.cat([text_value, value], dim=1)
-
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key, value = joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, _get_qkv_projections)
 
         num_txt_tokens = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
         out = self._attend(query, key, value, attention_mask, kv_cache, kv_cache_mode, num_txt_tokens, num_ref_tokens)
