@@ -9,7 +9,9 @@ bitwise equal to stock Diffusers.
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+
+from typing import Any, Callable
 
 import torch
 
@@ -18,26 +20,44 @@ from .selector import Resolution
 
 
 class MaskPolicy:
-    """Drops all-True masks before dispatch, deciding once per mask tensor.
+    """Drops all-True masks before dispatch, deciding once per mask tensor, and keeps masks derived from a model's
+    key-padding mask for as long as that mask lives.
 
     Models build one mask per forward and pass the same tensor to every block, so remembering the last mask seen
-    costs one device-to-host read per forward instead of one per layer. One policy is shared by every processor
-    of a model.
+    costs one device-to-host read per forward instead of one per layer. Only weak references are kept: a mask is
+    never held alive by the policy. One policy is shared by every processor of a model.
     """
 
-    __slots__ = ("_last", "_keep")
+    __slots__ = ("_last", "_keep", "_derived")
 
     def __init__(self) -> None:
-        self._last: torch.Tensor | None = None
+        self._last: weakref.ref | None = None
         self._keep = True
+        self._derived: tuple[weakref.ref, tuple, torch.Tensor] | None = None
 
     def apply(self, attn_mask: torch.Tensor | None) -> torch.Tensor | None:
         if attn_mask is None or attn_mask.dtype != torch.bool or torch.compiler.is_compiling():
             return attn_mask
-        if attn_mask is not self._last:
-            self._last = attn_mask
+        if self._last is None or self._last() is not attn_mask:
+            self._last = weakref.ref(attn_mask)
             self._keep = not bool(attn_mask.all())
         return attn_mask if self._keep else None
+
+    def derived(self, source: torch.Tensor, key: tuple, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``build()``, computed once per ``(source, key)`` while ``source`` lives (e.g. the dense mask that every
+        layer of a forward derives from the same key-padding mask), so every layer gets the same tensor."""
+        if torch.compiler.is_compiling():
+            return build()
+        cached = self._derived
+        if cached is not None and cached[0]() is source and cached[1] == key:
+            return cached[2]
+        value = build()
+        self._derived = (weakref.ref(source, self._forget_derived), key, value)
+        return value
+
+    def _forget_derived(self, _ref: weakref.ref) -> None:
+        if self._derived is not None and self._derived[0] is _ref:
+            self._derived = None
 
 
 class _ForwardOnlyAttention(torch.autograd.Function):

@@ -73,10 +73,16 @@ class OmniHunyuanVideo15AttnProcessor(OmniAttnProcessor):
             value = torch.cat([value, encoder_value], dim=1)
 
         # The text key-padding mask, left-padded with True for the video tokens, as a dense [B, 1, S, S] mask.
+        # Diffusers rebuilds it in every layer (S² bytes each: about 1 GB at 30k tokens); it is built once per
+        # key-padding mask here, so every layer passes the same tensor and the all-True check runs once.
         batch_size, seq_len = query.shape[:2]
-        key_mask = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True).bool()
-        rows = key_mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
-        dense_mask = (rows & rows.transpose(2, 3)).bool()
+
+        def dense() -> torch.Tensor:
+            key_mask = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True).bool()
+            rows = key_mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+            return (rows & rows.transpose(2, 3)).bool()
+
+        dense_mask = self._attention.mask_policy.derived(attention_mask, (batch_size, seq_len), dense)
 
         hidden_states = self._attention(query, key, value, attn_mask=dense_mask)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)

@@ -119,6 +119,8 @@ def test_padding_masks_reach_the_backend_and_all_true_masks_are_dropped(monkeypa
     # Valid tokens first, then padding: row 0 of sample 0 sees the video, 3 image, 5 glyph and 4 prompt tokens.
     assert int(joint_mask[0, 0, 0].sum()) == video_len + 3 + 5 + 4
     assert int(joint_mask[1, 0, 0].sum()) == video_len + 3 + 2 + 6
+    # Both dual-stream blocks get the very same dense mask: built once per key-padding mask, not once per layer.
+    assert seen[2] is joint_mask
 
 
 def test_restored_stock_processors_are_replaced_again_before_the_next_call():
