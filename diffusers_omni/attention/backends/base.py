@@ -113,7 +113,7 @@ class AttentionBackend:
                 reasons.append(f"compute capability is {platform.sm}; {cls.name} requires one of {allowed}")
         for module, hint in cls.packages:
             if not package_importable(module):
-                reasons.append(f"package {module!r} is not importable; install it with {hint}")
+                reasons.append(f"package {module!r} is not importable; to install: {hint}")
         reasons.extend(cls.extra_availability_reasons(platform))
         return reasons
 

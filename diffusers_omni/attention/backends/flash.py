@@ -86,7 +86,7 @@ def _version_tuple(text: str) -> tuple:
 def implementation_reasons(impl: FlashImplementation) -> list[str]:
     """Why ``impl`` cannot be used here (package missing, version too old); empty when it can."""
     if not package_importable(impl.module):
-        return [f"{impl.label}: module {impl.module!r} is not importable; install it with {impl.install}"]
+        return [f"{impl.label}: module {impl.module!r} is not importable; to install: {impl.install}"]
     if impl.min_version is not None:
         found = _distribution_version(impl.distributions)
         if found is None:

@@ -94,7 +94,7 @@ class RainFusionBackend(AttentionBackend):
     supports_gqa = False
     supports_backward = False
     deterministic = False
-    packages = (("mindiesd", "install Huawei MindIE-SD (a release implementing protected video tails for rf_v2)"),)
+    packages = (("mindiesd", "Huawei MindIE-SD (a release implementing protected video tails for rf_v2)"),)
 
     def __init__(self, spec=None) -> None:
         super().__init__(spec)
