@@ -43,9 +43,18 @@ def configure_logging(verbose: bool) -> None:
     logging.getLogger("diffusers_omni").setLevel(logging.INFO)
 
 
-def load_pipeline(model: str, dtype: Any = None):
-    """A tiny local pipeline by name, or any supported Diffusers pipeline through ``from_pretrained``."""
+def load_pipeline(model: str, dtype: Any = None, mmap: bool = False):
+    """A tiny local pipeline by name, or any supported Diffusers pipeline through ``from_pretrained``.
+
+    With ``mmap``, every DiT the pipeline declares is loaded with ``load_transformer_mmap`` (weights stay views of
+    the safetensors files, shared through the page cache, so ranks of a distributed run do not each hold a copy).
+    """
     from .. import testing
+
+    if mmap:
+        if model in TINY_MODELS:
+            raise ValueError(f"--mmap needs a model directory or hub id; got {model!r} (built in memory, no files)")
+        return _load_with_mmap_dits(model, dtype)
 
     if model == "tiny-flux":
         return testing.tiny_flux_pipeline()
@@ -57,3 +66,32 @@ def load_pipeline(model: str, dtype: Any = None):
 
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}
     return DiffusionPipeline.from_pretrained(model, **kwargs)
+
+
+def _load_with_mmap_dits(model: str, dtype: Any):
+    import importlib
+    from pathlib import Path
+
+    import diffusers
+    from diffusers import DiffusionPipeline
+
+    from ..offload.loading import load_transformer_mmap
+    from ..pipelines.registry import omni_pipeline_class
+
+    root = Path(model)
+    if not root.is_dir():
+        from huggingface_hub import snapshot_download
+
+        root = Path(snapshot_download(model))
+    index = DiffusionPipeline.load_config(root)
+    pipeline_cls = getattr(diffusers, index["_class_name"])
+    components = {}
+    for path in omni_pipeline_class(pipeline_cls)._dit_modules:
+        entry = index.get(path)
+        if not isinstance(entry, (list, tuple)) or entry[1] is None:
+            continue
+        library, class_name = entry
+        model_cls = getattr(importlib.import_module(library), class_name)
+        components[path] = load_transformer_mmap(model_cls, root, subfolder=path, torch_dtype=dtype)
+    kwargs = {"torch_dtype": dtype} if dtype is not None else {}
+    return DiffusionPipeline.from_pretrained(root, **components, **kwargs)

@@ -18,7 +18,7 @@ def run(args) -> int:
     offload = getattr(args, "offload", "none")
     rank, world_size, own_group = _setup_distributed(offload)
     started = time.perf_counter()
-    pipe = load_pipeline(args.model, dtype)
+    pipe = load_pipeline(args.model, dtype, mmap=getattr(args, "mmap", False))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if offload == "distributed-layerwise" and device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="distributed-layerwise with --no-allgather: leading blocks kept on the device")
     generate.add_argument("--rank-seeds", help="comma-separated seed per rank (default: --seed + rank)")
     generate.add_argument("--rank-prompt", action="append", help="prompt for the next rank (repeat once per rank)")
+    generate.add_argument("--mmap", action="store_true",
+                          help="load the DiTs as mmap views of their safetensors files (local directory or hub id)")
     generate.add_argument("--per-rank-outputs", action="store_true",
                           help="every rank writes OUTPUT with .rankN before the suffix (default: only rank 0 writes)")
     from .align import add_parser as add_align_parser

@@ -59,3 +59,26 @@ def test_models_lists_every_declaration(capsys):
     names = {row["architecture"] for row in rows}
     assert {"FLUX.1", "Wan 2.1 / 2.2"} <= names
     assert any("OmniFluxPipeline" in row["pipelines"] for row in rows)
+
+
+def test_generate_loads_dits_as_mmap_views(tmp_path, monkeypatch):
+    from diffusers_omni.cli.common import load_pipeline
+    from diffusers_omni.offload import loading
+    from diffusers_omni.testing import tiny_flux_pipeline
+
+    model_dir = tmp_path / "flux"
+    tiny_flux_pipeline().save_pretrained(model_dir)
+    loaded = []
+    real = loading.load_transformer_mmap
+    monkeypatch.setattr(loading, "load_transformer_mmap", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    pipe = load_pipeline(str(model_dir), mmap=True)
+    assert len(loaded) == 1 and pipe.transformer is loaded[0]
+    output = tmp_path / "mmap.png"
+    args = ["generate", "--model", str(model_dir), "--mmap", "--steps", "2", "--height", "32", "--width", "32"]
+    assert main([*args, "--output", str(output)]) == 0
+    assert output.exists() and len(loaded) == 2
+
+
+def test_generate_mmap_needs_files(capsys):
+    assert main(["generate", "--mmap"]) == 2
+    assert "--mmap needs a model directory or hub id" in capsys.readouterr().err
