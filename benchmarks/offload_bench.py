@@ -50,13 +50,13 @@ TARGET_FACTOR = 1.05
 
 def host_rss() -> dict[str, int]:
     """Current and peak resident set size of this process, in bytes (Linux; zeros elsewhere)."""
-    values = {"rss": 0, "hwm": 0}
+    values = {"rss": 0, "hwm": 0, "anon": 0, "file": 0}
+    fields = {"VmRSS:": "rss", "VmHWM:": "hwm", "RssAnon:": "anon", "RssFile:": "file"}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                values["rss"] = int(line.split()[1]) * 1024
-            elif line.startswith("VmHWM:"):
-                values["hwm"] = int(line.split()[1]) * 1024
+            key = fields.get(line.split(":")[0] + ":")
+            if key:
+                values[key] = int(line.split()[1]) * 1024
     except OSError:
         pass
     return values
@@ -385,6 +385,17 @@ def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, b
 
     if "layerwise" in args.variants:
         variants.append(run_variant("omni layerwise", omni(None), omni_teardown, model, inputs, device, args))
+    if "distributed" in args.variants:
+        # Issue #4 on one GPU: world_size=1 process group (NCCL on CUDA, gloo on CPU); AllGather with one rank is the
+        # single-device ring plus a staging copy and a one-rank all-gather per block.
+        for use_allgather in (True, False):
+            label = f"omni distributed-layerwise N=1 allgather={use_allgather}"
+
+            def setup(use_allgather=use_allgather):
+                return apply_offload(model, OffloadConfig("distributed_layerwise", device=device,
+                                                          use_allgather=use_allgather))
+
+            variants.append(run_variant(label, setup, omni_teardown, model, inputs, device, args))
     if name in args.budget_models and "budget" in args.variants:
         variants.append(run_variant(f"omni layerwise {args.budget}", omni(args.budget), omni_teardown, model,
                                     inputs, device, args))
@@ -426,10 +437,56 @@ def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, b
             "meets_rss_target": None if not variant["host_rss_peak_setup"]
             else variant["host_rss_peak_setup"] <= 1.1 * model_bytes + variant["host_rss_before"] - model_bytes,
         })
+    mmap = measure_mmap_loading(model, model_bytes, device) if "mmap" in args.variants else None
     del model
     free_memory(device)
     return {"model": name, "param_bytes": model_bytes, "build_s": build_s, "variants": variants,
-            "model_level_switch": switch}
+            "model_level_switch": switch, "mmap_loading": mmap}
+
+
+def measure_mmap_loading(model: nn.Module, model_bytes: int, device: torch.device) -> dict:
+    """Save the model, load it back as mmap views (``load_transformer_mmap``), enable distributed layerwise offload
+    (or layerwise without a process group) and report host memory at each stage: file-backed pages are the shared
+    page cache, anonymous pages are this rank's own."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    from diffusers_omni import OffloadConfig, apply_offload, load_transformer_mmap
+
+    folder = Path(tempfile.mkdtemp(prefix="omni_mmap_"))
+    try:
+        start = time.perf_counter()
+        model.save_pretrained(folder, max_shard_size="5GB")
+        save_s = time.perf_counter() - start
+        trim_host_heap()
+        before = host_rss()
+        start = time.perf_counter()
+        loaded = load_transformer_mmap(type(model), folder, torch_dtype=torch.bfloat16)
+        load_s = time.perf_counter() - start
+        after_load = host_rss()
+        strategy = "distributed_layerwise" if dist.is_initialized() else "layerwise"
+        start = time.perf_counter()
+        backend = apply_offload(loaded, OffloadConfig(strategy, device=device))
+        pack_s = time.perf_counter() - start
+        trim_host_heap()
+        after_pack = host_rss()
+        backend.disable()
+        del loaded, backend
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    result = {
+        "strategy": strategy, "world_size": world, "save_s": save_s, "load_s": load_s, "pack_s": pack_s,
+        "before": before, "after_load": after_load, "after_pack": after_pack,
+        "anon_growth_after_pack": after_pack["anon"] - before["anon"],
+        "target_anon_growth": 1.05 * model_bytes / world,
+    }
+    result["meets_rss_target"] = result["anon_growth_after_pack"] <= result["target_anon_growth"]
+    print(f"[mmap] load {load_s:.1f} s, pack {pack_s:.1f} s; anon RSS +{_gib(result['anon_growth_after_pack'])} "
+          f"(target ≤ {_gib(result['target_anon_growth'])}), file RSS {_gib(after_pack['file'])}", flush=True)
+    return result
 
 
 # Reports --------------------------------------------------------------------------------------------------------
@@ -477,6 +534,15 @@ def markdown(report: dict) -> str:
                 f"{_gib(v['peak_device_bytes'])} | {_fmt(v['setup_s'], '.1f')} | {_gib(v['host_rss_peak_setup'])} | "
                 f"{_gib(v.get('streamed_bytes'))} | {verdict} |"
             )
+        mmap = entry.get("mmap_loading")
+        if mmap:
+            lines += [
+                "",
+                f"mmap loading ({mmap['strategy']}, world size {mmap['world_size']}): load {mmap['load_s']:.1f} s, "
+                f"pack {mmap['pack_s']:.1f} s; anonymous RSS growth {_gib(mmap['anon_growth_after_pack'])} (target ≤ "
+                f"{_gib(mmap['target_anon_growth'])}: {_fmt(mmap['meets_rss_target'])}); file-backed RSS after packing "
+                f"{_gib(mmap['after_pack']['file'])}.",
+            ]
         switch = entry.get("model_level_switch")
         if switch:
             lines += [
@@ -549,8 +615,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         default="layerwise,budget,model-level,diffusers",
-        help="comma-separated subset of layerwise, budget, model-level, diffusers (resident always runs: the targets "
-        "need it)",
+        help="comma-separated subset of layerwise, budget, model-level, diffusers, distributed (world_size=1), mmap "
+        "(save the model, mmap-load it, report host RSS) (resident always runs: the targets need it)",
     )
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -559,9 +625,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--models: unknown {unknown}; allowed: flux, wan")
     args.budget_models = [m.strip() for m in args.budget_models.split(",") if m.strip()]
     args.variants = {v.strip() for v in args.variants.split(",") if v.strip()}
-    unknown_variants = sorted(args.variants - {"layerwise", "budget", "model-level", "diffusers"})
+    allowed_variants = {"layerwise", "budget", "model-level", "diffusers", "distributed", "mmap"}
+    unknown_variants = sorted(args.variants - allowed_variants)
     if unknown_variants:
-        parser.error(f"--variants: unknown {unknown_variants}; allowed: layerwise, budget, model-level, diffusers")
+        parser.error(f"--variants: unknown {unknown_variants}; allowed: {', '.join(sorted(allowed_variants))}")
     if args.smoke:
         args.warmup, args.repeats = 1, 2
         args.bandwidth_bytes = min(args.bandwidth_bytes, 64 * 2**20)
@@ -572,6 +639,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def init_single_rank_group(device: torch.device) -> None:
+    """A world_size=1 process group, so distributed layerwise offload runs on one GPU (NCCL) or the CPU (gloo)."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531")):
+        os.environ.setdefault(key, value)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
@@ -579,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
     out = Path(args.out or f"benchmarks/results/offload_{'smoke' if args.smoke else 'h200'}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.variants & {"distributed", "mmap"}:
+        init_single_rank_group(device)
     print(f"measuring host→device bandwidth ({_gib(args.bandwidth_bytes)})", flush=True)
     bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
     print(f"bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
