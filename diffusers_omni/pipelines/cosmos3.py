@@ -20,9 +20,10 @@ class Cosmos3Components:
     # No separate text encoder: the transformer embeds the prompt tokens itself.
     _encoder_modules = ()
     _vae_modules = ("vae", "sound_tokenizer")
-    # The input embedding table is used by the understanding pass of every step; keep it resident rather than
-    # streaming it with the blocks.
-    _resident_modules = ("transformer.embed_tokens",)
+    # The embedding table, used by the understanding pass of every step, lies outside ``layers``, so layerwise
+    # offload keeps it on the device with the rest of the non-block weights; declaring it resident as well would
+    # nest a component inside the DiT, which model-level offload (whole-component moves) refuses.
+    _resident_modules = ()
 
 
 class OmniCosmos3OmniPipeline(Cosmos3Components, OmniPipelineMixin, Cosmos3OmniPipeline):

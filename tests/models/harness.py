@@ -114,6 +114,18 @@ def check_blocks_in_forward_order(case: ModelCase) -> None:
         assert seen == [name for name, _ in blocks], f"{dit}: forward order {seen}"
 
 
+def check_offload_parity(case: ModelCase) -> None:
+    """The family's component and block declarations drive both offload strategies (``device="cpu"`` runs the same
+    code path without streams): output stays bitwise equal to stock Diffusers over repeated calls."""
+    expected = case.run(case.factory())
+    pipe = omnify(case.factory(), "TORCH_SDPA")
+    for enable in (pipe.enable_layerwise_offload, pipe.enable_model_level_offload):
+        enable(device="cpu")
+        assert torch.equal(case.run(pipe), expected)
+        assert torch.equal(case.run(pipe), expected)
+        pipe.disable_omni_offload()
+
+
 def standard_tests(cases: list[ModelCase]) -> dict[str, Callable]:
     """Parametrised test functions to bind into a test module's globals."""
     ids = [case.id for case in cases]
@@ -122,6 +134,7 @@ def standard_tests(cases: list[ModelCase]) -> dict[str, Callable]:
         "test_torch_sdpa_bitwise_equal_to_stock_diffusers": check_bitwise_parity,
         "test_per_role_override_shows_its_source": check_role_override,
         "test_block_attrs_resolve_in_forward_order": check_blocks_in_forward_order,
+        "test_offload_strategies_keep_bitwise_parity": check_offload_parity,
     }
 
     def bind(name: str, check: Callable[[ModelCase], None]) -> Callable:
