@@ -15,14 +15,17 @@ def explain_pipeline(pipe, config=None, platform=None) -> list[dict]:
     from ..pipelines.registry import omni_pipeline_class
 
     omni_cls = omni_pipeline_class(type(pipe))
+    dits = {path: getattr(pipe, path, None) for path in omni_cls._dit_modules}
+    return explain_dits({path: model for path, model in dits.items() if model is not None}, config, platform)
+
+
+def explain_dits(dits: dict, config=None, platform=None) -> list[dict]:
+    """``explain_pipeline`` for DiTs given by pipeline path (they may live on the meta device: no weights needed)."""
     config = AttentionConfig.parse(config)
     rows = []
     scope = use_platform(platform) if platform else contextlib.nullcontext()
     with scope:
-        for path in omni_cls._dit_modules:
-            model = getattr(pipe, path, None)
-            if model is None:
-                continue
+        for path, model in dits.items():
             _, plan = plan_attention(model, config)
             for site, resolutions in plan:
                 for resolution in resolutions.values():
@@ -42,12 +45,16 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def run(args) -> int:
-    from .common import configure_logging, load_pipeline, parse_platform, table
+    import torch
+
+    from .common import TINY_MODELS, configure_logging, load_pipeline, parse_platform, table
 
     configure_logging(args.verbose)
     platform = parse_platform(args.platform)
-    pipe = load_pipeline(args.model)
-    rows = explain_pipeline(pipe, args.attention, platform)
+    if args.model in TINY_MODELS:
+        rows = explain_pipeline(load_pipeline(args.model), args.attention, platform)
+    else:
+        rows = explain_dits(dits_from_configs(args.model, getattr(torch, args.dtype)), args.attention, platform)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -58,3 +65,28 @@ def run(args) -> int:
         for rejected in row["rejected"]:
             print(f"  {row['role']}: skipped {rejected['backend']}: {'; '.join(rejected['reasons'])}")
     return 0
+
+
+def dits_from_configs(model: str, dtype) -> dict:
+    """The DiTs of a saved or hub pipeline built from their configs on the meta device: explaining a 12B-parameter
+    model reads a few JSON files and allocates no weights."""
+    import importlib
+
+    import diffusers
+    from accelerate import init_empty_weights
+    from diffusers import DiffusionPipeline
+
+    from ..pipelines.registry import omni_pipeline_class
+
+    index = DiffusionPipeline.load_config(model)
+    omni_cls = omni_pipeline_class(getattr(diffusers, index["_class_name"]))
+    dits = {}
+    for path in omni_cls._dit_modules:
+        entry = index.get(path)
+        if not isinstance(entry, (list, tuple)) or entry[1] is None:
+            continue
+        model_cls = getattr(importlib.import_module(entry[0]), entry[1])
+        with init_empty_weights():
+            dit = model_cls.from_config(model_cls.load_config(model, subfolder=path))
+        dits[path] = dit.to(dtype)
+    return dits

@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--attention", help="backend name, or JSON {'default': ..., 'per_role': ...}")
     explain.add_argument("--platform", help="simulate a platform: cpu, mps or sm_XY[,cudnn=N]")
     explain.add_argument("--json", action="store_true")
+    explain.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
+                         help="dtype the DiTs will run in (real models are built from their configs, no weights)")
     explain.add_argument("-v", "--verbose", action="store_true")
 
     generate = sub.add_parser("generate", help="generate an image through omni attention")

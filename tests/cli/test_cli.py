@@ -1,5 +1,7 @@
 import json
 
+import torch
+
 from PIL import Image
 
 from diffusers_omni.cli.main import main
@@ -82,3 +84,18 @@ def test_generate_loads_dits_as_mmap_views(tmp_path, monkeypatch):
 def test_generate_mmap_needs_files(capsys):
     assert main(["generate", "--mmap"]) == 2
     assert "--mmap needs a model directory or hub id" in capsys.readouterr().err
+
+
+def test_explain_a_saved_model_builds_dits_from_configs_without_weights(tmp_path, capsys):
+    from diffusers_omni.cli.explain import dits_from_configs
+    from diffusers_omni.testing import tiny_flux_pipeline
+
+    tiny_flux_pipeline().save_pretrained(tmp_path)
+    dits = dits_from_configs(str(tmp_path), torch.bfloat16)
+    assert list(dits) == ["transformer"]
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in dits["transformer"].parameters())
+    args = ["explain", "--model", str(tmp_path), "--platform", "sm_90", "--attention", "CUDNN_ATTN", "--json"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["backend"] for row in rows} == {"CUDNN_ATTN"}
+    assert all("bfloat16" in row["call"] for row in rows)
