@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call that installs the carried wheels and runs every pending H200 measurement, writing under $OUT.
+# Budget: FlashInfer JIT-compiles ~90 s per kernel variant on a fresh machine; the offload runs take ~4 min per model.
+#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|alignment
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site || exit 1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+out=${OUT:-benchmarks/results}
+for job in "$@"; do
+  case "$job" in
+    attention) python3 benchmarks/attention_bench.py --out "$out/attention_h200" ;;
+    sage) python3 benchmarks/sage_bench.py --out "$out/sage_h200" ;;
+    offload-budget) python3 benchmarks/offload_bench.py --models flux --variants layerwise,budget \
+                      --out "$out/offload_h200_flux_budget" ;;
+    offload-distributed) for m in flux wan; do
+                           python3 benchmarks/offload_bench.py --models $m --variants layerwise,distributed,mmap \
+                             --skip-model-level --out "$out/offload_h200_distributed_$m"
+                         done ;;
+    alignment) python3 benchmarks/alignment_gpu.py --out "$out/alignment_h200" ;;
+    *) echo "unknown job $job" >&2; exit 2 ;;
+  esac
+done
