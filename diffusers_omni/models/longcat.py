@@ -12,7 +12,7 @@ from diffusers.models.transformers import transformer_longcat_image as _longcat
 
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import unsupported_processor_error
+from .base import processor_factory
 
 JOINT = AttentionRole("longcat.joint", SELF)
 SINGLE = AttentionRole("longcat.single", SELF)
@@ -92,21 +92,13 @@ def flux_like_sites(model: nn.Module, attention_cls: type, joint: AttentionRole,
     return sites
 
 
-def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniLongCatImageAttnProcessor:
-    if isinstance(original, OmniLongCatImageAttnProcessor):
-        original = original.original
-    if not isinstance(original, _longcat.LongCatImageAttnProcessor):
-        raise unsupported_processor_error(site, original, (_longcat.LongCatImageAttnProcessor,))
-    return OmniLongCatImageAttnProcessor(original, attend)
-
-
 LONGCAT = register_transformer(
     TransformerDeclaration(
         name="longcat",
         class_names=("LongCatImageTransformer2DModel",),
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
         find_sites=lambda model: flux_like_sites(model, _longcat.LongCatImageAttention, JOINT, SINGLE),
-        make_processor=_make_processor,
+        make_processor=processor_factory(OmniLongCatImageAttnProcessor, _longcat.LongCatImageAttnProcessor),
         mask_free=True,
         display_name="LongCat-Image",
         example_checkpoint="meituan-longcat/LongCat-Image",

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from diffusers.models.transformers import transformer_ovis_image as _ovis
 
-from ..attention.processors import RoleAttention
-from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, register_transformer
-from .base import unsupported_processor_error
+from .base import SELF, AttentionRole, TransformerDeclaration, processor_factory, register_transformer
 from .longcat import OmniLongCatImageAttnProcessor, flux_like_sites
 
 JOINT = AttentionRole("ovis.joint", SELF)
@@ -23,21 +21,13 @@ class OmniOvisImageAttnProcessor(OmniLongCatImageAttnProcessor):
     _get_qkv_projections = staticmethod(_ovis._get_qkv_projections)
 
 
-def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniOvisImageAttnProcessor:
-    if isinstance(original, OmniOvisImageAttnProcessor):
-        original = original.original
-    if not isinstance(original, _ovis.OvisImageAttnProcessor):
-        raise unsupported_processor_error(site, original, (_ovis.OvisImageAttnProcessor,))
-    return OmniOvisImageAttnProcessor(original, attend)
-
-
 OVIS = register_transformer(
     TransformerDeclaration(
         name="ovis",
         class_names=("OvisImageTransformer2DModel",),
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
         find_sites=lambda model: flux_like_sites(model, _ovis.OvisImageAttention, JOINT, SINGLE),
-        make_processor=_make_processor,
+        make_processor=processor_factory(OmniOvisImageAttnProcessor, _ovis.OvisImageAttnProcessor),
         mask_free=True,
         display_name="Ovis-Image",
         example_checkpoint="AIDC-AI/Ovis-Image-7B",

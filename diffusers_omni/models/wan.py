@@ -13,7 +13,7 @@ from diffusers.models.transformers.transformer_wan import (
 
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import unsupported_processor_error
+from .base import processor_factory
 
 WAN_SELF = AttentionRole("wan.self", SELF)
 WAN_CROSS = AttentionRole("wan.cross", CROSS)
@@ -93,21 +93,13 @@ def _find_sites(model: nn.Module) -> list[AttentionSite]:
     return sites
 
 
-def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniWanAttnProcessor:
-    if not isinstance(original, (WanAttnProcessor, OmniWanAttnProcessor)):
-        raise unsupported_processor_error(site, original, (WanAttnProcessor,))
-    if isinstance(original, OmniWanAttnProcessor):
-        original = original.original
-    return OmniWanAttnProcessor(original, attend)
-
-
 WAN = register_transformer(
     TransformerDeclaration(
         name="wan",
         class_names=("WanTransformer3DModel",),
         blocks_attrs=("blocks",),
         find_sites=_find_sites,
-        make_processor=_make_processor,
+        make_processor=processor_factory(OmniWanAttnProcessor, WanAttnProcessor),
         mask_free=True,
         display_name="Wan 2.1 / 2.2",
         example_checkpoint="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
