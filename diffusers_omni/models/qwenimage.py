@@ -15,7 +15,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import unsupported_processor_error
+from .base import processor_factory
 
 JOINT = AttentionRole("qwenimage.joint", SELF, masked=True)
 
@@ -141,21 +141,13 @@ def _find_sites(model: nn.Module) -> list[AttentionSite]:
     ]
 
 
-def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniQwenDoubleStreamAttnProcessor:
-    if isinstance(original, OmniQwenDoubleStreamAttnProcessor):
-        original = original.original
-    if not isinstance(original, QwenDoubleStreamAttnProcessor2_0):
-        raise unsupported_processor_error(site, original, (QwenDoubleStreamAttnProcessor2_0,))
-    return OmniQwenDoubleStreamAttnProcessor(original, attend)
-
-
 QWENIMAGE = register_transformer(
     TransformerDeclaration(
         name="qwenimage",
         class_names=("QwenImageTransformer2DModel",),
         blocks_attrs=("transformer_blocks",),
         find_sites=_find_sites,
-        make_processor=_make_processor,
+        make_processor=processor_factory(OmniQwenDoubleStreamAttnProcessor, QwenDoubleStreamAttnProcessor2_0),
         mask_free=False,
         display_name="Qwen-Image",
         example_checkpoint="Qwen/Qwen-Image",

@@ -21,7 +21,7 @@ from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnP
 
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import unsupported_processor_error
+from .base import processor_factory
 
 NOISE_REFINER = AttentionRole("zimage.noise_refiner", SELF)
 CONTEXT_REFINER = AttentionRole("zimage.context_refiner", SELF, masked=True)
@@ -106,14 +106,6 @@ def _find_sites(model: nn.Module) -> list[AttentionSite]:
     return sites
 
 
-def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniZImageAttnProcessor:
-    if isinstance(original, OmniZImageAttnProcessor):
-        original = original.original
-    if not isinstance(original, ZSingleStreamAttnProcessor):
-        raise unsupported_processor_error(site, original, (ZSingleStreamAttnProcessor,))
-    return OmniZImageAttnProcessor(original, attend)
-
-
 ZIMAGE = register_transformer(
     TransformerDeclaration(
         name="zimage",
@@ -121,7 +113,7 @@ ZIMAGE = register_transformer(
         # The Omni variant's optional siglip_refiner (between context_refiner and layers) stays resident.
         blocks_attrs=("noise_refiner", "context_refiner", "layers"),
         find_sites=_find_sites,
-        make_processor=_make_processor,
+        make_processor=processor_factory(OmniZImageAttnProcessor, ZSingleStreamAttnProcessor),
         mask_free=False,
         display_name="Z-Image",
         example_checkpoint="Tongyi-MAI/Z-Image-Turbo",
