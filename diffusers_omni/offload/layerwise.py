@@ -138,16 +138,17 @@ class _Streamer:
         self.stats = stats
         self._cursor = 0
 
-    def _take_slot(self) -> _Slot | None:
+    def _take_slot(self, evict: bool) -> _Slot | None:
+        # Prefetches only fill free slots; evicting a prefetched block that has not run yet would waste its copy.
         slot = self.slots[self._cursor]
-        if slot.owner is not None and slot.owner.running:
+        if slot.owner is not None and (slot.owner.running or not evict):
             return None
         self._cursor = (self._cursor + 1) % len(self.slots)
         slot.release()
         return slot
 
-    def load(self, block: _StreamedBlock) -> bool:
-        slot = self._take_slot()
+    def load(self, block: _StreamedBlock, evict: bool = True) -> bool:
+        slot = self._take_slot(evict)
         if slot is None:
             return False
         # Normal (not inference) tensors, so parameters never point at inference tensors between calls.
@@ -178,7 +179,7 @@ class _Streamer:
                 block.weights.bind(block.weights.views_into(block.slot.buffers))
             block.running = True
         for upcoming in lookahead:
-            if upcoming.slot is None and not self.load(upcoming):
+            if upcoming.slot is None and not self.load(upcoming, evict=False):
                 break
 
     @torch.compiler.disable
@@ -357,7 +358,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 stack.owner, CallbackHook(before=_bind(streamer.enter_stack, ring, first)), LAYERWISE_ENTRY_HOOK
             )
             for position, ((_, module), block) in enumerate(zip(stack.blocks, row)):
-                lookahead = _lookahead(row, position, depth)
+                # One block further than the slots allow: it loads as soon as a slot frees up (e.g. while
+                # resident blocks run), so the copy engine never idles waiting for the next streamed block.
+                lookahead = _lookahead(row, position, depth + 1)
                 after = _bind(streamer.end, block) if block is not None else None
                 state.hooks.install(
                     module, CallbackHook(before=_bind(streamer.begin, block, lookahead), after=after), LAYERWISE_BLOCK_HOOK

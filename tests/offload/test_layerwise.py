@@ -81,6 +81,54 @@ def test_budget_keeps_spread_blocks_resident():
     backend.disable()
 
 
+def test_budget_prefetch_fills_slots_freed_during_resident_blocks():
+    # Streamed S1, resident R..., streamed S2, ..., S3: S3 must be copied while the resident blocks after S1 run,
+    # not only once S2 starts, or the copy engine idles for the whole resident stretch.
+    model = bare_flux(num_layers=2, num_single_layers=6)
+    blocks = _flux_blocks(model)
+    single = sum(p.numel() * 4 for p in blocks[-1].parameters())
+    non_block = sum(p.numel() * 4 for n, p in model.named_parameters() if "transformer_blocks" not in n)
+    budget = non_block + 2 * max(block_bytes(b) for b in blocks) + 3 * single + 64 * 1024
+    with torch.no_grad():
+        reference = model(**flux_inputs())[0]
+    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu", max_device_memory=budget))
+    streamer = backend._state.streamer
+    index = {id(b): i for i, b in enumerate(blocks)}
+    events: list[tuple[str, int]] = []
+    original_load = streamer.load
+
+    def recording_load(block, evict=True):
+        loaded = original_load(block, evict)
+        if loaded:
+            events.append(("load", block_positions[id(block)]))
+        return loaded
+
+    state = backend._state
+    block_positions = {
+        id(sb): index[id(module)]
+        for stack, row in zip(state.stacks, state.streamed)
+        for (_, module), sb in zip(stack.blocks, row)
+        if sb is not None
+    }
+    streamer.load = recording_load
+    handles = [b.register_forward_pre_hook(lambda m, a: events.append(("start", index[id(m)]))) for b in blocks]
+    resident = [block_bytes(b) > 0 for b in blocks]
+    with torch.no_grad():
+        assert torch.equal(model(**flux_inputs())[0], reference)
+    for h in handles:
+        h.remove()
+    streamed = [i for i, r in enumerate(resident) if not r]
+    checked = 0
+    for previous, current, following in zip(streamed, streamed[1:], streamed[2:]):
+        if any(resident[previous + 1 : current]):
+            assert events.index(("load", following)) < events.index(("start", current)), events
+            checked += 1
+    assert checked > 0, resident
+    assert backend.stats.on_demand_loads == 0
+    assert backend.stats.slot_count == 2
+    backend.disable()
+
+
 def test_budget_too_small_names_minimum():
     with pytest.raises(ValueError, match=r"max_device_memory=1000 .* too small; allowed: at least"):
         apply_offload(bare_flux(), OffloadConfig("layerwise", device="cpu", max_device_memory=1000))
