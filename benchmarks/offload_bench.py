@@ -437,6 +437,12 @@ def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, b
             "meets_rss_target": None if not variant["host_rss_peak_setup"]
             else variant["host_rss_peak_setup"] <= 1.1 * model_bytes + variant["host_rss_before"] - model_bytes,
         })
+    single = next((v["step_s"] for v in variants if v["variant"] == "omni layerwise"), None)
+    for variant in variants:
+        if variant["variant"].startswith("omni distributed") and single:
+            # Distributed issue's rule: at world size 1 the collective path costs at most 5% over plain layerwise.
+            variant["ratio_to_layerwise"] = variant["step_s"] / single
+            variant["meets_distributed_target"] = variant["step_s"] <= 1.05 * single
     mmap = measure_mmap_loading(model, model_bytes, device) if "mmap" in args.variants else None
     del model
     free_memory(device)
@@ -534,6 +540,11 @@ def markdown(report: dict) -> str:
                 f"{_gib(v['peak_device_bytes'])} | {_fmt(v['setup_s'], '.1f')} | {_gib(v['host_rss_peak_setup'])} | "
                 f"{_gib(v.get('streamed_bytes'))} | {verdict} |"
             )
+        distributed = [v for v in entry["variants"] if "ratio_to_layerwise" in v]
+        if distributed:
+            lines += ["", "Distributed layerwise at world size 1 against single-GPU layerwise (target ≤ 1.05×):", ""]
+            lines += [f"- {v['variant']}: {v['step_s']:.3f} s = {v['ratio_to_layerwise']:.3f} × layerwise "
+                      f"({_fmt(v['meets_distributed_target'])})" for v in distributed]
         mmap = entry.get("mmap_loading")
         if mmap:
             lines += [

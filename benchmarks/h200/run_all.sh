@@ -9,7 +9,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 out=${OUT:-benchmarks/results}
 for job in "$@"; do
   case "$job" in
-    attention) python3 benchmarks/attention_bench.py --out "$out/attention_h200" ;;
+    attention) for d in 128 64; do python3 benchmarks/h200/prewarm_flashinfer.py $d & done; wait
+               python3 benchmarks/attention_bench.py --out "$out/attention_h200" ;;
     sage) python3 benchmarks/sage_bench.py --out "$out/sage_h200" ;;
     offload-budget) python3 benchmarks/offload_bench.py --models flux --variants layerwise,budget \
                       --out "$out/offload_h200_flux_budget" ;;

@@ -67,6 +67,8 @@ class AttentionBackend:
     min_compute_capability: ClassVar[tuple[int, int] | None] = None
     compute_capabilities: ClassVar[frozenset[tuple[int, int]] | None] = None
     supports_mask: ClassVar[bool] = False
+    # Quantised or sparse kernels: benchmarks never hold exact kernels to their speed.
+    lossy: ClassVar[bool] = False
     supports_gqa: ClassVar[bool] = True
     supports_backward: ClassVar[bool] = True
     # True when the backend has a deterministic mode: under AttentionConfig(deterministic=True) its forward and

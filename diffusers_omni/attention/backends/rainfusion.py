@@ -94,6 +94,7 @@ class RainFusionBackend(AttentionBackend):
     supports_gqa = False
     supports_backward = False
     deterministic = False
+    lossy = True  # block-sparse
     packages = (("mindiesd", "Huawei MindIE-SD (a release implementing protected video tails for rf_v2)"),)
 
     def __init__(self, spec=None) -> None:

@@ -94,6 +94,7 @@ class SageAttentionBackend(AttentionBackend):
     supports_gqa = False
     supports_backward = False
     deterministic = False
+    lossy = True
     packages = (("sageattention", "pip install 'diffusers-omni[sage]' or build thu-ml/SageAttention from source"),)
 
     def __init__(self, spec=None) -> None:
@@ -166,6 +167,7 @@ class SageAttention3Backend(AttentionBackend):
     supports_gqa = True  # served by the SDPA fallback
     supports_backward = False
     deterministic = False
+    lossy = True
     packages = (("sageattn3", "build thu-ml/SageAttention's sageattention3_blackwell from source"),)
 
     def __init__(self, spec=None) -> None:
