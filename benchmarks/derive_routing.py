@@ -3,7 +3,9 @@
 For each platform family and shape class (q-length bucket, kv-length bucket, head_dim, masked) the ranking lists
 the backends measured there, best first: among backends whose TFLOP/s is within ``--tolerance`` of the fastest at
 every shape of the class, the one earliest in ``PREFERENCE`` comes first (TORCH_SDPA first: the reference, with a
-backward everywhere); the others follow by speed. Only rows that are backends (``is_backend``) count.
+backward everywhere); the others follow by speed. Only rows that are backends (``is_backend``) count, and of those
+neither lossy kernels (``lossy``: INT8 SageAttention) nor Hub kernels (``*_HUB``: a download, chosen explicitly for
+training/rollout parity) are ever a default.
 
     python benchmarks/derive_routing.py benchmarks/results/attention_h200.json
 """
@@ -23,6 +25,10 @@ from diffusers_omni.attention.routing import BUCKET_EDGES, TABLE_PATH, rule_key 
 PREFERENCE = ("TORCH_SDPA", "CUDNN_ATTN", "FLASH_ATTN", "FLASHINFER_ATTN")
 
 
+def routable(name: str, row: dict) -> bool:
+    return bool(row.get("is_backend")) and not row.get("lossy") and not name.endswith("_HUB")
+
+
 def derive(results: list[dict], tolerance: float = 0.03) -> dict:
     # ratios[family][key][backend] = list of (tflops / fastest tflops) over the shapes of the class
     ratios: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
@@ -31,7 +37,7 @@ def derive(results: list[dict], tolerance: float = 0.03) -> dict:
         family = result["platform"]["family"]
         sources.append(f"{result['platform']['device_name']} torch {result['torch']} {result['date']}")
         for shape in result["shapes"]:
-            rows = {n: r for n, r in shape["results"].items() if r.get("is_backend")}
+            rows = {n: r for n, r in shape["results"].items() if routable(n, r)}
             if not rows:
                 continue
             fastest = max(r["tflops"] for r in rows.values())

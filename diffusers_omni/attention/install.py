@@ -15,6 +15,7 @@ from .platform import Platform, current_platform
 from .model_state import remove_states
 from .processors import MaskPolicy, RoleAttention, is_omni_processor
 from .registry import get_backend_class
+from .routing import ShapeRouter
 from .selector import Resolution, deterministic_requested, resolve
 
 logger = logging.getLogger("diffusers_omni.attention")
@@ -123,12 +124,13 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
     for site, resolutions in plan:
         attend = {}
         for role, resolution in resolutions.items():
-            key = (resolution.backend, resolution.spec, resolution.call.deterministic)
-            if key not in backends:
-                backends[key] = get_backend_class(resolution.backend)(resolution.spec)
-                if resolution.call.deterministic:
-                    backends[key].enable_deterministic()
-            backend = backends[key]
+            backend = _instance(backends, resolution.backend, resolution.spec, resolution.call.deterministic)
+            if resolution.shape_routed:
+                names = (resolution.backend, *resolution.shape_routed)
+                backend = ShapeRouter(
+                    current_platform().family,
+                    {n: _instance(backends, n, resolution.spec, resolution.call.deterministic) for n in names},
+                )
             # Optional enable-time hook: a backend may specialise itself per site and role (calibration, layer
             # exemptions, per-role guards) or raise; nothing is installed yet, so a raise leaves the model as is.
             bind_site = getattr(backend, "bind_site", None)
@@ -152,6 +154,16 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
     state.guard = model.register_forward_pre_hook(_keep_applied)
     setattr(model, _STATE_ATTR, state)
     return [dict(entry) for entry in report]
+
+
+def _instance(backends: dict, name: str, spec, deterministic: bool) -> AttentionBackend:
+    """One backend object per (name, spec, deterministic) for the whole model, shared by its roles."""
+    key = (name, spec, deterministic)
+    if key not in backends:
+        backends[key] = get_backend_class(name)(spec)
+        if deterministic:
+            backends[key].enable_deterministic()
+    return backends[key]
 
 
 def _keep_applied(model: nn.Module, args) -> None:
@@ -182,6 +194,7 @@ def _report_entry(module: str, role, resolution: Resolution) -> dict:
         "role": role.role,
         "category": role.category,
         "backend": resolution.backend,
+        "shape_routed": list(resolution.shape_routed),
         "source": resolution.source,
     }
 

@@ -136,24 +136,11 @@ def _flash_attn_3_or_4_importable(platform: Platform, call: "AttentionCall") -> 
     return any(impl in ("FA3", "FA4") for impl in flash_attention_implementations())
 
 
-def _measured_flash_attn_first(platform: Platform, call: "AttentionCall") -> bool:
-    """The committed routing table ranks FLASH_ATTN first in every measured shape class of this platform family
-    (and head dim, when known). Without measurements FLASH_ATTN is not preferred: on an H200, FlashAttention-3 lost
-    to unpinned SDPA at FLUX and cross-attention shapes (shared BASELINE), so importability alone is not enough."""
-    from .routing import load_table
-
-    rules = load_table().get("families", {}).get(platform.family, {})
-    if call.head_dim is not None:
-        rules = {key: rule for key, rule in rules.items() if f"/d{call.head_dim}/" in key}
-    return bool(rules) and all((rule.get("ranking") or [None])[0] == "FLASH_ATTN" for rule in rules.values())
-
-
 ROUTE_CONDITIONS: dict[str, Callable[[Platform, "AttentionCall"], bool]] = {
     "model_declares_mask_free_path": lambda platform, call: call.mask_free_path and not call.has_mask,
     "head_dim_128": lambda platform, call: call.head_dim == 128,
     "cudnn_at_least_9_5": lambda platform, call: (platform.cudnn_version or 0) >= 90500,
     "flash_attn_3_or_4_importable": _flash_attn_3_or_4_importable,
-    "measured_flash_attn_first": _measured_flash_attn_first,
 }
 
 _BLACKWELL_TAIL = (
@@ -163,12 +150,11 @@ _BLACKWELL_TAIL = (
     Route("TORCH_SDPA"),
 )
 
-# benchmarks/results/attention_h200.md: on an H200 (torch 2.11, cuDNN 9.19) PyTorch's unpinned SDPA lands on
-# cuDNN and was the fastest dense kernel at every DiT shape (PyTorch's built-in FlashAttention-2 ran at 55-60% of
-# it); pinning cuDNN gave the same output bit for bit but ran up to 8% slower. With boolean key-padding masks the
-# unpinned dispatcher also stayed on cuDNN (3x the memory-efficient kernel), so masked calls gain nothing from
-# pinning on this stack either.
-_HOPPER_WHY = "unpinned SDPA lands on cuDNN on Hopper and was fastest on unmasked DiT shapes"
+# Hopper's route is TORCH_SDPA (unpinned SDPA lands on cuDNN: benchmarks/results/attention_h200.md), and no single
+# kernel wins every shape there: FlashAttention-3 leads on long unmasked self-attention, FlashInfer on short masked
+# sequences, SDPA at head_dim 64. Those per-shape choices come from routing_table.json (selector._shape_routes →
+# routing.ShapeRouter), derived from committed H200 results, not from this list.
+_HOPPER_WHY = "the reference kernel; measured shape classes are routed per routing_table.json"
 
 PLATFORM_ROUTES: dict[str, tuple[Route, ...]] = {
     "blackwell_datacenter": (
@@ -180,10 +166,7 @@ PLATFORM_ROUTES: dict[str, tuple[Route, ...]] = {
         *_BLACKWELL_TAIL,
     ),
     "blackwell_workstation": _BLACKWELL_TAIL,
-    "hopper": (
-        Route("FLASH_ATTN", when=("flash_attn_3_or_4_importable", "measured_flash_attn_first")),
-        Route("TORCH_SDPA", why=_HOPPER_WHY),
-    ),
+    "hopper": (Route("TORCH_SDPA", why=_HOPPER_WHY),),
     "ada": (
         Route("FLASH_ATTN", when=("flash_attn_3_or_4_importable",)),
         Route("TORCH_SDPA"),

@@ -1,9 +1,10 @@
 """Shape-aware routing for platform-default roles, from a data table derived from committed benchmark results.
 
 The KV length of a call is only known at call time, so a ``ShapeRouter`` holds the candidate backends that can
-run a role and picks one per call signature ``(family, q bucket, kv bucket, head_dim, masked)``: the first call
-with a signature reads ``routing_table.json`` (written by ``benchmarks/derive_routing.py``), later calls are a dict
-lookup. Signatures the table does not cover go to the first candidate (the routing list's own choice).
+run a role and picks one per call signature ``(q bucket, kv bucket, head_dim, masked, needs gradients)``: the first
+call with a signature reads ``routing_table.json`` (written by ``benchmarks/derive_routing.py``), later calls are a
+dict lookup. Signatures the table does not cover go to the first candidate (the platform route's own choice), and
+calls that need gradients only go to candidates with a backward (FlashInfer prefill and ``fa3-fwd`` have none).
 """
 
 from __future__ import annotations
@@ -35,14 +36,44 @@ def load_table(path: str | None = None) -> dict:
     return json.loads(Path(path or TABLE_PATH).read_text())
 
 
+def pick(rule: dict, usable, preferred: str | None, tolerance: float) -> str | None:
+    """The first backend of ``rule``'s ranking that ``usable(name)`` accepts; ``preferred`` instead when it is usable
+    and within ``tolerance`` of that one (the ranking's own tie rule, applied to what is installed here)."""
+    ranking = rule.get("ranking") or ()
+    best = next((name for name in ranking if usable(name)), None)
+    if best is None or preferred is None or preferred == best or not usable(preferred):
+        return best
+    ratios = rule.get("worst_ratio", {})
+    if preferred in ratios and best in ratios and ratios[preferred] >= (1 - tolerance) * ratios[best]:
+        return preferred
+    return best
+
+
 def table_choice(table: dict, family: str, q_len: int, kv_len: int, head_dim: int, masked: bool,
-                 candidates) -> str | None:
-    """The table's ranking for this shape class, filtered to ``candidates``; ``None`` when the class is not covered."""
-    rules = table.get("families", {}).get(family, {})
-    ranking = rules.get(rule_key(q_len, kv_len, head_dim, masked), {}).get("ranking")
-    if not ranking:
+                 candidates, preferred: str | None = None) -> str | None:
+    """The table's choice for this shape class among ``candidates``; ``None`` when the class is not covered."""
+    rule = table.get("families", {}).get(family, {}).get(rule_key(q_len, kv_len, head_dim, masked))
+    if not rule:
         return None
-    return next((name for name in ranking if name in candidates), None)
+    return pick(rule, lambda name: name in candidates, preferred, table.get("tolerance", 0.03))
+
+
+def ranked_alternatives(table: dict, family: str, head_dim: int | None, may_mask: bool, base: str,
+                        available) -> tuple[str, ...]:
+    """Backends other than ``base`` that the table ranks first (among ``base`` and those ``available(name)``
+    accepts) in some measured class this role can hit: its head dim, dense classes, and masked ones when the
+    role may pass a mask. Empty when the table agrees with ``base`` everywhere the role can go."""
+    rules = table.get("families", {}).get(family, {})
+    kinds = ("dense", "masked") if may_mask else ("dense",)
+    tolerance = table.get("tolerance", 0.03)
+    chosen: list[str] = []
+    for key, rule in rules.items():
+        if head_dim is None or not key.endswith(tuple(f"/d{head_dim}/{kind}" for kind in kinds)):
+            continue
+        first = pick(rule, lambda n: n == base or available(n), base, tolerance)
+        if first is not None and first != base and first not in chosen:
+            chosen.append(first)
+    return tuple(chosen)
 
 
 class ShapeRouter:
@@ -55,15 +86,21 @@ class ShapeRouter:
         self.candidates = dict(candidates)
         self.table = table if table is not None else load_table()
         self._chosen: dict[tuple, object] = {}
+        self.base = next(iter(self.candidates))
         self.supports_mask = all(getattr(b, "supports_mask", True) for b in self.candidates.values())
-        self.supports_backward = all(getattr(b, "supports_backward", True) for b in self.candidates.values())
+        # Calls needing gradients only go to candidates with a backward, so the router has one if the base has.
+        self.supports_backward = getattr(self.candidates[self.base], "supports_backward", True)
 
-    def choose(self, q_len: int, kv_len: int, head_dim: int, masked: bool) -> str:
-        name = table_choice(self.table, self.family, q_len, kv_len, head_dim, masked, self.candidates)
-        return name or next(iter(self.candidates))
+    def choose(self, q_len: int, kv_len: int, head_dim: int, masked: bool, needs_grad: bool = False) -> str:
+        candidates = self.candidates
+        if needs_grad:
+            candidates = {n: b for n, b in candidates.items() if getattr(b, "supports_backward", True)}
+        name = table_choice(self.table, self.family, q_len, kv_len, head_dim, masked, candidates, self.base)
+        return name or self.base
 
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        signature = (query.shape[1], key.shape[1], query.shape[-1], attn_mask is not None)
+        needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        signature = (query.shape[1], key.shape[1], query.shape[-1], attn_mask is not None, needs_grad)
         backend = self._chosen.get(signature)
         if backend is None:
             backend = self.candidates[self.choose(*signature)]
@@ -72,8 +109,14 @@ class ShapeRouter:
         return backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
     def describe(self) -> dict:
+        routes = {name: backend.describe() for name, backend in self.candidates.items() if hasattr(backend, "describe")}
         return {
-            "backend": "ROUTER",
-            "implementation": f"diffusers_omni.attention.routing.ShapeRouter({', '.join(self.candidates)})",
-            "chosen": {str(k): type(v).__name__ for k, v in self._chosen.items()},
+            "backend": f"SHAPE_ROUTED({'|'.join(self.candidates)})",
+            "implementation": "diffusers_omni.attention.routing.ShapeRouter: per call shape from routing_table.json; "
+            f"uncovered shapes → {self.base}; calls needing gradients → backward-capable candidates only",
+            "version": None,
+            "kernel_repo": None,
+            "kernel_revision": None,
+            "deterministic": all(r.get("deterministic", False) for r in routes.values()),
+            "routes": routes,
         }

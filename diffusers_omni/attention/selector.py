@@ -52,12 +52,21 @@ class Resolution:
     source: str
     call: AttentionCall
     candidates: tuple[Candidate, ...] = ()
+    # Platform defaults only: backends the committed routing table ranks first for some call shapes of this role;
+    # ``backend`` still runs every shape the table does not cover.
+    shape_routed: tuple[str, ...] = ()
+
+    def describe_backend(self) -> str:
+        if not self.shape_routed:
+            return self.backend
+        return f"{self.backend}, shape-routed to {', '.join(self.shape_routed)} where the routing table ranks them first"
 
     def to_dict(self) -> dict:
         return {
             "role": self.role,
             "category": self.category,
             "backend": self.backend,
+            "shape_routed": list(self.shape_routed),
             "source": self.source,
             "spec": self.spec.to_dict() if self.spec else None,
             "call": self.call.describe(),
@@ -131,7 +140,19 @@ def _resolve_cached(
     source = f"platform default ({platform.describe()})"
     if spec is not None:
         source = f"{where} auto → {source}"
-    return Resolution(role, category, backend, spec, source, call, candidates)
+    return Resolution(role, category, backend, spec, source, call, candidates, _shape_routes(backend, call, platform))
+
+
+def _shape_routes(base: str, call: AttentionCall, platform: Platform) -> tuple[str, ...]:
+    from .routing import load_table, ranked_alternatives
+
+    def available(name: str) -> bool:
+        try:
+            return not get_backend_class(name).not_supported_reasons(call, platform)
+        except KeyError:  # the table names a backend this build does not register
+            return False
+
+    return ranked_alternatives(load_table(), platform.family, call.head_dim, call.has_mask, base, available)
 
 
 _logged: set[tuple[str, str, str]] = set()
@@ -149,10 +170,10 @@ def resolve(
     platform = platform or current_platform()
     spec, where = select_spec(config, role, category)
     resolution = _resolve_cached(spec, where, role, category, call, platform)
-    key = (role, resolution.backend, resolution.source)
+    key = (role, resolution.describe_backend(), resolution.source)
     if key not in _logged:
         _logged.add(key)
-        logger.info("attention role %r → %s (%s)", role, resolution.backend, resolution.source)
+        logger.info("attention role %r → %s (%s)", role, resolution.describe_backend(), resolution.source)
     return resolution
 
 

@@ -62,6 +62,9 @@ def run(args) -> int:
     summary = summarize(rows)
     print(table(summary, ["role", "category", "backend", "source", "modules", "call"]))
     for row in summary:
+        if row.get("shape_routed"):
+            print(f"  {row['role']}: shape-routed to {', '.join(row['shape_routed'])} where routing_table.json ranks "
+                  f"them first for this platform; other shapes run {row['backend']} (see `diffusers-omni info`)")
         for rejected in row["rejected"]:
             print(f"  {row['role']}: skipped {rejected['backend']}: {'; '.join(rejected['reasons'])}")
     return 0

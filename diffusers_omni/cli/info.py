@@ -50,9 +50,18 @@ def collect_info(platform=None) -> dict:
         "platform": platform.to_dict(),
         "flash_attention_implementations": flash_attention_implementations(),
         "routing": routes,
+        "shape_routing": _shape_routing(platform),
         "deterministic_mode": _deterministic_mode(),
         "backends": backends,
     }
+
+
+def _shape_routing(platform) -> dict:
+    """The committed routing table's ranking per measured shape class of this platform family."""
+    from ..attention.routing import TABLE_PATH, load_table
+
+    rules = load_table().get("families", {}).get(platform.family, {})
+    return {"table": TABLE_PATH.name, "classes": {key: rule["ranking"] for key, rule in rules.items()}}
 
 
 def _deterministic_mode() -> dict:
@@ -69,6 +78,16 @@ def _deterministic_mode() -> dict:
     }
 
 
+def _format_shape_routing(shape_routing: dict) -> list[str]:
+    classes = shape_routing["classes"]
+    if not classes:
+        return [f"shape routing: none measured for this platform ({shape_routing['table']})"]
+    lines = [f"shape routing ({shape_routing['table']}; class = q/kv length buckets, head dim, mask; the first "
+             "installed backend of each ranking runs, the route above otherwise):"]
+    lines += [f"  {key:22s} {' > '.join(ranking)}" for key, ranking in classes.items()]
+    return lines
+
+
 def format_info(info: dict) -> str:
     plat = info["platform"]
     lines = [
@@ -77,6 +96,7 @@ def format_info(info: dict) -> str:
         f"CUDA: {info['cuda'] or 'none'}  cuDNN: {info['cudnn'] or 'none'}",
         f"FlashAttention implementations found: {', '.join(info['flash_attention_implementations']) or 'none'}",
         "default routing: " + " → ".join(r["backend"] + (f" (if {', '.join(r['when'])})" if r["when"] else "") for r in info["routing"]),
+        *_format_shape_routing(info["shape_routing"]),
         f"deterministic mode: {'on' if info['deterministic_mode'].get('enabled') else 'off'} "
         f"({info['deterministic_mode']['source']})",
         "",

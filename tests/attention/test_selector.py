@@ -162,20 +162,50 @@ def test_use_platform_scopes_the_override():
     assert diffusers_omni.current_platform() is not HOPPER
 
 
-def test_hopper_prefers_flash_attn_only_where_measurements_rank_it_first(monkeypatch):
-    from diffusers_omni.attention import platform as platform_module
-    from diffusers_omni.attention import routing
-
-    monkeypatch.setattr(platform_module, "_flash_attn_3_or_4_importable", lambda p, c: True)
-    monkeypatch.setitem(platform_module.ROUTE_CONDITIONS, "flash_attn_3_or_4_importable", lambda p, c: True)
-    # The committed table has no FLASH_ATTN measurements: importable is not enough.
-    resolution = resolve(None, "flux.joint", "self", cuda_call(), HOPPER)
-    assert resolution.backend == "TORCH_SDPA"
-    assert resolution.candidates[0].reasons == ("routing condition 'measured_flash_attn_first' does not hold",)
-    measured = {"families": {"hopper": {"q1/kv1/d128/dense": {"ranking": ["FLASH_ATTN", "TORCH_SDPA"]}}}}
-    monkeypatch.setattr(routing, "load_table", lambda path=None: measured)
+def _available(monkeypatch, *names):
     from diffusers_omni.attention.selector import clear_resolution_cache
 
+    for name in names:
+        monkeypatch.setattr(get_backend_class(name), "not_supported_reasons", classmethod(lambda cls, call, platform: []))
     clear_resolution_cache()
-    assert platform_module.ROUTE_CONDITIONS["measured_flash_attn_first"](HOPPER, cuda_call())
-    assert not platform_module.ROUTE_CONDITIONS["measured_flash_attn_first"](HOPPER, cuda_call(head_dim=64))
+
+
+def test_hopper_default_is_sdpa_and_shape_routed_where_the_table_ranks_others_first(monkeypatch):
+    # Nothing installed: the committed table's FLASH_ATTN / FLASHINFER_ATTN classes cannot be used here.
+    resolution = resolve(None, "flux.joint", "self", cuda_call(), HOPPER)
+    assert (resolution.backend, resolution.shape_routed) == ("TORCH_SDPA", ())
+    _available(monkeypatch, "FLASH_ATTN", "FLASHINFER_ATTN")
+    unmasked = resolve(None, "flux.joint", "self", cuda_call(), HOPPER)
+    assert (unmasked.backend, unmasked.shape_routed) == ("TORCH_SDPA", ("FLASH_ATTN",))
+    assert "shape-routed to FLASH_ATTN" in unmasked.describe_backend()
+    masked = resolve(None, "hunyuan.self", "self", cuda_call(has_mask=True), HOPPER)
+    assert set(masked.shape_routed) == {"FLASH_ATTN", "FLASHINFER_ATTN"}
+    assert resolve(None, "sdxl.self", "self", cuda_call(head_dim=64), HOPPER).shape_routed == ()  # SDPA wins at d64
+    # Explicit selections are never rerouted.
+    assert resolve("TORCH_SDPA", "flux.joint", "self", cuda_call(), HOPPER).shape_routed == ()
+    assert resolve(None, "flux.joint", "self", cpu_call(), CPU).shape_routed == ()
+
+
+def test_apply_attention_installs_a_shape_router_on_hopper(monkeypatch):
+    from diffusers_omni import apply_attention
+    from diffusers_omni.attention.routing import ShapeRouter
+    from diffusers import FluxTransformer2DModel
+
+    _available(monkeypatch, "FLASH_ATTN", "FLASHINFER_ATTN")
+    model = FluxTransformer2DModel(
+        in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=1,
+        joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(16, 56, 56),
+    )
+    with use_platform(HOPPER):
+        monkeypatch.setattr("diffusers_omni.attention.install._call_device_type", lambda model, platform: "cuda")
+        monkeypatch.setattr("diffusers_omni.attention.install._model_dtype", lambda model: torch.bfloat16)
+        report = apply_attention(model)
+    assert {entry["shape_routed"][0] for entry in report} == {"FLASH_ATTN"}
+    processor = model.transformer_blocks[0].attn.processor
+    router = next(iter(processor.attend.values())).backend
+    assert isinstance(router, ShapeRouter) and list(router.candidates) == ["TORCH_SDPA", "FLASH_ATTN"]
+    assert router.choose(4608, 4608, 128, False) == "FLASH_ATTN"
+    router.candidates["FLASH_ATTN"].supports_backward = False  # as with fa3-fwd
+    assert router.choose(4608, 4608, 128, False, needs_grad=True) == "TORCH_SDPA"
+    assert router.choose(300, 77, 128, False) == "TORCH_SDPA"  # a class the table does not cover
+    assert router.describe()["backend"] == "SHAPE_ROUTED(TORCH_SDPA|FLASH_ATTN)"
