@@ -14,6 +14,7 @@ that the copy stream used the buffer.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,7 @@ class _Slot:
         self.allocated = transfers.new_event()
         self.ready = transfers.new_event()
         self.owner: _StreamedBlock | None = None
+        self.nbytes = 0
 
     def release(self) -> None:
         if self.owner is not None:
@@ -118,8 +120,9 @@ class _StreamedBlock:
 class LayerwiseStats:
     streamed_blocks: int = 0
     resident_blocks: int = 0
-    slot_count: int = 0
-    slot_bytes: int = 0
+    slot_count: int = 0  # largest blocks that fit in the in-flight window (prefetch depth + 1)
+    slot_bytes: int = 0  # the largest streamed block
+    in_flight_capacity: int = 0  # bytes of streamed blocks on the device at once, at most
     streamed_bytes_per_pass: int = 0
     resident_device_bytes: int = 0
     host_bytes: int = 0
@@ -130,25 +133,43 @@ class LayerwiseStats:
 
 
 class _Streamer:
-    """The slot pool and the per-stack rings that feed it. Hot-path methods run on every block call."""
+    """The in-flight window and the per-stack rings that feed it. Hot-path methods run on every block call.
 
-    def __init__(self, slots: list[_Slot], transfers: Transfers, stats: LayerwiseStats) -> None:
-        self.slots = slots
+    The window holds at most ``capacity`` bytes (``prefetch_depth + 1`` largest blocks), so smaller blocks can
+    have more loads in flight: a run of small streamed blocks keeps the copy engine ahead of a compute-heavy
+    stretch instead of waiting for a fixed slot.
+    """
+
+    def __init__(self, capacity: int, transfers: Transfers, stats: LayerwiseStats) -> None:
+        self.capacity = capacity
         self.transfers = transfers
         self.stats = stats
-        self._cursor = 0
+        self.in_flight: deque[_Slot] = deque()  # load order
+        self.in_flight_bytes = 0
+        self._spare: list[_Slot] = []
 
-    def _take_slot(self, evict: bool) -> _Slot | None:
-        # Prefetches only fill free slots; evicting a prefetched block that has not run yet would waste its copy.
-        slot = self.slots[self._cursor]
-        if slot.owner is not None and (slot.owner.running or not evict):
-            return None
-        self._cursor = (self._cursor + 1) % len(self.slots)
-        slot.release()
+    def _take_slot(self, nbytes: int, evict: bool) -> _Slot | None:
+        # Prefetches only use free room; evicting a prefetched block that has not run yet would waste its copy.
+        while self.in_flight_bytes + nbytes > self.capacity:
+            oldest = self.in_flight[0] if self.in_flight else None
+            if oldest is None or oldest.owner.running or not evict:
+                return None
+            self.free(oldest)
+        slot = self._spare.pop() if self._spare else _Slot(len(self.in_flight), self.transfers)
+        slot.nbytes = nbytes
+        self.in_flight.append(slot)
+        self.in_flight_bytes += nbytes
         return slot
 
+    def free(self, slot: _Slot) -> None:
+        slot.release()
+        self.in_flight.remove(slot)
+        self.in_flight_bytes -= slot.nbytes
+        slot.nbytes = 0
+        self._spare.append(slot)
+
     def load(self, block: _StreamedBlock, evict: bool = True) -> bool:
-        slot = self._take_slot(evict)
+        slot = self._take_slot(block.weights.nbytes, evict)
         if slot is None:
             return False
         # Normal (not inference) tensors, so parameters never point at inference tensors between calls.
@@ -187,7 +208,7 @@ class _Streamer:
         block.weights.bind(block.placeholders)
         block.running = False
         if block.slot is not None:
-            block.slot.release()
+            self.free(block.slot)
 
     @torch.compiler.disable
     def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...]) -> None:
@@ -333,14 +354,15 @@ class LayerwiseOffloadBackend(OffloadBackend):
         blocks = [b for row in state.streamed for b in row if b is not None]
         state.transfers = Transfers(self.device)
         count = self.config.prefetch_depth + 1 if blocks else 0
-        slots = [_Slot(i, state.transfers) for i in range(count)]
-        state.streamer = _Streamer(slots, state.transfers, state.stats)
         state.stats.slot_count = count
         state.stats.slot_bytes = max((b.weights.nbytes for b in blocks), default=0)
+        state.stats.in_flight_capacity = count * state.stats.slot_bytes
+        state.streamer = _Streamer(state.stats.in_flight_capacity, state.transfers, state.stats)
         logger.info(
-            "layerwise offload: up to %d blocks on %s at once (largest %s; prefetch depth %d)",
-            count,
+            "layerwise offload: up to %s of blocks on %s at once (%d × the largest block, %s; prefetch depth %d)",
+            format_bytes(state.stats.in_flight_capacity),
             self.device,
+            count,
             format_bytes(state.stats.slot_bytes),
             self.config.prefetch_depth,
         )
@@ -348,6 +370,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
     def _stage_install_hooks(self, state: _State, journal: Journal) -> None:
         journal.record("remove hooks", state.hooks.remove_all)
         depth = self.config.prefetch_depth
+        capacity = state.stats.in_flight_capacity
         streamer = state.streamer
         for stack, row in zip(state.stacks, state.streamed):
             ring = [b for b in row if b is not None]
@@ -358,9 +381,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 stack.owner, CallbackHook(before=_bind(streamer.enter_stack, ring, first)), LAYERWISE_ENTRY_HOOK
             )
             for position, ((_, module), block) in enumerate(zip(stack.blocks, row)):
-                # One block further than the slots allow: it loads as soon as a slot frees up (e.g. while
-                # resident blocks run), so the copy engine never idles waiting for the next streamed block.
-                lookahead = _lookahead(row, position, depth + 1)
+                # As far ahead as the window could ever hold: each upcoming block loads as soon as room frees up
+                # (e.g. while resident blocks run), so the copy engine never idles waiting for the next one.
+                lookahead = _lookahead(row, position, capacity)
                 after = _bind(streamer.end, block) if block is not None else None
                 state.hooks.install(
                     module, CallbackHook(before=_bind(streamer.begin, block, lookahead), after=after), LAYERWISE_BLOCK_HOOK
@@ -392,12 +415,21 @@ class LayerwiseOffloadBackend(OffloadBackend):
         logger.info("layerwise offload disabled: block weights are ordinary host tensors again")
 
 
-def _lookahead(row: list[_StreamedBlock | None], position: int, depth: int) -> tuple[_StreamedBlock, ...]:
-    """The next ``depth`` streamed blocks after ``position``, wrapping to the stack's start (next step)."""
+def _lookahead(row: list[_StreamedBlock | None], position: int, capacity: int) -> tuple[_StreamedBlock, ...]:
+    """The streamed blocks after ``position`` (wrapping to the stack's start: the next step) that fit in
+    ``capacity`` bytes together; at least one when there is another block."""
     ring = [(i, b) for i, b in enumerate(row) if b is not None]
     after = [b for i, b in ring if i > position] + [b for i, b in ring if i <= position]
     current = row[position]
-    return tuple(b for b in after if b is not current)[:depth]
+    chosen, total = [], 0
+    for block in after:
+        if block is current:
+            continue
+        total += block.weights.nbytes
+        if chosen and total > capacity:
+            break
+        chosen.append(block)
+    return tuple(chosen)
 
 
 def _bind(function, *args):

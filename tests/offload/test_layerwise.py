@@ -129,6 +129,33 @@ def test_budget_prefetch_fills_slots_freed_during_resident_blocks():
     backend.disable()
 
 
+def test_window_holds_more_small_blocks_but_never_more_bytes():
+    # FLUX's single blocks are smaller than its double blocks: the window of 2 largest blocks holds more of them.
+    model = bare_flux(num_layers=1, num_single_layers=6)
+    with torch.no_grad():
+        reference = model(**flux_inputs())[0]
+    backend = apply_offload(model, CPU)
+    streamer = backend._state.streamer
+    stats = backend.stats
+    assert stats.in_flight_capacity == 2 * stats.slot_bytes
+    seen = []
+    original_load = streamer.load
+
+    def watching_load(block, evict=True):
+        loaded = original_load(block, evict)
+        seen.append((len(streamer.in_flight), streamer.in_flight_bytes))
+        return loaded
+
+    streamer.load = watching_load
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(**flux_inputs())[0], reference)
+    assert max(count for count, _ in seen) > 2
+    assert max(nbytes for _, nbytes in seen) <= stats.in_flight_capacity
+    assert stats.on_demand_loads == 0
+    backend.disable()
+
+
 def test_budget_too_small_names_minimum():
     with pytest.raises(ValueError, match=r"max_device_memory=1000 .* too small; allowed: at least"):
         apply_offload(bare_flux(), OffloadConfig("layerwise", device="cpu", max_device_memory=1000))
