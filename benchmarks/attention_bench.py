@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffusers_omni.attention.backends.base import AttentionCall  # noqa: E402
 from diffusers_omni.attention.platform import current_platform  # noqa: E402
 from diffusers_omni.attention.registry import get_backend_class, registered_backend_names  # noqa: E402
+from diffusers_omni.attention.routing import ShapeRouter  # noqa: E402
 from diffusers_omni.attention.selector import resolve  # noqa: E402
 
 # name, batch, heads, q_len, kv_len, head_dim, role category, masked (boolean key padding, last 10% of keys off)
@@ -150,7 +151,15 @@ def run(args, on_shape=None) -> dict:
         ref = reference(q, k, v, mask)
         flops = 4 * b * h * sq * skv * d
         backends, extra, skipped, call, cudnn_contiguous = variants(dtype, d, masked)
-        default = resolve(None, f"bench.{category}", category, call).backend
+        resolution = resolve(None, f"bench.{category}", category, call)
+        default = resolution.backend
+        if resolution.shape_routed:
+            # What a model gets by default: the router's choice for this shape, and the router itself timed end
+            # to end (its per-call dispatch included).
+            names = (resolution.backend, *resolution.shape_routed)
+            router = ShapeRouter(plat.family, {n: get_backend_class(n)(None) for n in names})
+            default = router.choose(sq, skv, d, masked)
+            extra[f"platform default end to end (ShapeRouter → {default})"] = router
         rows = {}
         for name, fn in [*backends.items(), *extra.items()]:
             inner = 20 if flops < 1e12 else 3
