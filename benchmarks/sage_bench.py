@@ -172,10 +172,11 @@ def _counting_sage_kernel(counts: dict, fake: bool):
     saved = sage._import_sageattention, sage._package_version, base.package_importable
     real = None if fake else saved[0]()
 
-    def sageattn(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=None):
+    def sageattn(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=None, smooth_k=True):
         counts[k.shape[1]] = counts.get(k.shape[1], 0) + 1
         if real is not None:
-            return real.sageattn(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale)
+            return real.sageattn(q, k, v, tensor_layout=tensor_layout, is_causal=is_causal, sm_scale=sm_scale,
+                                 smooth_k=smooth_k)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         return F.scaled_dot_product_attention(qt, kt, vt, is_causal=is_causal, scale=sm_scale).transpose(1, 2)
 

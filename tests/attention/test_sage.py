@@ -85,10 +85,13 @@ def test_auto_routing_never_picks_lossy_or_npu_only_backends(platform, kw, packa
 
 
 def fake_sageattention(record):
-    """FAKE kernel boundary (not SageAttention): records the call and returns exact attention."""
+    """FAKE kernel boundary (not SageAttention): records the call and returns exact attention. Like sageattention
+    1.0.6 (core.py: ``k -= km``), it smooths K in place unless told not to."""
 
-    def sageattn(q, k, v, tensor_layout, is_causal, sm_scale):
+    def sageattn(q, k, v, tensor_layout, is_causal, sm_scale, smooth_k=True):
         record.append({"kv_len": k.shape[1], "tensor_layout": tensor_layout, "is_causal": is_causal, "sm_scale": sm_scale})
+        if smooth_k:
+            k -= k.mean(dim=1, keepdim=True)
         return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), scale=sm_scale).transpose(1, 2)
 
     return types.SimpleNamespace(sageattn=sageattn)
@@ -101,6 +104,19 @@ def resolution(category, source, role="sdxl.cross"):
 def qkv(kv_len, q_len=8):
     g = torch.Generator().manual_seed(0)
     return torch.randn(1, q_len, 2, 64, generator=g), torch.randn(1, kv_len, 2, 64, generator=g), torch.randn(1, kv_len, 2, 64, generator=g)
+
+
+def test_callers_key_is_not_modified(monkeypatch):
+    # Found on the H200: sageattention 1.0.6 subtracted the K mean from the caller's tensor, so every later user of
+    # that key (the next backend in our benchmark) saw different inputs.
+    monkeypatch.setattr(sage, "_import_sageattention", lambda: fake_sageattention([]))
+    q, k, v = qkv(1024)
+    before = k.clone()
+    out = SageAttentionBackend()(q, k, v)
+    assert torch.equal(k, before)
+    # Smoothing K shifts every score of a query by the same amount: the softmax, and the result, are unchanged.
+    exact = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, before, v))).transpose(1, 2)
+    torch.testing.assert_close(out, exact, atol=1e-5, rtol=1e-5)
 
 
 def test_short_kv_rule():

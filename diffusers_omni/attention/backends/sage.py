@@ -138,7 +138,10 @@ class SageAttentionBackend(AttentionBackend):
         if attn_mask is not None or dropout_p:
             raise ValueError("SAGE_ATTN takes no attention mask and no dropout")
         sage = _import_sageattention()
-        return sage.sageattn(query, key, value, tensor_layout="NHD", is_causal=is_causal, sm_scale=scale)
+        # sageattention 1.x smooths K in place (``k -= k.mean(seq)``), changing the caller's tensor; smooth it out
+        # of place instead (same arithmetic, same result: a per-query constant shift leaves the softmax unchanged).
+        key = key - key.mean(dim=1, keepdim=True)
+        return sage.sageattn(query, key, value, tensor_layout="NHD", is_causal=is_causal, sm_scale=scale, smooth_k=False)
 
     def describe(self) -> dict:
         return {
