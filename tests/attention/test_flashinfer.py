@@ -63,7 +63,13 @@ def test_mixed_dtype_needs_minimum_version(monkeypatch):
     with pytest.raises(ValueError, match=r"QK16/V8\) needs FlashInfer 0.6.16rc1 or newer; found 0.6.4"):
         FlashInferBackend(spec)
     monkeypatch.setattr(fi, "flashinfer_version", lambda: "0.6.16")
+    monkeypatch.setattr(fi, "_plan_takes_v_dtype", lambda: True)
     assert FlashInferBackend(spec).describe()["dtype_vo"] == "float8_e4m3fn"
+    # A release whose ragged plan() has no separate V dtype (0.7.4) is refused, not sent an unknown keyword.
+    monkeypatch.setattr(fi, "flashinfer_version", lambda: "0.7.4")
+    monkeypatch.setattr(fi, "_plan_takes_v_dtype", lambda: False)
+    with pytest.raises(ValueError, match=r"0.7.4's BatchPrefillWithRaggedKVCacheWrapper.plan\(\) has no v_data_type"):
+        FlashInferBackend(spec)
     # 16-bit V needs no new release.
     monkeypatch.setattr(fi, "flashinfer_version", lambda: "0.6.4")
     FlashInferBackend(AttentionSpec("FLASHINFER_ATTN", quant={"dtype_vo": "float16"}))

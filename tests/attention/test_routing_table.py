@@ -27,12 +27,13 @@ def test_hopper_routing_meets_the_3_percent_rule_at_every_benchmark_shape():
     table = load_table()
     chosen_names = set()
     for shape in results["shapes"]:
-        rows = {n: r for n, r in shape["results"].items() if r["is_backend"] and not r.get("lossy")}
+        # Distinct exact kernels: a Hub backend that fell back to FLASH_ATTN is that kernel measured again.
+        rows = {n: r for n, r in shape["results"].items()
+                if r["is_backend"] and not r.get("lossy") and not r.get("runs_as")}
         routable = {n: None for n in rows if not n.endswith("_HUB")}
         router = ShapeRouter("hopper", {"TORCH_SDPA": None, **routable}, table)
         chosen = router.choose(shape["Sq"], shape["Skv"], shape["D"], shape["masked"])
         chosen_names.add(chosen)
-        # The yardstick includes every exact backend measured, Hub kernels too.
         assert rows[chosen]["tflops"] >= 0.97 * max(r["tflops"] for r in rows.values()), shape["shape"]
     assert {"TORCH_SDPA", "FLASH_ATTN", "FLASHINFER_ATTN"} <= chosen_names  # no single kernel wins on Hopper
 

@@ -62,6 +62,16 @@ def _version_at_least(found: str, required: str) -> bool:
         return _version_tuple(found) >= _version_tuple(required)
 
 
+def _plan_takes_v_dtype() -> bool:
+    """Whether the ragged prefill plan() accepts a separate V dtype (checked, not assumed: FlashInfer 0.7.4's has
+    none; its mixed-V support sits on the Blackwell CuTe-DSL path)."""
+    import inspect
+
+    import flashinfer
+
+    return "v_data_type" in inspect.signature(flashinfer.BatchPrefillWithRaggedKVCacheWrapper.plan).parameters
+
+
 _workspaces: dict[torch.device, torch.Tensor] = {}
 
 
@@ -104,6 +114,12 @@ class FlashInferBackend(AttentionBackend):
                 raise ValueError(
                     f"{self.name} quant dtype_vo={quant.dtype_vo!r} (QK16/V8) needs FlashInfer "
                     f"{MIXED_DTYPE_MIN_VERSION} or newer; found {found or 'no FlashInfer'}"
+                )
+            if wrapper_factory is None and not _plan_takes_v_dtype():
+                raise ValueError(
+                    f"{self.name} quant dtype_vo={quant.dtype_vo!r} (QK16/V8): the installed FlashInfer {found}'s "
+                    "BatchPrefillWithRaggedKVCacheWrapper.plan() has no v_data_type argument, so V cannot have its "
+                    "own dtype on this path; use dtype_vo equal to the Q/K dtype"
                 )
 
     @classmethod
