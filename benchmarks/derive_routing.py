@@ -7,7 +7,8 @@ backward everywhere); the others follow by speed. Only rows that are backends (`
 neither lossy kernels (``lossy``: INT8 SageAttention) nor Hub kernels (``*_HUB``: a download, chosen explicitly for
 training/rollout parity) are ever a default.
 
-    python benchmarks/derive_routing.py benchmarks/results/attention_h200.json
+    python benchmarks/derive_routing.py benchmarks/results/attention_h200.json \
+        --check benchmarks/results/attention_h200_routing_check.md
 """
 
 from __future__ import annotations
@@ -56,14 +57,46 @@ def derive(results: list[dict], tolerance: float = 0.03) -> dict:
     return {"tolerance": tolerance, "bucket_edges": list(BUCKET_EDGES), "sources": sources, "families": families}
 
 
+def check(results: dict, table: dict) -> str:
+    """Markdown: per benchmark shape, what the table routes a platform-default role to (among the backends measured
+    there) against the fastest distinct exact backend of the same run."""
+    from diffusers_omni.attention.routing import ShapeRouter
+
+    family = results["platform"]["family"]
+    lines = [
+        f"# Routing check: {Path(TABLE_PATH).name} against {results['platform']['device_name']} results "
+        f"({results['date']})",
+        "",
+        "Routed = the choice of a platform-default role under the committed table (TORCH_SDPA first, then the "
+        "backends the table ranks). Fastest = fastest distinct exact backend measured in the same run (lossy kernels "
+        "and Hub backends that fell back to FLASH_ATTN excluded).",
+        "",
+        "| Shape | Routed | Fastest | routed / fastest | within 3% |",
+        "|---|---|---|---|---|",
+    ]
+    for shape in results["shapes"]:
+        rows = {n: r for n, r in shape["results"].items()
+                if r.get("is_backend") and not r.get("lossy") and not r.get("runs_as")}
+        router = ShapeRouter(family, {"TORCH_SDPA": None, **{n: None for n in rows if routable(n, rows[n])}}, table)
+        chosen = router.choose(shape["Sq"], shape["Skv"], shape["D"], shape["masked"])
+        fastest = max(rows, key=lambda n: rows[n]["tflops"])
+        ratio = rows[chosen]["tflops"] / rows[fastest]["tflops"]
+        lines.append(f"| {shape['shape']} | {chosen} | {fastest} | {ratio:.3f} | "
+                     f"{'yes' if ratio >= 1 - table['tolerance'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", help="attention_bench.py JSON results")
     parser.add_argument("--tolerance", type=float, default=0.03)
     parser.add_argument("--out", default=str(TABLE_PATH))
+    parser.add_argument("--check", default=None, help="also write a markdown routing check of the first results file")
     args = parser.parse_args()
     table = derive([json.loads(Path(p).read_text()) for p in args.results], args.tolerance)
     Path(args.out).write_text(json.dumps(table, indent=2) + "\n")
+    if args.check:
+        Path(args.check).write_text(check(json.loads(Path(args.results[0]).read_text()), table))
     print(json.dumps(table, indent=2))
 
 

@@ -8,13 +8,24 @@ from diffusers_omni.attention.routing import ShapeRouter, length_bucket, load_ta
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _derive():
+def _module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("derive_routing", ROOT / "benchmarks" / "derive_routing.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.derive
+    return module
+
+
+def _derive():
+    return _module().derive
+
+
+def test_committed_routing_check_is_current():
+    results = json.loads((ROOT / "benchmarks/results/attention_h200.json").read_text())
+    report = _module().check(results, load_table())
+    assert report == (ROOT / "benchmarks/results/attention_h200_routing_check.md").read_text()
+    assert report.count("| yes |") == len(results["shapes"]) == 8
 
 
 def test_committed_table_is_derived_from_committed_results():
