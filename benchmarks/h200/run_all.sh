@@ -18,6 +18,8 @@ for job in "$@"; do
                            python3 benchmarks/offload_bench.py --models $m --variants layerwise,distributed,mmap \
                              --skip-model-level --out "$out/offload_h200_distributed_$m"
                          done ;;
+    offload-multigpu) python3 -m torch.distributed.run --nproc-per-node "$(python3 -c 'import torch;print(torch.cuda.device_count())')" \
+                        benchmarks/distributed_offload_bench.py --models flux,wan --out "$out/offload_multigpu_h200" ;;
     alignment) python3 benchmarks/alignment_gpu.py --out "$out/alignment_h200" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
