@@ -96,3 +96,19 @@ def test_router_caches_per_signature():
     router(q, torch.zeros(1, 50000, 2, 64), q)
     assert (a.calls, b.calls) == (1, 3) and len(router._chosen) == 2
     assert [length_bucket(n) for n in (77, 4096, 32760, 54000)] == [0, 1, 2, 3]
+
+
+def test_router_traces_under_fullgraph_compile():
+    from diffusers_omni.attention.backends.sdpa import TorchSDPABackend
+
+    class Doubled(TorchSDPABackend):
+        def __call__(self, *args, **kwargs):
+            return 2 * super().__call__(*args, **kwargs)
+
+    table = {"families": {"cpu": {rule_key(64, 64, 32, False): {"ranking": ["B", "A"]}}}, "tolerance": 0.03}
+    router = ShapeRouter("cpu", {"A": TorchSDPABackend(), "B": Doubled()}, table)
+    q = torch.randn(1, 64, 2, 32)
+    long_kv = torch.randn(1, 2048, 2, 32)  # another kv bucket: a class the table does not cover
+    compiled = torch.compile(lambda q, k, v: router(q, k, v), fullgraph=True)
+    assert torch.allclose(compiled(q, q, q), 2 * TorchSDPABackend()(q, q, q))  # the class the table covers → B
+    assert torch.allclose(compiled(q, long_kv, long_kv), TorchSDPABackend()(q, long_kv, long_kv))  # → A
