@@ -86,8 +86,7 @@ def plan_residency(
 class _Slot:
     """One in-flight block's device buffers (one per dtype, allocated per load) and the events ordering them."""
 
-    def __init__(self, index: int, transfers: Transfers) -> None:
-        self.index = index
+    def __init__(self, transfers: Transfers) -> None:
         self.buffers: dict[torch.dtype, torch.Tensor] | None = None
         self.allocated = transfers.new_event()
         self.ready = transfers.new_event()
@@ -155,7 +154,7 @@ class _Streamer:
             if oldest is None or oldest.owner.running or not evict:
                 return None
             self.free(oldest)
-        slot = self._spare.pop() if self._spare else _Slot(len(self.in_flight), self.transfers)
+        slot = self._spare.pop() if self._spare else _Slot(self.transfers)
         slot.nbytes = nbytes
         self.in_flight.append(slot)
         self.in_flight_bytes += nbytes

@@ -156,20 +156,25 @@ def _umt5_text_encoder(tokenizer: T5Tokenizer) -> UMT5EncoderModel:
     return UMT5EncoderModel(UMT5Config(**_t5_config_kwargs(tokenizer)))
 
 
-def _flux_vae() -> AutoencoderKL:
+def tiny_kl_vae(block_out_channels=(4, 8), latent_channels=4, norm_num_groups=4, quant_conv=False) -> AutoencoderKL:
+    """A two-level ``AutoencoderKL`` (scale factor 2) with FLUX-style scaling and shift."""
     return AutoencoderKL(
         down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(4, 8),
+        block_out_channels=block_out_channels,
         layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=4,
+        latent_channels=latent_channels,
+        norm_num_groups=norm_num_groups,
         sample_size=32,
         scaling_factor=0.3611,
         shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
+        use_quant_conv=quant_conv,
+        use_post_quant_conv=quant_conv,
     )
+
+
+def _flux_vae() -> AutoencoderKL:
+    return tiny_kl_vae()
 
 
 def _flux_transformer(vae: AutoencoderKL) -> FluxTransformer2DModel:

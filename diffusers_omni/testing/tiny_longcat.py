@@ -20,7 +20,7 @@ from diffusers import (
     LongCatImageTransformer2DModel,
 )
 
-from .tiny import _build_model
+from .tiny import _build_model, tiny_kl_vae
 from .tiny_qwenimage import _qwen_processor, tiny_qwen2_5_vl_text_encoder, tiny_qwen2_tokenizer
 
 __all__ = ["tiny_flux_like_vae", "tiny_longcat_components", "tiny_longcat_pipeline"]
@@ -33,19 +33,7 @@ _LATENT_CHANNELS = 16  # LongCat-Image pipelines hard-code 16 latent channels
 
 def tiny_flux_like_vae() -> AutoencoderKL:
     """A two-level ``AutoencoderKL`` with 16 latent channels (scale factor 2), FLUX-style scaling and shift."""
-    return AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        latent_channels=_LATENT_CHANNELS,
-        norm_num_groups=8,
-        sample_size=32,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    )
+    return tiny_kl_vae(block_out_channels=(8, 16), latent_channels=_LATENT_CHANNELS, norm_num_groups=8)
 
 
 def _longcat_transformer() -> LongCatImageTransformer2DModel:

@@ -23,7 +23,7 @@ from diffusers import (
 )
 from transformers import Qwen3Config, Qwen3Model
 
-from .tiny import _build_model
+from .tiny import _build_model, tiny_kl_vae
 from .tiny_qwenimage import tiny_qwen2_tokenizer
 
 __all__ = ["tiny_zimage_components", "tiny_zimage_pipeline"]
@@ -52,17 +52,7 @@ def _qwen3_text_encoder(vocab_size: int, pad_token_id: int) -> Qwen3Model:
 
 
 def _zimage_vae() -> AutoencoderKL:
-    return AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        latent_channels=_LATENT_CHANNELS,
-        norm_num_groups=8,
-        sample_size=32,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-    )
+    return tiny_kl_vae(block_out_channels=(8, 16), latent_channels=_LATENT_CHANNELS, norm_num_groups=8, quant_conv=True)
 
 
 def _zimage_transformer() -> ZImageTransformer2DModel:
