@@ -57,12 +57,30 @@ def derive(results: list[dict], tolerance: float = 0.03) -> dict:
     return {"tolerance": tolerance, "bucket_edges": list(BUCKET_EDGES), "sources": sources, "families": families}
 
 
+def distinct_exact(shape: dict) -> dict:
+    """A shape's rows for distinct exact kernels: no lossy kernel, no Hub backend that fell back to FLASH_ATTN."""
+    return {n: r for n, r in shape["results"].items()
+            if r.get("is_backend") and not r.get("lossy") and not r.get("runs_as")}
+
+
+def routed_choices(results: dict, table: dict) -> list[tuple[dict, str, str]]:
+    """Per benchmark shape: (shape, what a platform-default role is routed to under ``table`` among the backends
+    measured there, the fastest distinct exact backend of the same run)."""
+    from diffusers_omni.attention.routing import ShapeRouter
+
+    choices = []
+    for shape in results["shapes"]:
+        rows = distinct_exact(shape)
+        candidates = {"TORCH_SDPA": None, **{n: None for n in rows if routable(n, rows[n])}}
+        chosen = ShapeRouter(results["platform"]["family"], candidates, table).choose(
+            shape["Sq"], shape["Skv"], shape["D"], shape["masked"])
+        choices.append((shape, chosen, max(rows, key=lambda n: rows[n]["tflops"])))
+    return choices
+
+
 def check(results: dict, table: dict) -> str:
     """Markdown: per benchmark shape, what the table routes a platform-default role to (among the backends measured
     there) against the fastest distinct exact backend of the same run."""
-    from diffusers_omni.attention.routing import ShapeRouter
-
-    family = results["platform"]["family"]
     lines = [
         f"# Routing check: {Path(TABLE_PATH).name} against {results['platform']['device_name']} results "
         f"({results['date']})",
@@ -74,13 +92,8 @@ def check(results: dict, table: dict) -> str:
         "| Shape | Routed | Fastest | routed / fastest | within 3% |",
         "|---|---|---|---|---|",
     ]
-    for shape in results["shapes"]:
-        rows = {n: r for n, r in shape["results"].items()
-                if r.get("is_backend") and not r.get("lossy") and not r.get("runs_as")}
-        router = ShapeRouter(family, {"TORCH_SDPA": None, **{n: None for n in rows if routable(n, rows[n])}}, table)
-        chosen = router.choose(shape["Sq"], shape["Skv"], shape["D"], shape["masked"])
-        fastest = max(rows, key=lambda n: rows[n]["tflops"])
-        ratio = rows[chosen]["tflops"] / rows[fastest]["tflops"]
+    for shape, chosen, fastest in routed_choices(results, table):
+        ratio = shape["results"][chosen]["tflops"] / shape["results"][fastest]["tflops"]
         lines.append(f"| {shape['shape']} | {chosen} | {fastest} | {ratio:.3f} | "
                      f"{'yes' if ratio >= 1 - table['tolerance'] else 'NO'} |")
     return "\n".join(lines) + "\n"
