@@ -26,6 +26,7 @@ from diffusers_omni.attention.backends.base import AttentionCall  # noqa: E402
 from diffusers_omni.attention.platform import current_platform  # noqa: E402
 from diffusers_omni.attention.registry import get_backend_class, registered_backend_names  # noqa: E402
 from diffusers_omni.attention.routing import ShapeRouter  # noqa: E402
+from benchmarks.derive_routing import distinct_exact  # noqa: E402
 from diffusers_omni.attention.selector import resolve  # noqa: E402
 
 # name, batch, heads, q_len, kv_len, head_dim, role category, masked (boolean key padding, last 10% of keys off)
@@ -186,7 +187,7 @@ def run(args, on_shape=None) -> dict:
                   f"{row['rel_err']:.2e}", flush=True)
         # The 3% rule compares distinct exact kernels: lossy ones (INT8 SageAttention) are reported but never the
         # yardstick, nor is a Hub backend that fell back to FLASH_ATTN (the same kernel, measured again).
-        exact = [n for n in rows if rows[n]["is_backend"] and not rows[n]["lossy"] and not rows[n]["runs_as"]]
+        exact = distinct_exact({"results": rows})
         fastest = max(exact, key=lambda n: rows[n]["tflops"])
         ratio = rows[default]["tflops"] / rows[fastest]["tflops"]
         results["shapes"].append(
