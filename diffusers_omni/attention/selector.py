@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 from ..config.attention import AttentionConfig, AttentionSpec, normalize_backend_name
 from .backends.base import AttentionCall
-from .platform import Platform, current_platform, failed_conditions, platform_routes
-from .registry import get_backend_class
+from .platform import Platform, current_platform
+from .registry import get_backend_class, is_registered, registry_generation
+from .routing import failed_conditions, load_table, platform_routes, ranked_alternatives
 
 logger = logging.getLogger("diffusers_omni.attention")
 
@@ -144,18 +145,15 @@ def _resolve_cached(
 
 
 def _shape_routes(base: str, call: AttentionCall, platform: Platform) -> tuple[str, ...]:
-    from .routing import load_table, ranked_alternatives
-
     def available(name: str) -> bool:
-        try:
-            return not get_backend_class(name).not_supported_reasons(call, platform)
-        except KeyError:  # the table names a backend this build does not register
-            return False
+        # The table may name a backend this build does not register: skip it.
+        return is_registered(name) and not get_backend_class(name).not_supported_reasons(call, platform)
 
     return ranked_alternatives(load_table(), platform.family, call.head_dim, call.has_mask, base, available)
 
 
 _logged: set[tuple[str, str, str]] = set()
+_cached_generation = registry_generation()
 
 
 def resolve(
@@ -166,6 +164,8 @@ def resolve(
     platform: Platform | None = None,
 ) -> Resolution:
     """Resolve the backend for one attention role. Logs each (role, backend, source) once at INFO."""
+    if _cached_generation != registry_generation():  # a backend was registered or reset since
+        clear_resolution_cache()
     config = AttentionConfig.parse(config)
     platform = platform or current_platform()
     spec, where = select_spec(config, role, category)
@@ -178,5 +178,7 @@ def resolve(
 
 
 def clear_resolution_cache() -> None:
+    global _cached_generation
+    _cached_generation = registry_generation()
     _resolve_cached.cache_clear()
     _logged.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-from ..attention.install import plan_attention
+from ..installer import plan_attention
 from ..attention.platform import current_platform, use_platform
 from ..config.attention import AttentionConfig
 
@@ -47,7 +47,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 def run(args) -> int:
     import torch
 
-    from .common import TINY_MODELS, configure_logging, load_pipeline, parse_platform, table
+    from ..utils.text import table
+    from .common import TINY_MODELS, configure_logging, load_pipeline, parse_platform
 
     configure_logging(args.verbose)
     platform = parse_platform(args.platform)

@@ -10,22 +10,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 AUTO = "auto"
-
-BACKEND_NAMES: tuple[str, ...] = (
-    "TORCH_SDPA",
-    "FLASH_ATTN",
-    "CUDNN_ATTN",
-    "FLASHINFER_ATTN",
-    "TRTLLM_ATTN",
-    "SAGE_ATTN",
-    "SAGE_ATTN_3",
-    "FLASH_ATTN_HUB",
-    "FLASH_ATTN_3_HUB",
-    "RAINFUSION_ATTN",
-)
 
 BLOCK_SPARSE_BACKENDS: frozenset[str] = frozenset({"RAINFUSION_ATTN"})
 
@@ -35,11 +22,22 @@ _FLASHINFER_VO_DTYPES = ("float16", "bfloat16", "fp8_e4m3")
 _QUANT_BLOCK_SIZES = (1, 4, 16)
 
 
-def _known_backend_names() -> tuple[str, ...]:
-    # Backends registered at run time are valid names too.
-    from ..attention.registry import registered_backend_names
+# The backend names a spec may name. The attention layer's registry installs itself here when it is imported (the
+# package root imports it), so backends registered at run time are valid names too, and this layer imports nothing
+# above itself.
+_backend_names: Callable[[], tuple[str, ...]] | None = None
 
-    return registered_backend_names()
+
+def use_backend_names(source: Callable[[], tuple[str, ...]]) -> None:
+    """Validate backend names against ``source()`` (``attention.registry.registered_backend_names``)."""
+    global _backend_names
+    _backend_names = source
+
+
+def _known_backend_names() -> tuple[str, ...]:
+    if _backend_names is None:
+        raise RuntimeError("no backend registry is installed; import diffusers_omni (the package root) first")
+    return _backend_names()
 
 
 def normalize_backend_name(value: Any, field_name: str = "backend") -> str:

@@ -26,17 +26,18 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from ..config.offload import OffloadStrategy, format_bytes
+from ..utils.progress import byte_progress
 from .base import Journal
 from .discovery import named_tensors
 from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
-from .layerwise import LayerwiseOffloadBackend, LayerwiseStats, _bind, _State
+from .layerwise import LayerwiseOffloadBackend, LayerwiseState, LayerwiseStats
 from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
 
 logger = logging.getLogger("diffusers_omni")
@@ -270,14 +271,14 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
     def stats(self) -> DistributedStats:
         return super().stats
 
-    def _new_state(self, target: Any) -> _State:
+    def _new_state(self, target: Any) -> LayerwiseState:
         state = super()._new_state(target)
         state.stats = DistributedStats(rank=self.rank, world_size=self.world_size, use_allgather=self.use_allgather)
         return state
 
     # Discover: local checks, then every rank agrees (so one rank's error never leaves the others in a collective).
 
-    def _stage_discover(self, state: _State, journal: Journal) -> None:
+    def _stage_discover(self, state: LayerwiseState, journal: Journal) -> None:
         error: BaseException | None = None
         digest = ""
         try:
@@ -303,7 +304,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                 f"{[d[:8] for _, d in answers]}); every rank must load the same model and pipeline"
             )
 
-    def _check_and_place_residents(self, state: _State) -> None:
+    def _check_and_place_residents(self, state: LayerwiseState) -> None:
         if self.use_allgather:
             reasons = [r for c in state.topology.dits for r in quantization_reasons(c.module, c.label)]
             if reasons:
@@ -329,7 +330,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
 
     # AllGather stages ------------------------------------------------------------------------------------
 
-    def _stage_pack_blocks(self, state: _State, journal: Journal) -> None:
+    def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
         if not self.use_allgather:
             super()._stage_pack_blocks(state, journal)
             state.stats.host_bytes_per_dtype = {
@@ -341,10 +342,9 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
         total = sum(w.nbytes for ws in state.weights for w in ws)
-        show = self.config.show_progress if self.config.show_progress is not None else total >= 2**30
         per_dtype: dict[str, int] = {}
         desc = f"distributed offload rank {self.rank}/{self.world_size}: packing shards"
-        with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show) as bar:
+        with byte_progress(total, desc, self.config.show_progress) as bar:
             for stack_weights, stack_resident in zip(state.weights, state.resident):
                 row: list[_ShardedBlock | None] = []
                 for weights, resident in zip(stack_weights, stack_resident):
@@ -357,7 +357,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                     block = _ShardedBlock(weights, self.world_size, self.rank, self.device)
                     block.pack(host_memory)
                     originals = [s.tensor.data for s in weights.slots]
-                    journal.record(f"restore {weights.path}", _bind(weights.bind, originals))
+                    journal.record(f"restore {weights.path}", partial(weights.bind, originals))
                     weights.bind(block.placeholders)  # the originals are freed once enable commits
                     for d, t in block.host.items():
                         per_dtype[str(d)] = per_dtype.get(str(d), 0) + t.numel() * t.element_size()
@@ -370,7 +370,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         logger.info("distributed offload rank %d/%d: host shards %s (of %s)", self.rank, self.world_size,
                     format_bytes(state.stats.host_bytes), format_bytes(total))
 
-    def _stage_allocate_slots(self, state: _State, journal: Journal) -> None:
+    def _stage_allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:
         if not self.use_allgather:
             super()._stage_allocate_slots(state, journal)
             return
@@ -393,7 +393,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                     format_bytes(state.stats.slot_bytes),
                     format_bytes(sum(n * torch.empty(0, dtype=d).element_size() for d, n in shards.items())))
 
-    def _stage_install_hooks(self, state: _State, journal: Journal) -> None:
+    def _stage_install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         if not self.use_allgather:
             super()._stage_install_hooks(state, journal)
             return
@@ -403,20 +403,20 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
             ring = [b for b in row if b is not None]
             if not ring:
                 continue
-            state.hooks.install(stack.owner, CallbackHook(before=_bind(streamer.enter_stack, ring)),
+            state.hooks.install(stack.owner, CallbackHook(before=partial(streamer.enter_stack, ring)),
                                 LAYERWISE_ENTRY_HOOK)
             following = {id(b): ring[(i + 1) % len(ring)] if len(ring) > 1 else None for i, b in enumerate(ring)}
             for (_, module), block in zip(stack.blocks, row):
                 if block is None:
                     continue
                 nxt = following[id(block)]
-                hook = CallbackHook(before=_bind(streamer.begin, block, nxt), after=_bind(streamer.end, block, nxt))
+                hook = CallbackHook(before=partial(streamer.begin, block, nxt), after=partial(streamer.end, block, nxt))
                 state.hooks.install(module, hook, LAYERWISE_BLOCK_HOOK)
         roots = [stack.owner for stack in state.stacks]
         refresh_registry_caches(roots)
         journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
 
-    def _stage_install_step_check(self, state: _State, journal: Journal) -> None:
+    def _stage_install_step_check(self, state: LayerwiseState, journal: Journal) -> None:
         from .dataparallel import install_step_check
 
         remove = install_step_check(state.target, self.group)
@@ -424,7 +424,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
             journal.record("remove step check", remove)
             self._remove_step_check = remove
 
-    def _stage_prime(self, state: _State, journal: Journal) -> None:
+    def _stage_prime(self, state: LayerwiseState, journal: Journal) -> None:
         if not self.use_allgather:
             super()._stage_prime(state, journal)
             return
@@ -469,7 +469,7 @@ def _sum_numel(weights) -> dict[torch.dtype, int]:
     return total
 
 
-def _layout_digest(state: _State) -> str:
+def _layout_digest(state: LayerwiseState) -> str:
     """A hash of every block's path, tensor shapes and dtypes: equal on every rank that loaded the same model."""
     h = hashlib.sha256()
     for stack_weights, resident in zip(state.weights, state.resident):

@@ -11,7 +11,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
-from ..attention.install import apply_attention, attention_report, remove_attention
+from ..installer import apply_attention, attention_report, remove_attention
+from ..utils.modules import get_submodule_path
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -24,16 +25,6 @@ class SupportsComponentDiscovery(Protocol):
     _encoder_modules: ClassVar[tuple[str, ...]]
     _vae_modules: ClassVar[tuple[str, ...]]
     _resident_modules: ClassVar[tuple[str, ...]]
-
-
-def get_submodule_path(root: Any, path: str) -> Any:
-    """Follow a dotted attribute path (``"transformer"``, ``"text_encoder.encoder"``); ``None`` if absent."""
-    obj = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 # Set by ``omnify`` while it builds the Omni pipeline: Diffusers' ``from_pipe`` ends with ``to(dtype=float32 or the
@@ -93,7 +84,7 @@ class OmniPipelineMixin:
         >>> pipe.enable_omni_attention({"default": {"backend": "TORCH_SDPA"}, "per_role": {"cross": "auto"}})
         ```
         """
-        from ..attention.install import plan_attention
+        from ..installer import plan_attention
 
         dits = self.omni_dits()
         if not dits:

@@ -16,8 +16,7 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 
-from ..attention import install
-from ..attention.install import apply_attention, plan_attention
+from ..installer import applied_attention_config, apply_attention, plan_attention
 from .mixin import OmniPipelineMixin
 
 
@@ -72,9 +71,9 @@ class OmniPAGMixin:
         finally:
             for path, model in self.omni_dits().items():
                 model.set_attn_processor(saved[path])
-                state = getattr(model, install._STATE_ATTR, None)
-                if state is not None:
-                    apply_attention(model, state.config)
+                config = applied_attention_config(model)
+                if config is not None:
+                    apply_attention(model, config)
 
 
 class OmniStableDiffusion3Pipeline(SD3Components, OmniPipelineMixin, StableDiffusion3Pipeline):

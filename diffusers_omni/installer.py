@@ -1,7 +1,12 @@
-"""Install omni attention processors on a model and take them off again."""
+"""Install omni attention processors on a model and take them off again.
+
+This sits above both the attention layer (which resolves a backend per role) and the model declarations (which say
+where a model's attention sites and roles are): see docs/design/layers.md.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -9,14 +14,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config.attention import AttentionConfig
-from .backends.base import AttentionBackend, AttentionCall
-from .platform import Platform, current_platform
-from .model_state import remove_states
-from .processors import MaskPolicy, RoleAttention, is_omni_processor
-from .registry import get_backend_class
-from .routing import ShapeRouter
-from .selector import Resolution, deterministic_requested, resolve
+from .attention.backends.base import AttentionBackend, AttentionCall
+from .attention.model_state import remove_states
+from .attention.platform import Platform, current_platform
+from .attention.processors import MaskPolicy, RoleAttention, is_omni_processor
+from .attention.registry import get_backend_class
+from .attention.routing import ShapeRouter
+from .attention.selector import Resolution, deterministic_requested, resolve
+from .config.attention import AttentionConfig
+from .models.base import declaration_for, supported_transformers
+from .utils.modules import model_dtype
 
 logger = logging.getLogger("diffusers_omni.attention")
 
@@ -36,13 +43,6 @@ class _InstalledAttention:
     guard: Any = None
 
 
-def _model_dtype(model: nn.Module) -> torch.dtype | None:
-    for tensor in model.parameters():
-        if tensor.is_floating_point():
-            return tensor.dtype
-    return None
-
-
 def _call_device_type(model: nn.Module, platform: Platform) -> str:
     for tensor in model.parameters():
         if tensor.device.type not in ("cpu", "meta"):
@@ -53,8 +53,6 @@ def _call_device_type(model: nn.Module, platform: Platform) -> str:
 
 
 def _declaration(model: nn.Module):
-    from ..models.base import declaration_for, supported_transformers
-
     declaration = declaration_for(model)
     if declaration is None:
         raise UnsupportedModelError(
@@ -73,10 +71,11 @@ def plan_attention(model: nn.Module, config: Any = None, platform: Platform | No
     config = AttentionConfig.parse(config)
     platform = platform or current_platform()
     device_type = _call_device_type(model, platform)
-    dtype = _model_dtype(model)
+    dtype = model_dtype(model)
     deterministic, _ = deterministic_requested(config)
     plan = []
     for site in declaration.find_sites(model):
+        site = dataclasses.replace(site, model_name=declaration.name)
         resolutions = {}
         for role in site.roles:
             call = AttentionCall(
@@ -224,3 +223,18 @@ def attention_report(model: nn.Module) -> list[dict]:
 
 def is_attention_applied(model: nn.Module) -> bool:
     return getattr(model, _STATE_ATTR, None) is not None
+
+
+def applied_attention_config(model: nn.Module) -> AttentionConfig | None:
+    """The config omni attention was last applied to ``model`` with (``None`` when it is not applied).
+
+    Example:
+    ```py
+    >>> config = applied_attention_config(pipe.transformer)
+    >>> ...  # something that swaps processors
+    >>> if config is not None:
+    ...     apply_attention(pipe.transformer, config)
+    ```
+    """
+    state = getattr(model, _STATE_ATTR, None)
+    return state.config if state is not None else None
