@@ -26,7 +26,9 @@ ALLOWED: dict[str, frozenset[str]] = {
     "installer": frozenset({"utils", "config", "attention", "models"}),
     "pipelines": frozenset({"utils", "config", "attention", "models", "offload", "installer"}),
     "alignment": frozenset({"utils", "config", "attention", "models", "installer"}),
-    "cli": frozenset({"utils", "config", "attention", "models", "offload", "installer", "pipelines", "alignment", "testing"}),
+    "cli": frozenset(
+        {"utils", "config", "attention", "models", "offload", "installer", "pipelines", "alignment", "testing"}
+    ),
     "root": frozenset({"utils", "config", "attention", "models", "offload", "installer", "pipelines", "alignment"}),
     "testing": frozenset(),
 }
@@ -220,7 +222,8 @@ def test_benchmarks_use_public_names_and_no_path_edits():
                 problems.append(f"{path.relative_to(ROOT)}:{line}: private import {target} {names}")
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
-                problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: uses sys.path (run as python -m benchmarks.x)")
+                where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                problems.append(f"{where}: uses sys.path (run as python -m benchmarks.<script>)")
     assert not problems, "\n".join(problems)
 
 

@@ -4,11 +4,12 @@ Platform routes: each platform family has an ordered list of candidate backends;
 named by the predicates in ``ROUTE_CONDITIONS``. The selector walks the list and takes the first candidate whose
 conditions hold and which reports no ``not_supported_reasons`` for the call.
 
-Shape routes, from a data table derived from committed benchmark results: the KV length of a call is only known at call time, so a ``ShapeRouter`` holds the candidate backends that can
-run a role and picks one per call signature ``(q bucket, kv bucket, head_dim, masked, needs gradients)``: the first
-call with a signature reads ``routing_table.json`` (written by ``benchmarks/derive_routing.py``), later calls are a
-dict lookup. Signatures the table does not cover go to the first candidate (the platform route's own choice), and
-calls that need gradients only go to candidates with a backward (FlashInfer prefill and ``fa3-fwd`` have none).
+Shape routes, from a data table derived from committed benchmark results: the KV length of a call is only known at
+call time, so a ``ShapeRouter`` holds the candidate backends that can run a role and picks one per call signature
+``(q bucket, kv bucket, head_dim, masked, needs gradients)``: the first call with a signature reads
+``routing_table.json`` (written by ``python -m benchmarks.derive_routing``), later calls are a dict lookup.
+Signatures the table does not cover go to the first candidate (the platform route's own choice), and calls that
+need gradients only go to candidates with a backward (FlashInfer prefill and ``fa3-fwd`` have none).
 """
 
 from __future__ import annotations

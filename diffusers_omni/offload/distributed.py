@@ -249,20 +249,32 @@ class _GatherStreamer:
 
 
 class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
-    """Layerwise offload on every rank of a process group, with 1/N host shards gathered per block (AllGather
-    mode) or a full copy per rank (no-AllGather mode). Enable and disable are collective: call them on every rank.
+    """Layerwise offload on every rank of a process group. This class is the no-AllGather mode (a full host copy
+    per rank, streamed as in single-process layerwise offload); ``AllGatherLayerwiseOffloadBackend`` keeps 1/N host
+    shards per rank and gathers each block. ``for_config`` picks by ``config.use_allgather``. Enable and disable are
+    collective: call them on every rank.
     """
 
     strategy = OffloadStrategy.DISTRIBUTED_LAYERWISE
     stages = ("discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_step_check",
               "prime")
+    use_allgather: bool = False
+
+    @classmethod
+    def for_config(cls, config) -> "DistributedLayerwiseOffloadBackend":
+        variant = AllGatherLayerwiseOffloadBackend if config.use_allgather else DistributedLayerwiseOffloadBackend
+        return variant(config)
 
     def __init__(self, config) -> None:
+        if config.use_allgather != self.use_allgather:
+            raise ValueError(
+                f"{type(self).__name__} serves use_allgather={self.use_allgather}, got use_allgather="
+                f"{config.use_allgather}; build it with DistributedLayerwiseOffloadBackend.for_config(config)"
+            )
         super().__init__(config)
         self.group = require_process_group(config.process_group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.use_allgather = config.use_allgather
         backend = str(dist.get_backend(self.group)).lower()
         if self.device.type == "cpu" and backend == "nccl":
             raise ValueError("device='cpu' cannot use an NCCL process group; allowed: a gloo group for CPU runs")
@@ -305,13 +317,6 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
             )
 
     def _check_and_place_residents(self, state: LayerwiseState) -> None:
-        if self.use_allgather:
-            reasons = [r for c in state.topology.dits for r in quantization_reasons(c.module, c.label)]
-            if reasons:
-                raise ValueError(
-                    "use_allgather=True cannot shard online-quantised weights (" + "; ".join(reasons) + "); allowed: "
-                    "use_allgather=False, or a checkpoint saved already quantised and loaded as plain tensors"
-                )
         layers = self.config.resident_layers
         if layers:
             main = state.weights[0]
@@ -328,16 +333,49 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         stats.resident_blocks = sum(1 for w, r in flat if r and not w.empty)
         stats.streamed_bytes_per_pass = sum(w.nbytes for w, r in flat if not r)
 
-    # AllGather stages ------------------------------------------------------------------------------------
+    def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
+        super()._stage_pack_blocks(state, journal)
+        state.stats.host_bytes_per_dtype = {
+            str(d): n * torch.empty(0, dtype=d).element_size()
+            for d, n in _sum_numel(w for ws in state.weights for w in ws if not w.empty).items()
+        }
+
+    def _stage_install_step_check(self, state: LayerwiseState, journal: Journal) -> None:
+        from .dataparallel import install_step_check
+
+        remove = install_step_check(state.target, self.group)
+        if remove is not None:
+            journal.record("remove step check", remove)
+            self._remove_step_check = remove
+
+    # Disable ---------------------------------------------------------------------------------------------
+
+    def _disable(self) -> None:
+        self._remove_step_check_hook()
+        super()._disable()
+
+    def _remove_step_check_hook(self) -> None:
+        remove = self.__dict__.pop("_remove_step_check", None)
+        if remove is not None:
+            remove()
+
+
+class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
+    """Distributed layerwise offload in AllGather mode: each rank pins 1/N of every block, and a block is rebuilt
+    on the device by an all-gather of the shards before it runs."""
+
+    use_allgather = True
+
+    def _check_and_place_residents(self, state: LayerwiseState) -> None:
+        reasons = [r for c in state.topology.dits for r in quantization_reasons(c.module, c.label)]
+        if reasons:
+            raise ValueError(
+                "use_allgather=True cannot shard online-quantised weights (" + "; ".join(reasons) + "); allowed: "
+                "use_allgather=False, or a checkpoint saved already quantised and loaded as plain tensors"
+            )
+        super()._check_and_place_residents(state)
 
     def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
-        if not self.use_allgather:
-            super()._stage_pack_blocks(state, journal)
-            state.stats.host_bytes_per_dtype = {
-                str(d): n * torch.empty(0, dtype=d).element_size()
-                for d, n in _sum_numel(w for ws in state.weights for w in ws if not w.empty).items()
-            }
-            return
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
@@ -371,9 +409,6 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                     format_bytes(state.stats.host_bytes), format_bytes(total))
 
     def _stage_allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:
-        if not self.use_allgather:
-            super()._stage_allocate_slots(state, journal)
-            return
         blocks = [b for row in state.streamed for b in row if b is not None]
         state.transfers = transfers = _GatherTransfers(self.device, self.group)
         shards: dict[torch.dtype, int] = {}
@@ -394,9 +429,6 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                     format_bytes(sum(n * torch.empty(0, dtype=d).element_size() for d, n in shards.items())))
 
     def _stage_install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
-        if not self.use_allgather:
-            super()._stage_install_hooks(state, journal)
-            return
         journal.record("remove hooks", state.hooks.remove_all)
         streamer = state.streamer
         for stack, row in zip(state.stacks, state.streamed):
@@ -416,32 +448,14 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         refresh_registry_caches(roots)
         journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
 
-    def _stage_install_step_check(self, state: LayerwiseState, journal: Journal) -> None:
-        from .dataparallel import install_step_check
-
-        remove = install_step_check(state.target, self.group)
-        if remove is not None:
-            journal.record("remove step check", remove)
-            self._remove_step_check = remove
-
     def _stage_prime(self, state: LayerwiseState, journal: Journal) -> None:
-        if not self.use_allgather:
-            super()._stage_prime(state, journal)
-            return
         for row in state.streamed:
             ring = [b for b in row if b is not None]
             if ring:
                 state.streamer.enter_stack(ring)
 
-    # Disable ---------------------------------------------------------------------------------------------
-
     def _disable(self) -> None:
-        remove = self.__dict__.pop("_remove_step_check", None)
-        if remove is not None:
-            remove()
-        if not self.use_allgather:
-            super()._disable()
-            return
+        self._remove_step_check_hook()
         state = self._state
         state.transfers.synchronize()
         state.hooks.remove_all()
@@ -486,6 +500,7 @@ def host_bytes_per_rank(numel: dict[torch.dtype, int], world_size: int) -> dict[
 
 
 __all__ = [
+    "AllGatherLayerwiseOffloadBackend",
     "DistributedLayerwiseOffloadBackend",
     "all_gather_bytes",
     "host_bytes_per_rank",

@@ -385,7 +385,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 lookahead = _lookahead(row, position, capacity)
                 after = partial(streamer.end, block) if block is not None else None
                 state.hooks.install(
-                    module, CallbackHook(before=partial(streamer.begin, block, lookahead), after=after), LAYERWISE_BLOCK_HOOK
+                    module,
+                    CallbackHook(before=partial(streamer.begin, block, lookahead), after=after),
+                    LAYERWISE_BLOCK_HOOK,
                 )
         roots = [stack.owner for stack in state.stacks]
         refresh_registry_caches(roots)

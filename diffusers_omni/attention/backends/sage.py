@@ -193,4 +193,8 @@ class SageAttention3Backend(AttentionBackend):
         return out.transpose(1, 2)
 
     def describe(self) -> dict:
-        return {**super().describe(), "implementation": "sageattn3.sageattn3_blackwell", "version": installed_version("sageattn3")}
+        return {
+            **super().describe(),
+            "implementation": "sageattn3.sageattn3_blackwell",
+            "version": installed_version("sageattn3"),
+        }
