@@ -5,7 +5,18 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
-_REPR = reprlib.Repr()
+class _Repr(reprlib.Repr):
+    def repr_dict(self, x: dict, level: int) -> str:
+        # reprlib sorts keys; keep the user's order, as repr() does.
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in list(x.items())[: self.maxdict]]
+        return "{" + ", ".join(items) + (", ...}" if len(x) > self.maxdict else "}")
+
+
+_REPR = _Repr()
 _REPR.maxlevel = 3
 _REPR.maxstring = 80
 _REPR.maxother = 80
