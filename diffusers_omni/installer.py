@@ -2,10 +2,15 @@
 
 This sits above both the attention layer (which resolves a backend per role) and the model declarations (which say
 where a model's attention sites and roles are): see docs/design/layers.md.
+
+Installing is all or nothing across every model of one call (the DiTs of a pipeline): every role is resolved and
+every backend, site binding and processor built before any processor changes; each module is journaled before its
+first change, and any failure restores all of them exactly (processors, hooks, attributes).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -20,7 +25,7 @@ from .attention.platform import Platform, current_platform
 from .attention.processors import MaskPolicy, RoleAttention, is_omni_processor
 from .attention.registry import get_backend_class
 from .attention.routing import ShapeRouter
-from .attention.selector import Resolution, deterministic_requested, resolve
+from .attention.selector import Resolution, check_per_role_keys, deterministic_requested, resolve
 from .config.attention import AttentionConfig
 from .models.base import declaration_for, supported_transformers
 from .utils.modules import model_dtype
@@ -62,10 +67,13 @@ def _declaration(model: nn.Module):
     return declaration
 
 
-def plan_attention(model: nn.Module, config: Any = None, platform: Platform | None = None):
+def plan_attention(
+    model: nn.Module, config: Any = None, platform: Platform | None = None, *, check_roles: bool = True
+):
     """Resolve every attention role of ``model`` without changing it.
 
-    Returns ``(declaration, [(site, {role: Resolution})])``. Raises when an explicit backend cannot run a role.
+    Returns ``(declaration, [(site, {role: Resolution})])``. Raises when an explicit backend cannot run a role, and
+    (with ``check_roles``) when a ``per_role`` key names no role or category of the model.
     """
     declaration = _declaration(model)
     config = AttentionConfig.parse(config)
@@ -89,7 +97,72 @@ def plan_attention(model: nn.Module, config: Any = None, platform: Platform | No
             )
             resolutions[role.role] = resolve(config, role.role, role.category, call, platform)
         plan.append((site, resolutions))
+    if check_roles:
+        check_roles_of_plans(config, [(model, declaration, plan)])
     return declaration, plan
+
+
+def check_roles_of_plans(config: Any, planned: list[tuple[nn.Module, Any, list]], seen_roles=()) -> None:
+    """Check the ``per_role`` keys of ``config`` against the roles and categories of the planned models together
+    (declared by their architectures, or met in their plans or in ``seen_roles``: ``(role, category)`` pairs a
+    pipeline plans beyond the installed processors, e.g. PAG's)."""
+    declared, present = set(), set(seen_roles)
+    for _model, declaration, plan in planned:
+        declared.update((role.role, role.category) for role in declaration.roles)
+        present.update((r.role, r.category) for _site, resolutions in plan for r in resolutions.values())
+    owner = " and ".join(dict.fromkeys(type(model).__name__ for model, _, _ in planned))
+    check_per_role_keys(config, declared, present, owner)
+
+
+class _Journal:
+    """Each module as it was before its first change by an install or removal; ``rollback`` restores them exactly.
+
+    A module's state is its ``__dict__``: attributes, ``_modules`` (where an ``nn.Module`` processor lives) and its
+    hook dicts. The dict is copied, and one level of the containers in it (dicts, sets, lists), so hooks registered
+    and attributes set or removed after the record are undone in place; containers keep their identity, which hook
+    handles rely on.
+    """
+
+    def __init__(self) -> None:
+        self._records: dict[int, tuple[nn.Module, dict, dict]] = {}
+
+    def record(self, module: nn.Module) -> None:
+        if id(module) in self._records:
+            return
+        attrs = dict(module.__dict__)
+        contents = {key: _copy(value) for key, value in attrs.items() if type(value) in _CONTAINERS}
+        self._records[id(module)] = (module, attrs, contents)
+
+    def rollback(self) -> None:
+        for module, attrs, contents in reversed(list(self._records.values())):
+            for key, saved in contents.items():
+                container = attrs[key]
+                container.clear()
+                if isinstance(container, list):
+                    container.extend(saved)
+                else:
+                    container.update(saved)
+            module.__dict__.clear()
+            module.__dict__.update(attrs)
+        self._records.clear()
+
+
+# Exact types only: subclasses such as Diffusers' FrozenDict (a model's config) refuse clear()/update() and are
+# replaced, never mutated, by anything an install does.
+_CONTAINERS = (dict, collections.OrderedDict, set, list)
+
+
+def _copy(container):
+    return list(container) if isinstance(container, list) else type(container).copy(container)
+
+
+def _transaction(journal: _Journal, steps):
+    """Run ``steps()``; on any failure (KeyboardInterrupt included) restore every journaled module and re-raise."""
+    try:
+        return steps()
+    except BaseException:
+        journal.rollback()
+        raise
 
 
 def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
@@ -104,8 +177,9 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
         The attention report: one dict per attention call site with ``module``, ``role``, ``category``,
         ``backend`` and ``source``.
 
-    Every role is resolved before anything changes, so a backend that cannot run leaves the model untouched.
-    Applying again replaces the previous omni processors.
+    All or nothing: every role is resolved, every backend built and bound to its site and every processor made
+    before any processor changes; if anything fails, the model is restored exactly (processors, hooks,
+    attributes). Applying again replaces the previous omni processors.
 
     Example:
     ```py
@@ -113,14 +187,42 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
     >>> apply_attention(pipe.transformer, {"default": {"backend": "TORCH_SDPA"}})
     ```
     """
+    return apply_attention_all([model], config)[0]
+
+
+def apply_attention_all(models, config: Any = None, *, seen_roles=(), check_roles: bool = True) -> list[list[dict]]:
+    """``apply_attention`` for several models (the DiTs of one pipeline, e.g. Wan 2.2's two experts) as one
+    all-or-nothing step: if any model fails at any stage, every model is left exactly as it was.
+
+    ``per_role`` keys are checked against the roles and categories of all models together (see
+    ``check_roles_of_plans``). Returns one report per model.
+    """
     config = AttentionConfig.parse(config)
-    declaration, plan = plan_attention(model, config)
-    previous = getattr(model, _STATE_ATTR, None)
-    originals = {}
-    processors = {}
+    models = list(models)
+    unique = list({id(model): model for model in models}.values())
+    planned = [(model, *plan_attention(model, config, check_roles=False)) for model in unique]
+    if check_roles:
+        check_roles_of_plans(config, planned, seen_roles)
+    journal = _Journal()
+
+    def steps() -> dict[int, list[dict]]:
+        # Stage every model (backends, bind_site, make_processor) before installing on any.
+        staged = [(model, _stage(model, declaration, plan, journal)) for model, declaration, plan in planned]
+        return {id(model): _commit(model, config, processors, journal) for model, processors in staged}
+
+    reports = _transaction(journal, steps)
+    return [[dict(entry) for entry in reports[id(model)]] for model in models]
+
+
+def _stage(model: nn.Module, declaration, plan, journal: _Journal) -> dict[str, tuple]:
+    """Build the processors of ``model`` without installing them. ``bind_site`` may attach state to the model
+    (attributes, forward pre-hooks): the model and each site module are journaled before it runs."""
+    journal.record(model)
     backends: dict[tuple, AttentionBackend] = {}
     mask_policy = MaskPolicy()
+    processors = {}
     for site, resolutions in plan:
+        journal.record(site.module)
         attend = {}
         for role, resolution in resolutions.items():
             backend = _instance(backends, resolution.backend, resolution.spec, resolution.call.deterministic)
@@ -131,7 +233,7 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
                     {n: _instance(backends, n, resolution.spec, resolution.call.deterministic) for n in names},
                 )
             # Optional enable-time hook: a backend may specialise itself per site and role (calibration, layer
-            # exemptions, per-role guards) or raise; nothing is installed yet, so a raise leaves the model as is.
+            # exemptions, per-role guards) or raise.
             bind_site = getattr(backend, "bind_site", None)
             if bind_site is not None:
                 backend = bind_site(model, site, resolution)
@@ -139,20 +241,26 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
         current = site.module.processor
         original = current.original if is_omni_processor(current) else current
         processors[site.name] = (site, declaration.make_processor(site, original, attend), original)
+    return processors
 
-    report, installed = [], []
+
+def _commit(model: nn.Module, config: AttentionConfig, processors: dict[str, tuple], journal: _Journal) -> list[dict]:
+    previous = getattr(model, _STATE_ATTR, None)
+    report, installed, originals = [], [], {}
     for name, (site, processor, original) in processors.items():
+        journal.record(site.module)
         originals[name] = original
         site.module.set_processor(processor)
         installed.append((site.module, processor))
         for role in site.roles:
             report.append(_report_entry(name, role, processor.attend[role.role].resolution))
+    journal.record(model)
     if previous is not None and previous.guard is not None:
         previous.guard.remove()
     state = _InstalledAttention(config, originals, report, installed)
     state.guard = model.register_forward_pre_hook(_keep_applied)
     setattr(model, _STATE_ATTR, state)
-    return [dict(entry) for entry in report]
+    return report
 
 
 def _instance(backends: dict, name: str, spec, deterministic: bool) -> AttentionBackend:
@@ -184,7 +292,16 @@ def _keep_applied(model: nn.Module, args) -> None:
         if name in state.originals and not is_omni_processor(getattr(module, "processor", None))
     ]
     logger.info("Diffusers replaced attention processors (%s); re-applying omni attention", ", ".join(swapped[:3]))
-    apply_attention(model, state.config)
+    reapply_attention(model)
+
+
+def reapply_attention(model: nn.Module) -> list[dict]:
+    """Install the config already applied to ``model`` again (after Diffusers swapped processors), all or nothing.
+    Its ``per_role`` keys were checked when it was applied and are not checked again. Returns the report."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} has no omni attention to re-apply; call apply_attention() first")
+    return apply_attention_all([model], state.config, check_roles=False)[0]
 
 
 def _report_entry(module: str, role, resolution: Resolution) -> dict:
@@ -200,9 +317,20 @@ def _report_entry(module: str, role, resolution: Resolution) -> dict:
 
 def remove_attention(model: nn.Module) -> bool:
     """Put back the exact processor objects omni attention replaced. Returns False when none was installed."""
+    return remove_attention_all([model])[0]
+
+
+def remove_attention_all(models) -> list[bool]:
+    """``remove_attention`` for several models as one step: if removal fails on any, all stay as they were."""
+    journal = _Journal()
+    return _transaction(journal, lambda: [_remove(model, journal) for model in models])
+
+
+def _remove(model: nn.Module, journal: _Journal) -> bool:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         return False
+    journal.record(model)
     if state.guard is not None:
         state.guard.remove()
     remove_states(model)
@@ -210,6 +338,7 @@ def remove_attention(model: nn.Module) -> bool:
     for name, original in state.originals.items():
         module = modules.get(name)
         if module is not None and is_omni_processor(getattr(module, "processor", None)):
+            journal.record(module)
             module.set_processor(original)
     delattr(model, _STATE_ATTR)
     return True

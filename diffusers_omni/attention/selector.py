@@ -9,9 +9,11 @@ default walks its routing table and takes the first candidate that can. Each res
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..config.attention import AttentionConfig, AttentionSpec, normalize_backend_name
@@ -88,6 +90,61 @@ def select_spec(config: AttentionConfig, role: str, category: str) -> tuple[Atte
         name = normalize_backend_name(env, field_name=f"environment variable {ENV_BACKEND}")
         return AttentionSpec(backend=name), f"env {ENV_BACKEND}"
     return None, ""
+
+
+def check_per_role_keys(
+    config: AttentionConfig | None,
+    declared: Iterable[tuple[str, str]],
+    present: Iterable[tuple[str, str]],
+    owner: str,
+) -> None:
+    """Match the ``per_role`` keys of ``config`` against a model's roles, as ``select_spec`` will.
+
+    Args:
+        declared: ``(role, category)`` pairs the model's architecture declares.
+        present: ``(role, category)`` pairs of the attention calls the model makes now.
+        owner: the model(s), for messages (e.g. ``"FluxTransformer2DModel"``).
+
+    Raises ``ValueError`` for a key that names no declared or present role or category, with "did you mean" for
+    near misses and the roles and categories it could have named: such a key would otherwise be ignored. A key
+    naming only roles the architecture declares but the model does not use now (FLUX's ``"cross"`` is its IP-Adapter
+    role, present once an IP-Adapter is loaded) is accepted with a warning, once per key and owner.
+    """
+    config = AttentionConfig.parse(config)
+    if not config.per_role:
+        return
+    present = set(present)
+    known = set(declared) | present
+    roles = sorted({role for role, _ in known})
+    categories = sorted({category for _, category in known})
+    vocabulary = sorted(set(roles) | set(categories))
+    unknown = [key for key in config.per_role if key not in vocabulary]
+    if unknown:
+        described = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, vocabulary, n=3, cutoff=0.7)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+            described.append(f"{key!r}{hint}")
+        raise ValueError(
+            f"per_role key(s) {', '.join(described)} match no attention role or category of {owner}, so they would "
+            f"be ignored; roles: {', '.join(roles) or 'none'}; categories: {', '.join(categories) or 'none'}"
+        )
+    in_use = {role for role, _ in present} | {category for _, category in present}
+    for key in config.per_role:
+        if key in in_use or (key, owner) in _warned_keys:
+            continue
+        _warned_keys.add((key, owner))
+        serves = sorted(role for role, category in known if key in (role, category))
+        logger.warning(
+            "per_role[%r] matches no attention call %s makes now; it will apply to %s when such calls appear "
+            "(e.g. after loading an IP-Adapter, or during a PAG call)",
+            key,
+            owner,
+            ", ".join(serves),
+        )
+
+
+_warned_keys: set[tuple[str, str]] = set()
 
 
 def deterministic_requested(config: AttentionConfig | None) -> tuple[bool, str]:
@@ -182,3 +239,4 @@ def clear_resolution_cache() -> None:
     _cached_generation = registry_generation()
     _resolve_cached.cache_clear()
     _logged.clear()
+    _warned_keys.clear()

@@ -72,9 +72,9 @@ def _load_with_mmap_dits(model: str, dtype: Any):
 
     root = Path(model)
     if not root.is_dir():
-        from huggingface_hub import snapshot_download
-
-        root = Path(snapshot_download(model))
+        # Diffusers' own filtering (the pipeline's component folders, safetensors over .bin, no single-file
+        # checkpoints), as from_pretrained downloads; a bare snapshot_download would fetch the whole repository.
+        root = Path(DiffusionPipeline.download(model))
     index = DiffusionPipeline.load_config(root)
     pipeline_cls = getattr(diffusers, index["_class_name"])
     components = {}
