@@ -260,7 +260,30 @@ def _commit(model: nn.Module, config: AttentionConfig, processors: dict[str, tup
     state = _InstalledAttention(config, originals, report, installed)
     state.guard = model.register_forward_pre_hook(_keep_applied)
     setattr(model, _STATE_ATTR, state)
+    _route_set_default_attn_processor(model)
     return report
+
+
+def _route_set_default_attn_processor(model: nn.Module) -> None:
+    """While omni attention is applied, ``model.set_default_attn_processor()`` (where the model has one) first
+    removes omni attention, then runs Diffusers' own method: the model ends on Diffusers' default processors, as it
+    would without diffusers-omni. (Diffusers' method accepts only processor classes it lists, so it would refuse
+    the omni processors.)"""
+    stock = getattr(type(model), "set_default_attn_processor", None)
+    if stock is None or "set_default_attn_processor" in model.__dict__:
+        return
+
+    def set_default_attn_processor() -> None:
+        remove_attention(model)
+        logger.warning(
+            "%s.set_default_attn_processor() removed omni attention and set Diffusers' default processors; call "
+            "enable_omni_attention() (or apply_attention) to route attention through omni backends again",
+            type(model).__name__,
+        )
+        stock(model)
+
+    set_default_attn_processor.__doc__ = stock.__doc__
+    model.__dict__["set_default_attn_processor"] = set_default_attn_processor
 
 
 def _instance(backends: dict, name: str, spec, deterministic: bool) -> AttentionBackend:
@@ -333,6 +356,7 @@ def _remove(model: nn.Module, journal: _Journal) -> bool:
     journal.record(model)
     if state.guard is not None:
         state.guard.remove()
+    model.__dict__.pop("set_default_attn_processor", None)
     remove_states(model)
     modules = dict(model.named_modules())
     for name, original in state.originals.items():

@@ -20,7 +20,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
-from ._legacy import OmniLegacyAttnProcessor
+from ._legacy import _PLAIN, OmniLegacyAttnProcessor
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
 from .base import unsupported_processor_error
@@ -111,9 +111,9 @@ def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttenti
     if isinstance(original, OmniAttnProcessor):
         original = original.original
     if TOKEN_REFINER in site.roles:
-        # Exact type: subclasses of AttnProcessor2_0 (IP-adapter, PAG, ...) do more than plain attention.
-        if type(original) is not AttnProcessor2_0:
-            raise unsupported_processor_error(site, original, (AttnProcessor2_0,))
+        # Exact types: subclasses of AttnProcessor2_0 (IP-adapter, PAG, ...) do more than plain attention.
+        if type(original) not in _PLAIN:
+            raise unsupported_processor_error(site, original, _PLAIN)
         return OmniLegacyAttnProcessor(original, attend)
     if type(original) is not HunyuanVideo15AttnProcessor2_0:
         raise unsupported_processor_error(site, original, (HunyuanVideo15AttnProcessor2_0,))

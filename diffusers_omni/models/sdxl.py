@@ -23,18 +23,26 @@ import torch
 import torch.nn as nn
 from diffusers.models.attention_processor import (
     Attention,
-    AttnProcessor2_0,
     PAGCFGIdentitySelfAttnProcessor2_0,
     PAGIdentitySelfAttnProcessor2_0,
 )
 
 from ..attention.processors import OmniAttnProcessor, RoleAttention
-from ._legacy import OmniLegacyAttnProcessor, _attention, _spatial, _tokens_last
+from ._legacy import (
+    _PLAIN,
+    IP_ADAPTER_PROCESSORS,
+    OmniLegacyAttnProcessor,
+    OmniLegacyIPAdapterAttnProcessor,
+    _attention,
+    _spatial,
+    _tokens_last,
+)
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
 from .base import unsupported_processor_error
 
 SDXL_SELF = AttentionRole("sdxl.self", SELF)
 SDXL_CROSS = AttentionRole("sdxl.cross", CROSS)
+SDXL_IP_ADAPTER = AttentionRole("sdxl.ip_adapter", CROSS)
 
 _PAG_PROCESSORS = (PAGIdentitySelfAttnProcessor2_0, PAGCFGIdentitySelfAttnProcessor2_0)
 
@@ -83,23 +91,31 @@ class OmniPAGIdentitySelfAttnProcessor(OmniAttnProcessor):
         return hidden_states / attn.rescale_output_factor
 
 
+def _unwrap(processor):
+    return processor.original if isinstance(processor, OmniAttnProcessor) else processor
+
+
 def _find_sites(model: nn.Module) -> list[AttentionSite]:
     sites = []
     for name, module in model.named_modules():
         if isinstance(module, Attention):
-            role = SDXL_CROSS if module.is_cross_attention else SDXL_SELF
-            sites.append(AttentionSite(name, module, (role,), head_dim_of(module)))
+            roles = (SDXL_CROSS,) if module.is_cross_attention else (SDXL_SELF,)
+            if isinstance(_unwrap(module.processor), IP_ADAPTER_PROCESSORS):
+                roles += (SDXL_IP_ADAPTER,)
+            sites.append(AttentionSite(name, module, roles, head_dim_of(module)))
     return sites
 
 
 def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniAttnProcessor:
-    if isinstance(original, OmniAttnProcessor):
-        original = original.original
+    original = _unwrap(original)
     if isinstance(original, _PAG_PROCESSORS):
         cfg = isinstance(original, PAGCFGIdentitySelfAttnProcessor2_0)
         return OmniPAGIdentitySelfAttnProcessor(original, attend, cfg=cfg)
-    if not isinstance(original, AttnProcessor2_0):
-        raise unsupported_processor_error(site, original, (AttnProcessor2_0, *_PAG_PROCESSORS))
+    if isinstance(original, IP_ADAPTER_PROCESSORS):
+        return OmniLegacyIPAdapterAttnProcessor(original, attend)
+    # Exact types: other subclasses of these (custom diffusion, ...) do more than plain attention.
+    if type(original) not in _PLAIN:
+        raise unsupported_processor_error(site, original, (*_PLAIN, *IP_ADAPTER_PROCESSORS, *_PAG_PROCESSORS))
     return OmniLegacyAttnProcessor(original, attend)
 
 
@@ -113,6 +129,6 @@ SDXL = register_transformer(
         mask_free=True,
         display_name="Stable Diffusion XL",
         example_checkpoint="stabilityai/stable-diffusion-xl-base-1.0",
-        roles=(SDXL_SELF, SDXL_CROSS),
+        roles=(SDXL_SELF, SDXL_CROSS, SDXL_IP_ADAPTER),
     )
 )

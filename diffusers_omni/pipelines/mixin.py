@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import contextlib
 import contextvars
+import json
+import logging
+import sys
 from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -41,11 +43,54 @@ def sharing_components() -> Iterator[None]:
         _sharing_components.reset(token)
 
 
+def diffusers_pipeline_class(cls: type) -> type | None:
+    """The Diffusers pipeline class an Omni pipeline class extends (the first class from ``diffusers`` in its
+    MRO), or ``None`` for the mixins themselves."""
+    for base in cls.__mro__:
+        if base.__module__.startswith("diffusers.") and base.__name__.endswith("Pipeline"):
+            return base
+    return None
+
+
+def _expose_in_diffusers(cls: type) -> None:
+    """Make ``cls`` resolvable by name where Diffusers looks pipeline classes up (``getattr(diffusers, name)`` in
+    ``DiffusionPipeline.from_pretrained`` for a ``model_index.json`` naming it, ``diffusers.pipelines`` in
+    Diffusers' own test helpers). Names start with ``Omni`` and never shadow a Diffusers name."""
+    for module_name in ("diffusers", "diffusers.pipelines"):
+        module = sys.modules.get(module_name)
+        if module is not None and module.__dict__.get(cls.__name__, cls) is cls:
+            setattr(module, cls.__name__, cls)
+
+
 class OmniPipelineMixin:
     """Adds omni attention (and later offload) to a Diffusers pipeline class.
 
     Subclasses declare their components; the DiTs listed in ``_dit_modules`` get omni attention.
+
+    Interop with Diffusers:
+
+    - ``save_pretrained`` writes the Diffusers class name (``"FluxPipeline"``, not ``"OmniFluxPipeline"``) to
+      ``model_index.json``: the directory loads with plain Diffusers (``DiffusionPipeline.from_pretrained``, no
+      diffusers-omni needed) and with the Omni class (``OmniFluxPipeline.from_pretrained``), like any checkpoint of
+      the Diffusers pipeline.
+    - Each Omni class is also reachable by name from the ``diffusers`` and ``diffusers.pipelines`` namespaces once
+      defined, so Diffusers code that resolves a pipeline class by its name (older ``model_index.json`` files naming
+      an Omni class, Diffusers' test helpers) finds it.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__name__.startswith("Omni") and diffusers_pipeline_class(cls) is not None:
+            _expose_in_diffusers(cls)
+
+    def to_json_string(self) -> str:
+        # ``save_pretrained`` → ``save_config`` → here: Diffusers writes ``type(self).__name__`` as ``_class_name``;
+        # write the Diffusers pipeline this class extends so that plain Diffusers can load the directory.
+        config = json.loads(super().to_json_string())
+        base = diffusers_pipeline_class(type(self))
+        if base is not None:
+            config["_class_name"] = base.__name__
+        return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
     _omni_family: ClassVar[str] = ""
     _dit_modules: ClassVar[tuple[str, ...]] = ()

@@ -6,6 +6,7 @@ add a ``SD3ControlNetModel`` and are not covered; modular pipelines neither.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from diffusers import (
@@ -17,7 +18,7 @@ from diffusers import (
 )
 
 from ..installer import applied_attention_config, plan_attention, reapply_attention
-from .mixin import OmniPipelineMixin
+from .mixin import OmniPipelineMixin, diffusers_pipeline_class
 
 
 class SD3Components:
@@ -38,7 +39,23 @@ class OmniPAGMixin:
     roles PAG will use are resolved when omni attention is enabled, so a backend that cannot run them fails then.
 
     ``from_pipe`` carries ``pag_applied_layers`` over (Diffusers would reset it to the pipeline's default).
+
+    Each subclass's ``__call__`` wraps its Diffusers pipeline's ``__call__`` with ``functools.wraps``: the signature
+    (``inspect.signature``), docstring and name are the Diffusers ones.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        base = diffusers_pipeline_class(cls)
+        if base is None:
+            return
+
+        @functools.wraps(base.__call__)
+        def __call__(self, *args: Any, **kwargs: Any):
+            return OmniPAGMixin._call_keeping_processors(self, *args, **kwargs)
+
+        __call__.__qualname__ = f"{cls.__qualname__}.__call__"
+        cls.__call__ = __call__
 
     @classmethod
     def from_pipe(cls, pipeline, **kwargs):
@@ -66,11 +83,11 @@ class OmniPAGMixin:
             model.set_attn_processor(saved)
         return seen
 
-    def __call__(self, *args, **kwargs):
+    def _call_keeping_processors(self, *args: Any, **kwargs: Any):
         # Diffusers restores the saved processors only when the call succeeds; restore them on failure too.
         saved = {path: model.attn_processors for path, model in self.omni_dits().items()}
         try:
-            return super().__call__(*args, **kwargs)
+            return super(OmniPAGMixin, self).__call__(*args, **kwargs)
         finally:
             for path, model in self.omni_dits().items():
                 model.set_attn_processor(saved[path])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from diffusers import (
     AutoencoderKL,
     DiffusionPipeline,
@@ -31,9 +32,11 @@ from transformers import (
     T5Tokenizer,
 )
 
-from .tiny import _build_model, _t5_config_kwargs, tiny_clip_tokenizer, tiny_t5_tokenizer
+from .tiny import _build_model, _seeded, _t5_config_kwargs, tiny_clip_tokenizer, tiny_t5_tokenizer
 
-__all__ = ["tiny_sd3_components", "tiny_sd3_pipeline"]
+__all__ = ["TINY_SD3_IP_EMBED_DIM", "tiny_sd3_components", "tiny_sd3_ip_adapter_state_dict", "tiny_sd3_pipeline"]
+
+TINY_SD3_IP_EMBED_DIM = 8
 
 _CLIP_DIM = 32
 _JOINT_DIM = 2 * _CLIP_DIM  # both CLIP hidden states side by side, padded to the T5 width
@@ -128,3 +131,44 @@ def tiny_sd3_pipeline(
     # PAG and ControlNet pipelines take no IP-adapter image encoder.
     components = {k: v for k, v in tiny_sd3_components(seed, sd35_medium=sd35_medium).items() if k in accepted}
     return pipeline_cls(**components, **pipeline_kwargs)
+
+
+def tiny_sd3_ip_adapter_state_dict(transformer: SD3Transformer2DModel, seed: int = 0) -> dict[str, dict]:
+    """A random IP-Adapter checkpoint in the layout ``SD3IPAdapterMixin.load_ip_adapter`` reads (a narrow
+    time-conditioned perceiver image projection of the depth Diffusers assumes, 4 image tokens, and one ``SD3IPAdapterJointAttnProcessor2_0`` per
+    attention module); pass it as the checkpoint: ``pipe.load_ip_adapter(state_dict,
+    image_encoder_folder=None)``. Image embeddings are
+    ``[batch, 1, 8]`` (``TINY_SD3_IP_EMBED_DIM``)."""
+    from diffusers.models.attention_processor import SD3IPAdapterJointAttnProcessor2_0
+    from diffusers.models.embeddings import IPAdapterTimeImageProjection
+
+    config = transformer.config
+    inner_dim = config.attention_head_dim * config.num_attention_heads
+    # Diffusers rebuilds the projection from the weight shapes with its defaults (depth 4, 64-wide heads, heads =
+    # to_q rows // 64); a single 64-wide head keeps it small.
+    hidden_dim = 64
+
+    def randomised(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {key: 0.2 * torch.randn_like(value) for key, value in module.state_dict().items()}
+
+    with _seeded(seed):
+        image_proj = randomised(
+            IPAdapterTimeImageProjection(
+                embed_dim=TINY_SD3_IP_EMBED_DIM,
+                output_dim=inner_dim,
+                hidden_dim=hidden_dim,
+                heads=1,
+                num_queries=4,
+                timestep_in_dim=32,
+            )
+        )
+        ip_adapter = {}
+        for index in range(len(transformer.attn_processors)):
+            processor = SD3IPAdapterJointAttnProcessor2_0(
+                hidden_size=inner_dim,
+                ip_hidden_states_dim=inner_dim,
+                head_dim=config.attention_head_dim,
+                timesteps_emb_dim=hidden_dim,
+            )
+            ip_adapter.update({f"{index}.{key}": value for key, value in randomised(processor).items()})
+    return {"image_proj": image_proj, "ip_adapter": ip_adapter}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from diffusers import (
     AutoencoderKL,
     DiffusionPipeline,
@@ -26,9 +27,12 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from .tiny import _build_model, tiny_clip_tokenizer
+from .tiny import _build_model, _seeded, tiny_clip_tokenizer
 
-__all__ = ["tiny_sdxl_components", "tiny_sdxl_pipeline"]
+__all__ = ["TINY_SDXL_IP_EMBED_DIM", "tiny_sdxl_components", "tiny_sdxl_ip_adapter_state_dict", "tiny_sdxl_pipeline"]
+
+TINY_SDXL_IP_EMBED_DIM = 8
+_IP_TOKENS = 4
 
 _CLIP_DIM = 32
 _TIME_EMBED_DIM = 8
@@ -124,3 +128,28 @@ def tiny_sdxl_pipeline(
     if "add_watermarker" in accepted:
         pipeline_kwargs.setdefault("add_watermarker", False)
     return pipeline_cls(**components, **pipeline_kwargs)
+
+
+def tiny_sdxl_ip_adapter_state_dict(unet: UNet2DConditionModel, seed: int = 0) -> dict[str, dict]:
+    """A random IP-Adapter checkpoint (the plain ``ImageProjection`` kind, 4 image tokens) in the layout
+    ``IPAdapterMixin.load_ip_adapter`` reads; pass it as the checkpoint: ``pipe.load_ip_adapter(state_dict,
+    subfolder="", weight_name="", image_encoder_folder=None)``. Image embeddings are ``[batch, 1, 8]`` (``TINY_SDXL_IP_EMBED_DIM``)."""
+    cross_dim = unet.config.cross_attention_dim
+    with _seeded(seed):
+        image_proj = {
+            "proj.weight": torch.randn(_IP_TOKENS * cross_dim, TINY_SDXL_IP_EMBED_DIM) * 0.2,
+            "proj.bias": torch.randn(_IP_TOKENS * cross_dim) * 0.2,
+            "norm.weight": 1 + 0.1 * torch.randn(cross_dim),
+            "norm.bias": 0.1 * torch.randn(cross_dim),
+        }
+        # Diffusers numbers the cross-attention layers 1, 3, 5, ... in ``attn_processors`` order.
+        ip_adapter = {}
+        key_id = 1
+        for name in unet.attn_processors:
+            if name.endswith("attn1.processor"):
+                continue
+            hidden_size = unet.get_submodule(name.removesuffix(".processor")).to_k.out_features
+            for weight in ("to_k_ip", "to_v_ip"):
+                ip_adapter[f"{key_id}.{weight}.weight"] = torch.randn(hidden_size, cross_dim) * 0.2
+            key_id += 2
+    return {"image_proj": image_proj, "ip_adapter": ip_adapter}

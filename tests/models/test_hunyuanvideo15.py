@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.models.attention_processor import AttnProcessor
+from diffusers.models.attention_processor import XFormersAttnProcessor
 from PIL import Image
 
 from diffusers_omni import omnify
@@ -138,6 +138,6 @@ def test_restored_stock_processors_are_replaced_again_before_the_next_call():
 
 def test_an_unknown_processor_swapped_in_raises_naming_the_module():
     pipe = omnify(tiny_hunyuanvideo15_pipeline(), "TORCH_SDPA")
-    pipe.transformer.context_embedder.token_refiner.refiner_blocks[0].attn.set_processor(AttnProcessor())
-    with pytest.raises(TypeError, match=r"context_embedder\.token_refiner\.refiner_blocks\.0\.attn.*AttnProcessor\b"):
+    pipe.transformer.context_embedder.token_refiner.refiner_blocks[0].attn.set_processor(XFormersAttnProcessor())
+    with pytest.raises(TypeError, match=r"context_embedder\.token_refiner\.refiner_blocks\.0\.attn.*XFormersAttnProcessor\b"):
         CASE.run(pipe)

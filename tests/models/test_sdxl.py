@@ -6,7 +6,7 @@ from diffusers import (
     StableDiffusionXLInstructPix2PixPipeline,
     StableDiffusionXLPAGPipeline,
 )
-from diffusers.models.attention_processor import AttnProcessor2_0, IPAdapterAttnProcessor2_0
+from diffusers.models.attention_processor import AttnProcessor2_0, XFormersAttnProcessor
 from PIL import Image
 
 import diffusers_omni
@@ -177,12 +177,12 @@ def test_maskless_backend_runs_the_mask_free_pipeline_but_refuses_a_mask_by_role
         reset_backend(MaskLessBackend.name)
 
 
-def test_ip_adapter_processor_swap_raises_naming_the_module():
+def test_unknown_processor_swap_raises_naming_the_module():
     pipe = omnify(tiny_sdxl_pipeline(), "TORCH_SDPA")
     attn = pipe.unet.mid_block.attentions[0].transformer_blocks[0].attn2
-    attn.set_processor(IPAdapterAttnProcessor2_0(hidden_size=32, cross_attention_dim=64, num_tokens=(4,)))
+    attn.set_processor(XFormersAttnProcessor())
     module = r"mid_block\.attentions\.0\.transformer_blocks\.0\.attn2"
-    with pytest.raises(TypeError, match=module + ".*IPAdapterAttnProcessor2_0"):
+    with pytest.raises(TypeError, match=module + ".*XFormersAttnProcessor"):
         _run(pipe, num_inference_steps=1)
 
 
