@@ -23,6 +23,7 @@ No-AllGather mode. Each rank streams its own full host copy exactly as the singl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -33,7 +34,8 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..config.offload import OffloadStrategy, format_bytes
-from .base import Journal
+from .base import Journal, OffloadBackend
+from .guards import GuardInstaller, Guards, OffloadActiveError
 from .discovery import named_tensors
 from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
 from .layerwise import LayerwiseOffloadBackend, LayerwiseStats, _bind, _State
@@ -254,7 +256,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
 
     strategy = OffloadStrategy.DISTRIBUTED_LAYERWISE
     stages = ("discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_step_check",
-              "prime")
+              "install_guards", "prime")
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -424,6 +426,40 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
             journal.record("remove step check", remove)
             self._remove_step_check = remove
 
+    def _guard_installer(self, state: _State, guards: Guards) -> GuardInstaller:
+        # Disabling and enabling are collective, so nothing may suspend the offload on one rank.
+        installer = super()._guard_installer(state, guards)
+        installer.suspend = None
+        installer.suspend_refusal = ("disabling and enabling distributed offload are collective; do it on every "
+                                     "rank")
+        installer.way_out = installer.way_out.replace("()", "() on every rank")
+        return installer
+
+    def _stage_install_guards(self, state: _State, journal: Journal) -> None:
+        if not self.use_allgather:
+            super()._stage_install_guards(state, journal)
+            return
+        OffloadBackend._stage_install_guards(self, state, journal)
+        pipeline = not isinstance(state.target, torch.nn.Module)
+        way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
+        message = (
+            "{what}: distributed layerwise offload (AllGather) keeps only this rank's 1/N shard of every streamed "
+            f"block, so the full weights exist nowhere to read; nothing was written. Allowed: {way_out} on every "
+            "rank (collective: it gathers full host copies), then save"
+        )
+        for stack, row in zip(state.stacks, state.streamed):
+            for (path, module), block in zip(stack.blocks, row):
+                if block is not None:
+                    handle = module.register_state_dict_post_hook(_refuse_state_dict(message, path))
+                    self._guards.on_remove(handle.remove)
+        owners = [(label, module) for label, module in self._managed_modules(state)]
+        if pipeline:
+            owners.append(("pipe", state.target))
+        for label, owner in owners:
+            original = getattr(owner, "save_pretrained", None)
+            if original is not None:
+                self._guards.set(owner, "save_pretrained", _refuse_call(message, f"{label}.save_pretrained", original))
+
     def _stage_prime(self, state: _State, journal: Journal) -> None:
         if not self.use_allgather:
             super()._stage_prime(state, journal)
@@ -459,6 +495,21 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                 block.host = {}
         state.host_memory.release(self.device)
         logger.info("distributed layerwise offload disabled: block weights are full host tensors again")
+
+
+def _refuse_state_dict(message: str, path: str):
+    def refuse(module, state_dict, prefix, local_metadata) -> None:
+        raise OffloadActiveError(message.format(what=f"state_dict() of {path!r}"))
+
+    return refuse
+
+
+def _refuse_call(message: str, what: str, original):
+    @functools.wraps(original)
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OffloadActiveError(message.format(what=f"{what}(...)"))
+
+    return refuse
 
 
 def _sum_numel(weights) -> dict[torch.dtype, int]:

@@ -49,27 +49,41 @@ def hook_names(module: nn.Module) -> tuple[str, ...]:
     return tuple(registry._hook_order) if registry is not None else ()
 
 
+_MISSING = object()
+
+
 class InstalledHooks:
-    """The hooks one backend registered, so it can remove exactly those and nothing else."""
+    """The hooks one backend registered, so it can remove exactly those and nothing else.
+
+    Removing a module's last registry hook leaves the module exactly as before the first was installed: Diffusers'
+    ``HookRegistry.remove_hook`` puts the original *bound* ``forward`` back as an instance attribute (a reference
+    cycle, and a ``module.__dict__`` that differs from before), so the instance attribute it had before (usually
+    none) is restored instead.
+    """
 
     def __init__(self) -> None:
-        self._entries: list[tuple[nn.Module, str, bool]] = []
+        self._entries: list[tuple[nn.Module, str, bool, Any]] = []
 
     def install(self, module: nn.Module, hook: ModelHook, name: str) -> None:
         created_registry = "_diffusers_hook" not in module.__dict__
+        forward_before = module.__dict__.get("forward", _MISSING) if created_registry else _MISSING
         registry = HookRegistry.check_if_exists_or_initialize(module)
         registry.register_hook(hook, name)
-        self._entries.append((module, name, created_registry))
+        self._entries.append((module, name, created_registry, forward_before))
 
     def remove_all(self) -> None:
         while self._entries:
-            module, name, created_registry = self._entries.pop()
+            module, name, created_registry, forward_before = self._entries.pop()
             registry = module.__dict__.get("_diffusers_hook")
             if registry is None:
                 continue
             registry.remove_hook(name, recurse=False)
             if created_registry and not registry.hooks:
                 del module._diffusers_hook
+                if forward_before is _MISSING:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.__dict__["forward"] = forward_before
 
     def __len__(self) -> int:
         return len(self._entries)
