@@ -119,6 +119,16 @@ def assert_same_snapshot(before: dict[str, Any], after: dict[str, Any]) -> None:
             assert value == other, key
 
 
+def mapped(ptr: int, nbytes: int) -> bool:
+    """Whether ``[ptr, ptr + nbytes)`` lies inside one mapping of this process (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as handle:
+        for line in handle:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= ptr and ptr + nbytes <= end:
+                return True
+    return False
+
+
 class FakeCudaRuntime:
     """The CUDA runtime's host registration, on CPU, for checking our lifecycle logic (the real runtime is
     exercised on the H200 by benchmarks/offload_lifecycle_bench.py).
@@ -128,22 +138,34 @@ class FakeCudaRuntime:
     the start of a registration (``cudaErrorHostMemoryNotRegistered``). Every call is logged.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, log: str | None = None) -> None:
         self.registered: dict[int, int] = {}
         self.calls: list[tuple[str, int]] = []
         self.synchronized = 0
+        self.log = log  # a file every call is appended to (for checks after the process exits)
+
+    def _record(self, call: str, ptr: int) -> None:
+        self.calls.append((call, ptr))
+        if self.log is not None:
+            with open(self.log, "a") as handle:
+                handle.write(f"{call} {ptr}\n")
 
     def register(self, ptr: int, nbytes: int) -> None:
-        self.calls.append(("register", ptr))
+        self._record("register", ptr)
+        if not mapped(ptr, nbytes):
+            raise RuntimeError("cudaHostRegister failed: cudaErrorInvalidValue (range not mapped)")
         for start, size in self.registered.items():
             if start < ptr + nbytes and ptr < start + size:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: cudaErrorHostMemoryAlreadyRegistered")
         self.registered[ptr] = nbytes
 
     def unregister(self, ptr: int) -> None:
-        self.calls.append(("unregister", ptr))
+        self._record("unregister", ptr)
         if ptr not in self.registered:
             raise RuntimeError("cudaHostUnregister failed: cudaErrorHostMemoryNotRegistered")
+        if not mapped(ptr, self.registered[ptr]):
+            # The real runtime's page-locked range would now be unmapped memory.
+            raise RuntimeError("cudaHostUnregister after the memory was freed")
         del self.registered[ptr]
 
     def synchronize(self) -> None:
