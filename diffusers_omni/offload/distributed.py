@@ -37,7 +37,13 @@ from ..config.offload import OffloadStrategy, format_bytes
 from .base import Journal, OffloadBackend
 from .guards import GuardInstaller, Guards, OffloadActiveError
 from .discovery import named_tensors
-from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
+from .hooks import (
+    EAGER_ONLY,
+    LAYERWISE_BLOCK_HOOK,
+    LAYERWISE_ENTRY_HOOK,
+    CallbackHook,
+    refresh_registry_caches,
+)
 from .layerwise import LayerwiseOffloadBackend, LayerwiseStats, _bind, _State
 from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
 
@@ -222,7 +228,7 @@ class _GatherStreamer:
         self.stats.gathers += len(block.gathers)
         self.stats.copied_bytes += block.host_bytes
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def begin(self, block: _ShardedBlock, following: _ShardedBlock | None) -> None:
         if block.slot.owner is not block:
             self.stats.on_demand_loads += 1
@@ -233,7 +239,7 @@ class _GatherStreamer:
         if following is not None and following.slot is not block.slot:
             self.load(following)
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def end(self, block: _ShardedBlock, following: _ShardedBlock | None) -> None:
         self.transfers.record_on_compute(block.slot.released)
         block.weights.bind(block.placeholders)
@@ -241,7 +247,7 @@ class _GatherStreamer:
         if following is not None and following.slot is block.slot:
             self.load(following)  # odd ring: the wrap-around shares the last block's slot
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def enter_stack(self, ring: list[_ShardedBlock]) -> None:
         for block in ring:
             if block.running:  # a forward raised before end(); settle it

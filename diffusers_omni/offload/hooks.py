@@ -18,6 +18,14 @@ LAYERWISE_ENTRY_HOOK = "omni_layerwise_offload_entry"
 
 OMNI_OFFLOAD_HOOKS: frozenset[str] = frozenset({MODEL_LEVEL_HOOK, LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK})
 
+# Why offload hooks stay out of compiled graphs (shown by torch.compile(fullgraph=True), which cannot include them):
+# they rebind weights between blocks and order copies on streams, which Dynamo cannot trace.
+EAGER_ONLY = (
+    "diffusers-omni offload hooks rebind weights between blocks and run eagerly, so torch.compile(fullgraph=True) "
+    "cannot include them. Allowed with offload on: torch.compile(model) (fullgraph=False: graph breaks at block "
+    "boundaries) or regional compile, model.compile_repeated_blocks(fullgraph=False)"
+)
+
 # Hook names Diffusers' own offloading registers (hooks/group_offloading.py).
 DIFFUSERS_OFFLOAD_HOOKS: frozenset[str] = frozenset(
     {"group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading"}
@@ -49,41 +57,43 @@ def hook_names(module: nn.Module) -> tuple[str, ...]:
     return tuple(registry._hook_order) if registry is not None else ()
 
 
-_MISSING = object()
-
-
 class InstalledHooks:
     """The hooks one backend registered, so it can remove exactly those and nothing else.
 
-    Removing a module's last registry hook leaves the module exactly as before the first was installed: Diffusers'
-    ``HookRegistry.remove_hook`` puts the original *bound* ``forward`` back as an instance attribute (a reference
-    cycle, and a ``module.__dict__`` that differs from before), so the instance attribute it had before (usually
-    none) is restored instead.
+    When a module's registry has no hook left, the module is left exactly as before the first was installed:
+    Diffusers' ``HookRegistry.remove_hook`` puts the class's ``forward`` back as a *bound method instance
+    attribute* (a reference cycle module → method → module, and a ``module.__dict__`` that differs from before),
+    so that attribute is dropped and class lookup applies again.
     """
 
     def __init__(self) -> None:
-        self._entries: list[tuple[nn.Module, str, bool, Any]] = []
+        self._entries: list[tuple[nn.Module, str, bool]] = []
 
     def install(self, module: nn.Module, hook: ModelHook, name: str) -> None:
         created_registry = "_diffusers_hook" not in module.__dict__
-        forward_before = module.__dict__.get("forward", _MISSING) if created_registry else _MISSING
         registry = HookRegistry.check_if_exists_or_initialize(module)
         registry.register_hook(hook, name)
-        self._entries.append((module, name, created_registry, forward_before))
+        self._entries.append((module, name, created_registry))
 
     def remove_all(self) -> None:
         while self._entries:
-            module, name, created_registry, forward_before = self._entries.pop()
+            module, name, created_registry = self._entries.pop()
             registry = module.__dict__.get("_diffusers_hook")
             if registry is None:
                 continue
+            hook = registry.get_hook(name)
             registry.remove_hook(name, recurse=False)
-            if created_registry and not registry.hooks:
+            if hook is not None:
+                hook.fn_ref = None  # hook ↔ function-reference cycle, which also holds the module's forward
+            if registry.hooks:
+                continue
+            forward = module.__dict__.get("forward")
+            if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is getattr(
+                type(module), "forward", None
+            ):
+                del module.__dict__["forward"]
+            if created_registry:
                 del module._diffusers_hook
-                if forward_before is _MISSING:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.__dict__["forward"] = forward_before
 
     def __len__(self) -> int:
         return len(self._entries)

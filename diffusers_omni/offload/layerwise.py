@@ -34,7 +34,14 @@ from .discovery import (
     named_tensors,
     resolve_stacks,
 )
-from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, InstalledHooks, refresh_registry_caches
+from .hooks import (
+    EAGER_ONLY,
+    LAYERWISE_BLOCK_HOOK,
+    LAYERWISE_ENTRY_HOOK,
+    CallbackHook,
+    InstalledHooks,
+    refresh_registry_caches,
+)
 from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
 
 logger = logging.getLogger("diffusers_omni")
@@ -184,7 +191,7 @@ class _Streamer:
         self.stats.copied_bytes += block.weights.nbytes
         return True
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def begin(self, block: _StreamedBlock | None, lookahead: tuple[_StreamedBlock, ...]) -> None:
         if block is not None:
             if block.slot is None:
@@ -202,14 +209,14 @@ class _Streamer:
             if upcoming.slot is None and not self.load(upcoming, evict=False):
                 break
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def end(self, block: _StreamedBlock) -> None:
         block.weights.bind(block.placeholders)
         block.running = False
         if block.slot is not None:
             self.free(block.slot)
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...]) -> None:
         # A block whose forward raised never ran its end(); settle it before the stack runs again.
         for block in blocks:

@@ -30,7 +30,7 @@ from .discovery import (
     discover_components,
     named_tensors,
 )
-from .hooks import MODEL_LEVEL_HOOK, CallbackHook, InstalledHooks, refresh_registry_caches
+from .hooks import EAGER_ONLY, MODEL_LEVEL_HOOK, CallbackHook, InstalledHooks, refresh_registry_caches
 from .memory import HostMemory, PackedWeights, release_freed_host_memory
 
 logger = logging.getLogger("diffusers_omni")
@@ -49,7 +49,7 @@ class _Exclusive:
     def role(self) -> str:
         return self.component.role
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def onload(self, device: torch.device) -> None:
         with torch.inference_mode(False):
             self._device_buffers = {d: torch.empty(n, dtype=d, device=device) for d, n in self.weights.numel.items()}
@@ -60,7 +60,7 @@ class _Exclusive:
         self.weights.bind(views)
         self.onloaded = True
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def offload(self) -> None:
         self.weights.bind(self.weights.host_views)
         self._device_buffers = {}
@@ -174,7 +174,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
             )
         refresh_registry_caches([e.component.module for e in state.exclusives])
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def _activate(self, active: _Exclusive) -> None:
         state = self._state
         for other in state.exclusives:

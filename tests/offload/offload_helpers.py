@@ -114,7 +114,8 @@ def assert_same_snapshot(before: dict[str, Any], after: dict[str, Any]) -> None:
         other = after[key]
         if isinstance(value, tuple) and value and isinstance(value[-1], torch.Tensor):
             assert value[:-1] == other[:-1], key
-            assert torch.equal(value[-1], other[-1]), key
+            if value[-1].device.type != "meta":  # meta tensors (Accelerate's sequential offload) have no values
+                assert torch.equal(value[-1], other[-1]), key
         else:
             assert value == other, key
 
