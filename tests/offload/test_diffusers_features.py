@@ -364,3 +364,39 @@ def test_guards_leave_diffusers_signatures_intact():
     assert {name: inspect.signature(getattr(pipe, name)) for name in expected} == expected
     pipe.disable_omni_offload()
     assert snapshot(pipe.transformer).keys()
+
+
+@pytest.mark.parametrize("use_allgather", [True, False], ids=["allgather", "no_allgather"])
+def test_distributed_lora_loaded_before_enable_and_set_adapters(use_allgather, lora_dir, one_rank_group):
+    resident = flux_pipe()
+    resident.load_lora_weights(lora_dir)
+    full = generate(resident, steps=2)
+    resident.set_adapters(["default_0"], [0.5])
+    half = generate(resident, steps=2)
+    pipe = flux_pipe()
+    pipe.load_lora_weights(lora_dir)
+    pipe.enable_distributed_layerwise_offload(device="cpu", use_allgather=use_allgather)
+    assert torch.equal(generate(pipe, steps=2), full)
+    pipe.set_adapters(["default_0"], [0.5])
+    assert torch.equal(generate(pipe, steps=2), half)
+    before = pipeline_snapshot(pipe)
+    with pytest.raises(OffloadActiveError, match=r"pipe.to\(torch.float64\) while distributed_layerwise offload is "
+                                                 r"enabled.*on every rank"):
+        pipe.to(torch.float64)
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+    pipe.disable_omni_offload()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cache_hooks_with_offload(strategy):
+    from diffusers import FirstBlockCacheConfig
+
+    resident = flux_pipe()
+    resident.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    reference = generate(resident, steps=4)
+    pipe = flux_pipe()
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    _enable(pipe, strategy)
+    assert torch.equal(generate(pipe, steps=4), reference)
+    pipe.disable_omni_offload()
+    assert torch.equal(generate(pipe, steps=4), reference)
