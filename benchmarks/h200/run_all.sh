@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that installs the carried wheels and runs every pending H200 measurement, writing under $OUT.
 # Budget: FlashInfer JIT-compiles ~90 s per kernel variant on a fresh machine; the offload runs take ~4 min per model.
-#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|alignment
+#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|offload-lifecycle|alignment
+# offload-lifecycle: 20 delete-and-rebuild cycles per strategy + 100 denoising steps, < 5 min.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
@@ -20,6 +21,7 @@ for job in "$@"; do
                          done ;;
     offload-multigpu) python3 -m torch.distributed.run --nproc-per-node "$(python3 -c 'import torch;print(torch.cuda.device_count())')" \
                         -m benchmarks.distributed_offload_bench --models flux,wan --out "$out/offload_multigpu_h200" ;;
+    offload-lifecycle) python3 -m benchmarks.offload_lifecycle_bench --out "$out/offload_lifecycle_h200" ;;
     alignment) python3 -m benchmarks.alignment_gpu --out "$out/alignment_h200" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac

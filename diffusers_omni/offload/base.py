@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
 
 from ..config.offload import OffloadConfig, OffloadStrategy
+from .guards import GuardInstaller, Guards
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -75,6 +77,8 @@ class OffloadBackend(ABC):
         self.config = config
         self.device = resolve_device(config.device)
         self._enabled = False
+        self._target: Any = None
+        self._guards = Guards()
 
     @classmethod
     def for_config(cls, config: OffloadConfig) -> "OffloadBackend":
@@ -87,6 +91,7 @@ class OffloadBackend(ABC):
             raise RuntimeError(f"{type(self).__name__} is already enabled; call disable() first")
         journal = Journal()
         state = self._new_state(target)
+        self._guards = Guards()
         # Buffers and views made here must be ordinary tensors even when called under inference_mode.
         with torch.inference_mode(False), torch.no_grad():
             try:
@@ -98,6 +103,7 @@ class OffloadBackend(ABC):
                 self._forget()
                 raise
         self._enabled = True
+        self._target = target
         return self
 
     def disable(self) -> None:
@@ -105,10 +111,59 @@ class OffloadBackend(ABC):
         placed on the device stay there. Safe to call repeatedly."""
         if not self._enabled:
             return
+        self._guards.remove_all()
         with torch.inference_mode(False), torch.no_grad():
             self._disable()
         self._forget()
         self._enabled = False
+        self._target = None
+
+    @contextlib.contextmanager
+    def suspended(self, reason: str = "") -> Iterator[None]:
+        """Disable the offload for the body (weights are ordinary host tensors, modules may change) and enable it
+        again on the same target with the same config afterwards, also when the body raises.
+
+        Example:
+        ```py
+        >>> with backend.suspended():
+        ...     pipe.load_lora_weights(path)  # what the guarded LoRA methods do for you
+        ```
+        """
+        if not self._enabled:
+            yield
+            return
+        target = self._target
+        logger.info("offload: %s runs with %s offload suspended (disabled, then enabled again)", reason or "code",
+                    self.strategy.value)
+        self.disable()
+        try:
+            yield
+        finally:
+            self.enable(target)
+
+    # Guards (see guards.py) ---------------------------------------------------------------------------------
+
+    def _stage_install_guards(self, state: Any, journal: Journal) -> None:
+        guards = self._guards
+        journal.record("remove guards", guards.remove_all)
+        installer = self._guard_installer(state, guards)
+        managed = self._managed_modules(state)
+        target = state.target
+        pipeline = not isinstance(target, torch.nn.Module)
+        if pipeline:
+            installer.guard_pipeline(target, managed)
+        for label, module in managed:
+            owner = f"pipe.{label}" if pipeline else "model" if module is target else label
+            installer.guard_module(label, module, owner)
+
+    def _guard_installer(self, state: Any, guards: Guards) -> GuardInstaller:
+        pipeline = not isinstance(state.target, torch.nn.Module)
+        way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
+        return GuardInstaller(self.strategy.value, self.suspended, way_out, guards)
+
+    @abstractmethod
+    def _managed_modules(self, state: Any) -> list[tuple[str, torch.nn.Module]]:
+        """(label, module) of every module whose weights this backend holds copies of."""
 
     def is_enabled(self) -> bool:
         return self._enabled

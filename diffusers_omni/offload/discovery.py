@@ -197,7 +197,9 @@ def check_no_foreign_offload(topology: Topology, strategy_name: str) -> None:
     reasons = [reason for c in topology.components for reason in foreign_offload_reasons(c)]
     if reasons:
         shown = "\n  ".join(reasons[:5]) + (f"\n  ... and {len(reasons) - 5} more" if len(reasons) > 5 else "")
-        raise OffloadConflictError(f"cannot enable {strategy_name} offload; another offloader is active:\n  {shown}")
+        raise OffloadConflictError(
+            f"cannot enable diffusers-omni {strategy_name} offload; another offloader is active:\n  {shown}"
+        )
 
 
 def resolve_stacks(target: Any, topology: Topology, plan: OffloadPlan | None) -> list[Stack]:

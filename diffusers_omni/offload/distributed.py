@@ -23,6 +23,7 @@ No-AllGather mode. Each rank streams its own full host copy exactly as the singl
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -34,9 +35,10 @@ import torch.distributed as dist
 
 from ..config.offload import OffloadStrategy, format_bytes
 from ..utils.progress import byte_progress
-from .base import Journal
+from .base import Journal, OffloadBackend
 from .discovery import named_tensors
-from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
+from .guards import GuardInstaller, Guards, OffloadActiveError
+from .hooks import EAGER_ONLY, LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
 from .layerwise import LayerwiseOffloadBackend, LayerwiseState, LayerwiseStats
 from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
 
@@ -221,7 +223,7 @@ class _GatherStreamer:
         self.stats.gathers += len(block.gathers)
         self.stats.copied_bytes += block.host_bytes
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def begin(self, block: _ShardedBlock, following: _ShardedBlock | None) -> None:
         if block.slot.owner is not block:
             self.stats.on_demand_loads += 1
@@ -232,7 +234,7 @@ class _GatherStreamer:
         if following is not None and following.slot is not block.slot:
             self.load(following)
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def end(self, block: _ShardedBlock, following: _ShardedBlock | None) -> None:
         self.transfers.record_on_compute(block.slot.released)
         block.weights.bind(block.placeholders)
@@ -240,7 +242,7 @@ class _GatherStreamer:
         if following is not None and following.slot is block.slot:
             self.load(following)  # odd ring: the wrap-around shares the last block's slot
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def enter_stack(self, ring: list[_ShardedBlock]) -> None:
         for block in ring:
             if block.running:  # a forward raised before end(); settle it
@@ -257,7 +259,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
 
     strategy = OffloadStrategy.DISTRIBUTED_LAYERWISE
     stages = ("discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_step_check",
-              "prime")
+              "install_guards", "prime")
     use_allgather: bool = False
 
     @classmethod
@@ -347,6 +349,15 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         if remove is not None:
             journal.record("remove step check", remove)
             self._remove_step_check = remove
+
+    def _guard_installer(self, state: LayerwiseState, guards: Guards) -> GuardInstaller:
+        # Disabling and enabling are collective, so nothing may suspend the offload on one rank.
+        installer = super()._guard_installer(state, guards)
+        installer.suspend = None
+        installer.suspend_refusal = ("disabling and enabling distributed offload are collective; do it on every "
+                                     "rank")
+        installer.way_out = installer.way_out.replace("()", "() on every rank")
+        return installer
 
     # Disable ---------------------------------------------------------------------------------------------
 
@@ -448,6 +459,28 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
         refresh_registry_caches(roots)
         journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
 
+    def _stage_install_guards(self, state: LayerwiseState, journal: Journal) -> None:
+        OffloadBackend._stage_install_guards(self, state, journal)
+        pipeline = not isinstance(state.target, torch.nn.Module)
+        way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
+        message = (
+            "{what}: distributed layerwise offload (AllGather) keeps only this rank's 1/N shard of every streamed "
+            f"block, so the full weights exist nowhere to read; nothing was written. Allowed: {way_out} on every "
+            "rank (collective: it gathers full host copies), then save"
+        )
+        for stack, row in zip(state.stacks, state.streamed):
+            for (path, module), block in zip(stack.blocks, row):
+                if block is not None:
+                    handle = module.register_state_dict_post_hook(_refuse_state_dict(message, path))
+                    self._guards.on_remove(handle.remove)
+        owners = [(label, module) for label, module in self._managed_modules(state)]
+        if pipeline:
+            owners.append(("pipe", state.target))
+        for label, owner in owners:
+            original = getattr(owner, "save_pretrained", None)
+            if original is not None:
+                self._guards.set(owner, "save_pretrained", _refuse_call(message, f"{label}.save_pretrained", original))
+
     def _stage_prime(self, state: LayerwiseState, journal: Journal) -> None:
         for row in state.streamed:
             ring = [b for b in row if b is not None]
@@ -473,6 +506,21 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
                 block.host = {}
         state.host_memory.release(self.device)
         logger.info("distributed layerwise offload disabled: block weights are full host tensors again")
+
+
+def _refuse_state_dict(message: str, path: str):
+    def refuse(module, state_dict, prefix, local_metadata) -> None:
+        raise OffloadActiveError(message.format(what=f"state_dict() of {path!r}"))
+
+    return refuse
+
+
+def _refuse_call(message: str, what: str, original):
+    @functools.wraps(original)
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OffloadActiveError(message.format(what=f"{what}(...)"))
+
+    return refuse
 
 
 def _sum_numel(weights) -> dict[torch.dtype, int]:

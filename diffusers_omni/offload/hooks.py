@@ -18,6 +18,14 @@ LAYERWISE_ENTRY_HOOK = "omni_layerwise_offload_entry"
 
 OMNI_OFFLOAD_HOOKS: frozenset[str] = frozenset({MODEL_LEVEL_HOOK, LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK})
 
+# Why offload hooks stay out of compiled graphs (shown by torch.compile(fullgraph=True), which cannot include them):
+# they rebind weights between blocks and order copies on streams, which Dynamo cannot trace.
+EAGER_ONLY = (
+    "diffusers-omni offload hooks rebind weights between blocks and run eagerly, so torch.compile(fullgraph=True) "
+    "cannot include them. Allowed with offload on: torch.compile(model) (fullgraph=False: graph breaks at block "
+    "boundaries) or regional compile, model.compile_repeated_blocks(fullgraph=False)"
+)
+
 # Hook names Diffusers' own offloading registers (hooks/group_offloading.py).
 DIFFUSERS_OFFLOAD_HOOKS: frozenset[str] = frozenset(
     {"group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading"}
@@ -50,7 +58,13 @@ def hook_names(module: nn.Module) -> tuple[str, ...]:
 
 
 class InstalledHooks:
-    """The hooks one backend registered, so it can remove exactly those and nothing else."""
+    """The hooks one backend registered, so it can remove exactly those and nothing else.
+
+    When a module's registry has no hook left, the module is left exactly as before the first was installed:
+    Diffusers' ``HookRegistry.remove_hook`` puts the class's ``forward`` back as a *bound method instance
+    attribute* (a reference cycle module → method → module, and a ``module.__dict__`` that differs from before),
+    so that attribute is dropped and class lookup applies again.
+    """
 
     def __init__(self) -> None:
         self._entries: list[tuple[nn.Module, str, bool]] = []
@@ -67,8 +81,18 @@ class InstalledHooks:
             registry = module.__dict__.get("_diffusers_hook")
             if registry is None:
                 continue
+            hook = registry.get_hook(name)
             registry.remove_hook(name, recurse=False)
-            if created_registry and not registry.hooks:
+            if hook is not None:
+                hook.fn_ref = None  # hook ↔ function-reference cycle, which also holds the module's forward
+            if registry.hooks:
+                continue
+            forward = module.__dict__.get("forward")
+            if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is getattr(
+                type(module), "forward", None
+            ):
+                del module.__dict__["forward"]
+            if created_registry:
                 del module._diffusers_hook
 
     def __len__(self) -> int:

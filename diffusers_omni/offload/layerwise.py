@@ -35,7 +35,14 @@ from .discovery import (
     named_tensors,
     resolve_stacks,
 )
-from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, InstalledHooks, refresh_registry_caches
+from .hooks import (
+    EAGER_ONLY,
+    LAYERWISE_BLOCK_HOOK,
+    LAYERWISE_ENTRY_HOOK,
+    CallbackHook,
+    InstalledHooks,
+    refresh_registry_caches,
+)
 from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
 
 logger = logging.getLogger("diffusers_omni")
@@ -183,7 +190,7 @@ class _Streamer:
         self.stats.copied_bytes += block.weights.nbytes
         return True
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def begin(self, block: _StreamedBlock | None, lookahead: tuple[_StreamedBlock, ...]) -> None:
         if block is not None:
             if block.slot is None:
@@ -201,14 +208,14 @@ class _Streamer:
             if upcoming.slot is None and not self.load(upcoming, evict=False):
                 break
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def end(self, block: _StreamedBlock) -> None:
         block.weights.bind(block.placeholders)
         block.running = False
         if block.slot is not None:
             self.free(block.slot)
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...]) -> None:
         # A block whose forward raised never ran its end(); settle it before the stack runs again.
         for block in blocks:
@@ -240,7 +247,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
     """Streams every block of every DiT through a few device slots; everything else stays on the device."""
 
     strategy = OffloadStrategy.LAYERWISE
-    stages = ("discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "prime")
+    stages = (
+        "discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_guards", "prime"
+    )
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -259,6 +268,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
     def _forget(self) -> None:
         self._state = None
+
+    def _managed_modules(self, state: LayerwiseState) -> list[tuple[str, nn.Module]]:
+        return [(stack.name, stack.owner) for stack in state.stacks]
 
     # Enable stages ----------------------------------------------------------------------------------------
 
@@ -335,9 +347,10 @@ class LayerwiseOffloadBackend(OffloadBackend):
     ) -> _StreamedBlock | None:
         if weights.empty:
             return None
-        weights.pack(host_memory)
         clone = host_memory.needs_clone_on_release
+        # Recorded first: a pack that fails part-way has already rebound some tensors.
         journal.record(f"restore {weights.path}", lambda: weights.restore(clone=clone, to_original_device=True))
+        weights.pack(host_memory)
         if resident:
             buffers = {d: torch.empty(n, dtype=d, device=self.device) for d, n in weights.numel.items()}
             views = weights.views_into(buffers)
@@ -392,6 +405,26 @@ class LayerwiseOffloadBackend(OffloadBackend):
         roots = [stack.owner for stack in state.stacks]
         refresh_registry_caches(roots)
         journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
+
+    def _stage_install_guards(self, state: LayerwiseState, journal: Journal) -> None:
+        super()._stage_install_guards(state, journal)
+        # state_dict() (save_pretrained, LoRA and PEFT helpers) reads streamed blocks from their host copies: their
+        # own tensors are empty placeholders between uses.
+        for stack, row in zip(state.stacks, state.streamed):
+            for (_, module), block in zip(stack.blocks, row):
+                if block is not None:
+                    handle = module.register_state_dict_post_hook(self._state_dict_hook(block.weights))
+                    self._guards.on_remove(handle.remove)
+
+    def _state_dict_hook(self, weights: PackedWeights):
+        host = {id(slot.tensor): view for slot, view in zip(weights.slots, weights.host_views)}
+
+        def from_host_copies(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+            for name, tensor in named_tensors(module):
+                if id(tensor) in host and prefix + name in state_dict:
+                    state_dict[prefix + name] = host[id(tensor)].detach()
+
+        return from_host_copies
 
     def _stage_prime(self, state: LayerwiseState, journal: Journal) -> None:
         for row in state.streamed:

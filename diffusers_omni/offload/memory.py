@@ -6,9 +6,13 @@ tensors keep their identity; only their ``.data`` is rebound (to host views, dev
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
+import mmap
+import weakref
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -56,6 +60,9 @@ class PackedWeights:
             self.numel[tensor.dtype] = offset + _aligned(tensor.numel(), tensor.dtype)
         self.host: dict[torch.dtype, torch.Tensor] = {}
         self.host_views: list[torch.Tensor] = []
+        # How many slots (in order) ``pack`` has rebound to host views: what ``restore`` undoes, also after a
+        # ``pack`` that failed part-way.
+        self.rebound = 0
 
     @property
     def nbytes(self) -> int:
@@ -74,12 +81,15 @@ class PackedWeights:
 
     def pack(self, host_memory: "HostMemory") -> None:
         """Copy every tensor into fresh host buffers and rebind it to its host view, tensor by tensor, so the
-        original storage can be freed as we go (no second full copy)."""
+        original storage can be freed as we go (no second full copy). Callers record ``restore`` as the undo
+        *before* calling this: if it fails part-way, ``restore`` puts back exactly the tensors already rebound."""
+        self.rebound = 0
         self.host = {dtype: host_memory.allocate(numel, dtype) for dtype, numel in self.numel.items()}
         self.host_views = self.views_into(self.host)
         for slot, view in zip(self.slots, self.host_views):
             view.copy_(slot.tensor.data)
             slot.tensor.data = view
+            self.rebound += 1
         for buffer in self.host.values():
             host_memory.pin(buffer)
 
@@ -90,87 +100,200 @@ class PackedWeights:
     def restore(self, clone: bool, to_original_device: bool) -> None:
         """Rebind every tensor to its host view (a private copy of it with ``clone``); with ``to_original_device``
         move it back to the device it had before packing."""
-        for slot, view in zip(self.slots, self.host_views):
+        for slot, view in zip(self.slots[: self.rebound], self.host_views):
             if to_original_device and slot.original_device.type != "cpu":
                 slot.tensor.data = view.to(slot.original_device)
             else:
                 slot.tensor.data = view.clone() if clone else view
         self.host = {}
         self.host_views = []
+        self.rebound = 0
+
+
+class HostPinner(Protocol):
+    """Page-locks host memory ranges for an accelerator: the CUDA runtime's ``cudaHostRegister`` /
+    ``cudaHostUnregister``. ``register`` raises when the runtime refuses (a range already registered, say)."""
+
+    def register(self, ptr: int, nbytes: int) -> None: ...
+
+    def unregister(self, ptr: int) -> None: ...
+
+    def synchronize(self) -> None:
+        """Wait for every copy that may still read a registered range (called before unregistering)."""
+
+
+class CudaHostPinner:
+    """``HostPinner`` on the CUDA runtime of ``device``."""
+
+    def __init__(self, cudart: Any, device: torch.device) -> None:
+        self._cudart = cudart
+        self.device = device
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        result = self._cudart.cudaHostRegister(ptr, nbytes, 0)
+        if not _cuda_ok(result):
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {ptr:#x} failed: {result}")
+
+    def unregister(self, ptr: int) -> None:
+        result = self._cudart.cudaHostUnregister(ptr)
+        if not _cuda_ok(result):
+            raise RuntimeError(f"cudaHostUnregister at {ptr:#x} failed: {result}")
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def host_pinner(device: torch.device) -> HostPinner | None:
+    """The pinner that registers host buffers for ``device``, or ``None`` (not CUDA, or a torch build without
+    ``cudaHostRegister``: torch's pinned allocator is used instead)."""
+    if device.type != "cuda":
+        return None
+    try:
+        cudart = torch.cuda.cudart()
+    except Exception as error:  # noqa: BLE001 - any failure means "use the pinned allocator"
+        logger.info("offload: cudart unavailable (%s); using torch's pinned allocator", error)
+        return None
+    if not (hasattr(cudart, "cudaHostRegister") and hasattr(cudart, "cudaHostUnregister")):
+        logger.info("offload: this torch build exposes no cudaHostRegister; using torch's pinned allocator")
+        return None
+    return CudaHostPinner(cudart, device)
+
+
+# Every live registration in the process, so interpreter exit can unregister what garbage collection left.
+_LIVE_PAGES: "weakref.WeakSet[_Pages]" = weakref.WeakSet()
+_registered_bytes = 0
+
+
+def registered_host_bytes() -> int:
+    """Bytes of host memory this process has registered for offload and not yet unregistered."""
+    return _registered_bytes
+
+
+class _Pages(mmap.mmap):
+    """Anonymous page-aligned host memory that owns its registration.
+
+    Tensors made with ``torch.frombuffer`` keep this object alive; when the last of them dies (``disable``,
+    garbage collection of a dropped model, or interpreter exit) the registration ends *before* the pages are
+    unmapped: ``__del__`` runs ahead of ``mmap``'s own deallocation, which unmaps.
+    """
+
+    pinner: HostPinner | None
+    nbytes: int
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(ctypes.c_char.from_buffer(self))
+
+    def register(self, pinner: HostPinner) -> None:
+        global _registered_bytes
+        address = self.address  # the exported ctypes view is released before the call returns
+        pinner.register(address, len(self))
+        self.pinner, self.registered_at = pinner, address
+        _registered_bytes += len(self)
+        _LIVE_PAGES.add(self)
+
+    @property
+    def is_registered(self) -> bool:
+        return getattr(self, "pinner", None) is not None
+
+    def unregister(self, synchronize: bool = True) -> None:
+        global _registered_bytes
+        pinner = getattr(self, "pinner", None)
+        if pinner is None:
+            return
+        self.pinner = None
+        _registered_bytes -= len(self)
+        _LIVE_PAGES.discard(self)
+        if synchronize:
+            pinner.synchronize()
+        pinner.unregister(self.registered_at)
+
+    def __del__(self) -> None:
+        try:
+            self.unregister()
+        except Exception as error:  # noqa: BLE001 - a finaliser must not raise; the pages are unmapped next
+            logger.warning("offload: unregistering host memory on release failed (%s)", error)
+
+
+@atexit.register
+def _unregister_at_exit() -> None:
+    for pages in list(_LIVE_PAGES):
+        try:
+            pages.unregister()
+        except Exception as error:  # noqa: BLE001 - best effort at exit
+            logger.warning("offload: unregistering host memory at exit failed (%s)", error)
 
 
 class HostMemory:
     """Allocates the flat host buffers and page-locks them.
 
-    On CUDA, buffers are ordinary allocations registered with ``cudaHostRegister``: exact sizes (the caching pinned
-    allocator rounds each request up to a power of two, up to 2x the model in RAM), and unregistering leaves
-    ordinary host tensors behind, with no copy. Elsewhere ``pin_memory=True`` allocations are used; with
-    ``device="cpu"`` or ``pin_memory=False`` buffers stay pageable.
+    On CUDA, buffers are anonymous page-aligned mappings registered with ``cudaHostRegister``: exact sizes (the
+    caching pinned allocator rounds each request up to a power of two, up to 2x the model in RAM), and
+    unregistering leaves ordinary host tensors behind, with no copy. Each mapping owns its registration: it is
+    unregistered by ``release`` (``disable``) or, when a model is dropped without ``disable``, just before its
+    pages are unmapped, so freed memory is never still registered. Elsewhere ``pin_memory=True`` allocations are
+    used; with ``device="cpu"`` or ``pin_memory=False`` buffers stay pageable.
     """
 
     def __init__(self, device: torch.device, pin_memory: bool) -> None:
-        self._registered: list[int] = []
+        self.device = device
+        self._pages: "weakref.WeakValueDictionary[int, _Pages]" = weakref.WeakValueDictionary()
         self._torch_pinned: list[torch.Tensor] = []
-        self._cudart = None
+        self._pinner: HostPinner | None = host_pinner(device) if pin_memory else None
         if not pin_memory:
             self.mode = "pageable"
             logger.info("offload: host copies stay pageable (pin_memory=False); copies will not overlap compute")
+        elif self._pinner is not None:
+            self.mode = "registered"
         elif device.type == "cpu":
             self.mode = "pageable"
             logger.info("offload: device='cpu', so host copies are not pinned (pinning needs an accelerator)")
-        elif device.type == "cuda" and self._load_cudart():
-            self.mode = "registered"
         else:
             self.mode = "pinned"
         logger.info("offload: host memory mode %r", self.mode)
-
-    def _load_cudart(self) -> bool:
-        try:
-            cudart = torch.cuda.cudart()
-        except Exception as error:  # noqa: BLE001 - any failure means "use the pinned allocator"
-            logger.info("offload: cudart unavailable (%s); using torch's pinned allocator", error)
-            return False
-        if not (hasattr(cudart, "cudaHostRegister") and hasattr(cudart, "cudaHostUnregister")):
-            logger.info("offload: this torch build exposes no cudaHostRegister; using torch's pinned allocator")
-            return False
-        self._cudart = cudart
-        return True
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self.mode == "pinned":
             buffer = torch.empty(numel, dtype=dtype, pin_memory=True)
             self._torch_pinned.append(buffer)
             return buffer
-        if self.mode == "pageable":
+        if self.mode == "pageable" or numel == 0:
             return torch.empty(numel, dtype=dtype)
-        # Page-aligned start and a page-rounded registered range, so no two registrations share a page.
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        nbytes = numel * itemsize
-        raw = torch.empty(nbytes + 2 * _PAGE, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % _PAGE
-        return raw[start : start + nbytes].view(dtype)
+        # Whole pages of their own, so no two registrations share a page.
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        pages = _Pages(-1, (nbytes + _PAGE - 1) // _PAGE * _PAGE)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:  # fewer page faults while packing, fewer pages to lock when registering
+                pages.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:
+                pass
+        buffer = torch.frombuffer(pages, dtype=dtype, count=numel)
+        self._pages[buffer.data_ptr()] = pages
+        return buffer
 
     def pin(self, buffer: torch.Tensor) -> None:
         """Page-lock a buffer from ``allocate`` once it is filled (registering touched pages is faster)."""
         if self.mode != "registered" or buffer.numel() == 0:
             return
-        size = (buffer.numel() * buffer.element_size() + _PAGE - 1) // _PAGE * _PAGE
-        result = self._cudart.cudaHostRegister(buffer.data_ptr(), size, 0)
-        if not _cuda_ok(result):
-            raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {result}")
-        self._registered.append(buffer.data_ptr())
+        self._pages[buffer.data_ptr()].register(self._pinner)
 
-    def release(self, device: torch.device) -> None:
+    def release(self, device: torch.device | None = None) -> None:
         """Unpin everything. Tensors still pointing into registered buffers become ordinary host tensors; those in
         torch-pinned buffers must be cloned by the caller first (see ``needs_clone_on_release``)."""
-        if self._registered:
-            torch.cuda.synchronize(device)
-            for ptr in self._registered:
-                result = self._cudart.cudaHostUnregister(ptr)
-                if not _cuda_ok(result):
-                    logger.warning("offload: cudaHostUnregister failed (%s)", result)
-            self._registered.clear()
+        registered = [pages for pages in self._pages.values() if pages.is_registered]
+        if registered:
+            self._pinner.synchronize()
+            for pages in registered:
+                try:
+                    pages.unregister(synchronize=False)
+                except RuntimeError as error:
+                    logger.warning("offload: %s", error)
+        self._pages.clear()
         self._torch_pinned.clear()
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(len(p) for p in self._pages.values() if p.is_registered)
 
     @property
     def needs_clone_on_release(self) -> bool:

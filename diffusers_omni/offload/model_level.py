@@ -30,7 +30,7 @@ from .discovery import (
     discover_components,
     named_tensors,
 )
-from .hooks import MODEL_LEVEL_HOOK, CallbackHook, InstalledHooks, refresh_registry_caches
+from .hooks import EAGER_ONLY, MODEL_LEVEL_HOOK, CallbackHook, InstalledHooks, refresh_registry_caches
 from .memory import HostMemory, PackedWeights, release_freed_host_memory
 
 logger = logging.getLogger("diffusers_omni")
@@ -49,7 +49,7 @@ class _Exclusive:
     def role(self) -> str:
         return self.component.role
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def onload(self, device: torch.device) -> None:
         with torch.inference_mode(False):
             self._device_buffers = {d: torch.empty(n, dtype=d, device=device) for d, n in self.weights.numel.items()}
@@ -60,7 +60,7 @@ class _Exclusive:
         self.weights.bind(views)
         self.onloaded = True
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def offload(self) -> None:
         self.weights.bind(self.weights.host_views)
         self._device_buffers = {}
@@ -89,7 +89,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
     """Mutual exclusion between DiTs and encoders; VAEs and declared resident modules stay on the device."""
 
     strategy = OffloadStrategy.MODEL_LEVEL
-    stages = ("discover", "move_residents", "pack_components", "install_hooks")
+    stages = ("discover", "move_residents", "pack_components", "install_hooks", "install_guards")
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -132,6 +132,9 @@ class ModelLevelOffloadBackend(OffloadBackend):
     def _forget(self) -> None:
         self._state = None
 
+    def _managed_modules(self, state: _State) -> list[tuple[str, nn.Module]]:
+        return [(e.component.label, e.component.module) for e in state.exclusives]
+
     def _stage_discover(self, state: _State, journal: Journal) -> None:
         state.topology = discover_components(state.target, self.config.plan)
         check_topology(state.topology, allow_residents_inside=())
@@ -157,8 +160,9 @@ class ModelLevelOffloadBackend(OffloadBackend):
         clone = host_memory.needs_clone_on_release
         for exclusive in state.exclusives:
             weights = exclusive.weights
-            weights.pack(host_memory)
+            # Recorded first: a pack that fails part-way has already rebound some tensors.
             journal.record(f"restore {weights.path}", lambda w=weights: w.restore(clone=clone, to_original_device=True))
+            weights.pack(host_memory)
             logger.info("model-level offload: %s packed on host (%s)", exclusive.component.label, format_bytes(weights.nbytes))
         release_freed_host_memory()
 
@@ -170,7 +174,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
             )
         refresh_registry_caches([e.component.module for e in state.exclusives])
 
-    @torch.compiler.disable
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def _activate(self, active: _Exclusive) -> None:
         state = self._state
         for other in state.exclusives:

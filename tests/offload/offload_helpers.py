@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -83,14 +84,27 @@ def block_bytes(block: nn.Module) -> int:
 
 
 def snapshot(*modules: nn.Module) -> dict[str, Any]:
-    """Every tensor's id, device, dtype and values, plus every hook name, under ``modules``."""
+    """Every tensor's id, device, dtype, values and ``requires_grad``, every hook name, and every module's
+    ``__dict__`` (keys and the identity of each value: processors, hook registries, instance ``forward``...)."""
     state: dict[str, Any] = {}
     for index, module in enumerate(modules):
         for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-            state[f"{index}.{name}"] = (id(tensor), tensor.device, tensor.dtype, tensor.detach().clone())
+            state[f"{index}.{name}"] = (id(tensor), tensor.device, tensor.dtype, tensor.requires_grad,
+                                        type(tensor), tensor.detach().clone())
         for name, sub in module.named_modules():
             state[f"{index}.{name}#hooks"] = hook_names(sub)
             state[f"{index}.{name}#registry"] = "_diffusers_hook" in sub.__dict__
+            state[f"{index}.{name}#dict"] = {key: id(value) for key, value in sub.__dict__.items()}
+    return state
+
+
+def pipeline_snapshot(pipe: Any) -> dict[str, Any]:
+    """``snapshot`` of every component plus the pipeline's and scheduler's own ``__dict__``."""
+    state = snapshot(*pipeline_modules(pipe))
+    state["pipe#dict"] = {key: id(value) for key, value in pipe.__dict__.items()}
+    scheduler = getattr(pipe, "scheduler", None)
+    if scheduler is not None:
+        state["scheduler#dict"] = {key: id(value) for key, value in scheduler.__dict__.items()}
     return state
 
 
@@ -98,11 +112,110 @@ def assert_same_snapshot(before: dict[str, Any], after: dict[str, Any]) -> None:
     assert before.keys() == after.keys()
     for key, value in before.items():
         other = after[key]
-        if isinstance(value, tuple) and len(value) == 4:
-            assert value[:3] == other[:3], key
-            assert torch.equal(value[3], other[3]), key
+        if isinstance(value, tuple) and value and isinstance(value[-1], torch.Tensor):
+            assert value[:-1] == other[:-1], key
+            if value[-1].device.type != "meta":  # meta tensors (Accelerate's sequential offload) have no values
+                assert torch.equal(value[-1], other[-1]), key
         else:
             assert value == other, key
+
+
+def mapped(ptr: int, nbytes: int) -> bool:
+    """Whether ``[ptr, ptr + nbytes)`` lies inside one mapping of this process (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as handle:
+        for line in handle:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= ptr and ptr + nbytes <= end:
+                return True
+    return False
+
+
+class FakeCudaRuntime:
+    """The CUDA runtime's host registration, on CPU, for checking our lifecycle logic (the real runtime is
+    exercised on the H200 by benchmarks/offload_lifecycle_bench.py).
+
+    Tracks registered ranges and fails exactly where ``cudaHostRegister`` / ``cudaHostUnregister`` fail: a range
+    overlapping a registered one (``cudaErrorHostMemoryAlreadyRegistered``), unregistering a pointer that is not
+    the start of a registration (``cudaErrorHostMemoryNotRegistered``). Every call is logged.
+    """
+
+    def __init__(self, log: str | None = None) -> None:
+        self.registered: dict[int, int] = {}
+        self.calls: list[tuple[str, int]] = []
+        self.synchronized = 0
+        self.log = log  # a file every call is appended to (for checks after the process exits)
+
+    def _record(self, call: str, ptr: int) -> None:
+        self.calls.append((call, ptr))
+        if self.log is not None:
+            with open(self.log, "a") as handle:
+                handle.write(f"{call} {ptr}\n")
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        self._record("register", ptr)
+        if not mapped(ptr, nbytes):
+            raise RuntimeError("cudaHostRegister failed: cudaErrorInvalidValue (range not mapped)")
+        for start, size in self.registered.items():
+            if start < ptr + nbytes and ptr < start + size:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: cudaErrorHostMemoryAlreadyRegistered")
+        self.registered[ptr] = nbytes
+
+    def unregister(self, ptr: int) -> None:
+        self._record("unregister", ptr)
+        if ptr not in self.registered:
+            raise RuntimeError("cudaHostUnregister failed: cudaErrorHostMemoryNotRegistered")
+        if not mapped(ptr, self.registered[ptr]):
+            # The real runtime's page-locked range would now be unmapped memory.
+            raise RuntimeError("cudaHostUnregister after the memory was freed")
+        del self.registered[ptr]
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(self.registered.values())
+
+
+class InjectedFailure(Exception):
+    pass
+
+
+class CallCounter:
+    """Wraps ``owner.name`` (a function, method or class) to count calls and raise ``InjectedFailure`` on call
+    number ``fail_at`` (1-based; ``None`` only counts), before the call runs or, with ``after=True``, once it has
+    returned. Install with ``install(monkeypatch)``."""
+
+    def __init__(self, owner: Any, name: str, fail_at: int | None = None, after: bool = False) -> None:
+        self.original = inspect.getattr_static(owner, name) if isinstance(owner, type) else getattr(owner, name)
+        self.fail_at = fail_at
+        self.after = after
+        self.count = 0
+        self.owner = owner
+        self.name = name
+
+    def install(self, monkeypatch: Any) -> "CallCounter":
+        original = self.original
+        counter = self
+
+        if isinstance(original, staticmethod):
+            function = original.__func__
+        else:
+            function = original
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counter.count += 1
+            failing = counter.count == counter.fail_at
+            if failing and not counter.after:
+                raise InjectedFailure(f"before {counter.name} call {counter.count}")
+            result = function(*args, **kwargs)
+            if failing:
+                raise InjectedFailure(f"after {counter.name} call {counter.count}")
+            return result
+
+        monkeypatch.setattr(self.owner, self.name, staticmethod(wrapper) if isinstance(original, staticmethod)
+                            else wrapper)
+        return self
 
 
 def pipeline_modules(pipe: Any) -> list[nn.Module]:

@@ -1,0 +1,202 @@
+"""Fault injection: raise at every enable stage and at every inner step of every offload strategy, at its first,
+middle and last call, and check the pipeline is exactly as before (tensor identities, devices, dtypes, values,
+``requires_grad``, hooks, every module's ``__dict__``, the pipeline's own attributes) with no host registration
+left behind; a later enable then works and is bitwise equal to the resident pipeline.
+
+Host pinning goes through ``FakeCudaRuntime`` (registered mode on CPU) so the pin/unregister paths run too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from diffusers_omni.offload import dataparallel, distributed, guards, hooks, layerwise, memory, model_level
+from diffusers_omni.offload.base import Journal
+from diffusers_omni.offload.distributed import DistributedLayerwiseOffloadBackend
+from diffusers_omni.offload.layerwise import LayerwiseOffloadBackend
+from diffusers_omni.offload.model_level import ModelLevelOffloadBackend
+from offload_helpers import (
+    CallCounter,
+    FakeCudaRuntime,
+    InjectedFailure,
+    assert_same_snapshot,
+    flux_pipe,
+    generate,
+    pipeline_snapshot,
+)
+
+
+def _enable(strategy: str):
+    def layerwise_(pipe):
+        return pipe.enable_layerwise_offload(device="cpu", pin_memory=True)
+
+    def model_level_(pipe):
+        return pipe.enable_model_level_offload(device="cpu", pin_memory=True)
+
+    def distributed_(use_allgather):
+        return lambda pipe: pipe.enable_distributed_layerwise_offload(device="cpu", use_allgather=use_allgather,
+                                                                      pin_memory=True)
+
+    return {
+        "layerwise": layerwise_,
+        "model_level": model_level_,
+        "distributed_allgather": distributed_(True),
+        "distributed_no_allgather": distributed_(False),
+    }[strategy]
+
+
+BACKENDS = {
+    "layerwise": LayerwiseOffloadBackend,
+    "model_level": ModelLevelOffloadBackend,
+    "distributed_allgather": DistributedLayerwiseOffloadBackend,
+    "distributed_no_allgather": DistributedLayerwiseOffloadBackend,
+}
+
+# Inner steps: (owner, attribute). Module-level functions are patched where the backends look them up.
+INNER_STEPS: list[tuple[object, str]] = [
+    (memory.HostMemory, "allocate"),
+    (memory.HostMemory, "pin"),  # after pack() rebound the block's tensors: the late failure of #13 item 2
+    (memory.PackedWeights, "pack"),
+    (memory.PackedWeights, "views_into"),
+    (Journal, "move_tensor"),
+    (hooks.InstalledHooks, "install"),
+    (guards.Guards, "set"),
+    (guards.GuardInstaller, "guard_module"),
+    (guards.GuardInstaller, "guard_pipeline"),
+    (nn.Module, "register_state_dict_post_hook"),
+    (layerwise, "discover_components"),
+    (layerwise, "check_no_foreign_offload"),
+    (layerwise, "resolve_stacks"),
+    (layerwise, "plan_residency"),
+    (layerwise, "refresh_registry_caches"),
+    (layerwise, "release_freed_host_memory"),
+    (layerwise, "Transfers"),
+    (layerwise, "_StreamedBlock"),
+    (layerwise._Streamer, "load"),
+    (layerwise._Streamer, "enter_stack"),
+    (model_level, "discover_components"),
+    (model_level, "check_no_foreign_offload"),
+    (model_level, "refresh_registry_caches"),
+    (model_level, "release_freed_host_memory"),
+    (model_level, "_Exclusive"),
+    (distributed._ShardedBlock, "pack"),
+    (distributed._ShardedBlock, "attach"),
+    (distributed, "_GatherSlot"),
+    (distributed, "_GatherTransfers"),
+    (distributed._GatherStreamer, "load"),
+    (distributed, "_layout_digest"),
+    (dataparallel, "install_step_check"),
+    (dist, "all_gather_object"),
+]
+
+
+def _step_id(step) -> str:
+    owner, name = step
+    return f"{getattr(owner, '__name__', type(owner).__name__).split('.')[-1]}.{name}"
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    runtime = FakeCudaRuntime()
+    monkeypatch.setattr(memory, "host_pinner", lambda device: runtime)
+    return runtime
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo group in this process, so the distributed backend's stages run here."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _run_failures(strategy, points, monkeypatch, fake_cuda) -> int:
+    """For each (owner, name, after) in ``points``: count its calls in a successful enable, then fail it at its
+    first, middle and last call and check nothing changed. Returns how many failures were injected."""
+    enable = _enable(strategy)
+    pipe = flux_pipe()
+    reference = generate(pipe, steps=2)
+    baseline_bytes = memory.registered_host_bytes()
+    injected = 0
+    for owner, name, after in points:
+        with monkeypatch.context() as patch:
+            counter = CallCounter(owner, name).install(patch)
+            enable(pipe)
+        pipe.disable_omni_offload()
+        calls = counter.count
+        assert fake_cuda.registered == {}
+        for fail_at in sorted({1, (calls + 1) // 2, calls}) if calls else ():
+            before = pipeline_snapshot(pipe)
+            with monkeypatch.context() as patch:
+                CallCounter(owner, name, fail_at=fail_at, after=after).install(patch)
+                with pytest.raises(InjectedFailure):
+                    enable(pipe)
+            where = f"{strategy}: {name} call {fail_at}/{calls} ({'after' if after else 'before'})"
+            try:
+                assert_same_snapshot(before, pipeline_snapshot(pipe))
+            except AssertionError as error:
+                raise AssertionError(f"{where}: {error}") from error
+            assert pipe.omni_offload_backend is None, where
+            assert fake_cuda.registered == {}, where
+            assert memory.registered_host_bytes() == baseline_bytes, where
+            injected += 1
+    enable(pipe)
+    assert fake_cuda.registered, "registered mode was not exercised"
+    assert torch.equal(generate(pipe, steps=2), reference)
+    pipe.disable_omni_offload()
+    assert fake_cuda.registered == {}
+    assert torch.equal(generate(pipe, steps=2), reference)
+    return injected
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "model_level"])
+def test_every_stage_before_and_after(strategy, monkeypatch, fake_cuda):
+    backend = BACKENDS[strategy]
+    points = [(backend, f"_stage_{stage}", after) for stage in backend.stages for after in (False, True)]
+    assert _run_failures(strategy, points, monkeypatch, fake_cuda) == 2 * len(backend.stages)
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "model_level"])
+def test_every_inner_step(strategy, monkeypatch, fake_cuda):
+    points = [(owner, name, False) for owner, name in INNER_STEPS]
+    assert _run_failures(strategy, points, monkeypatch, fake_cuda) >= 15
+
+
+@pytest.mark.parametrize("strategy", ["distributed_allgather", "distributed_no_allgather"])
+def test_distributed_every_stage_and_inner_step(strategy, monkeypatch, fake_cuda, one_rank_group):
+    backend = BACKENDS[strategy]
+    points = [(backend, f"_stage_{stage}", after) for stage in backend.stages for after in (False, True)]
+    points += [(owner, name, False) for owner, name in INNER_STEPS]
+    assert _run_failures(strategy, points, monkeypatch, fake_cuda) >= 2 * len(backend.stages) + 10
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "model_level"])
+def test_pack_failing_after_rebinding_restores_that_block(strategy, monkeypatch, fake_cuda):
+    """#13 item 2: registering the first packed buffer fails after ``pack`` rebound its tensors to host views.
+    Before the fix the undo entry was recorded only once ``pack`` returned, so rollback never restored that block
+    (on CUDA its tensors stayed on the host). On CPU the restored and unrestored states look alike, so the test
+    checks the rollback itself: the failing block is restored, every rebound tensor included."""
+    pipe = flux_pipe()
+    before = pipeline_snapshot(pipe)
+    restored: list[tuple[str, int, int]] = []
+    original_restore = memory.PackedWeights.restore
+
+    def spy(self, clone, to_original_device):
+        restored.append((self.path, self.rebound, len(self.slots)))
+        original_restore(self, clone, to_original_device)
+
+    def refuse(ptr, nbytes):
+        raise RuntimeError("cudaHostRegister failed: cudaErrorHostMemoryAlreadyRegistered")
+
+    monkeypatch.setattr(memory.PackedWeights, "restore", spy)
+    monkeypatch.setattr(fake_cuda, "register", refuse)
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        _enable(strategy)(pipe)
+    first = "transformer.transformer_blocks.0" if strategy == "layerwise" else "transformer"
+    assert restored and restored[0][0] == first
+    assert restored[0][1] == restored[0][2] > 0  # every tensor pack() had rebound
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+    assert fake_cuda.registered == {}
