@@ -62,6 +62,52 @@ class OmniPipelineMixin:
     _vae_modules: ClassVar[tuple[str, ...]] = ()
     _resident_modules: ClassVar[tuple[str, ...]] = ()
 
+    @classmethod
+    def from_pretrained(cls, *args: Any, omni_attention: Any = None, **kwargs: Any):
+        """Diffusers' ``from_pretrained``, then omni attention on every declared DiT.
+
+        Args:
+            omni_attention: the attention config (anything ``AttentionConfig.parse`` accepts); ``None`` uses
+                ``DIFFUSION_ATTENTION_BACKEND`` or the platform default; ``False`` keeps Diffusers' processors.
+            args, kwargs: as for ``DiffusionPipeline.from_pretrained``.
+
+        Every way to get an Omni pipeline — ``from_pretrained``, ``from_pipe`` and ``omnify`` — turns omni attention
+        on unless told not to (constructing the class from components directly does not).
+
+        Example:
+        ```py
+        >>> pipe = OmniFluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev", torch_dtype=torch.bfloat16)
+        ```
+        """
+        pipe = super().from_pretrained(*args, **kwargs)
+        pipe._enable_omni_attention_on_creation(omni_attention)
+        return pipe
+
+    @classmethod
+    def from_pipe(cls, pipeline: Any, omni_attention: Any = None, **kwargs: Any):
+        """Diffusers' ``from_pipe`` (components shared, cast to ``torch_dtype``, float32 by default), then omni
+        attention as for ``from_pretrained``. A DiT that already runs omni attention keeps its configuration unless
+        ``omni_attention`` names one.
+
+        Example:
+        ```py
+        >>> omni = OmniFluxPipeline.from_pipe(pipe, omni_attention="TORCH_SDPA")
+        ```
+        """
+        pipe = super().from_pipe(pipeline, **kwargs)
+        pipe._enable_omni_attention_on_creation(omni_attention)
+        return pipe
+
+    def _enable_omni_attention_on_creation(self, config: Any) -> None:
+        from ..attention.install import is_attention_applied
+
+        dits = self.omni_dits()
+        if config is False or not dits:
+            return
+        if config is None and all(is_attention_applied(module) for module in dits.values()):
+            return
+        self.enable_omni_attention(config)
+
     def to(self, *args: Any, **kwargs: Any):
         if _sharing_components.get() and not args and set(kwargs) <= {"dtype", "torch_dtype"}:
             return self
