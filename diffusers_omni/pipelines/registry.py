@@ -47,7 +47,11 @@ def omni_class_for(pipeline_name: str) -> type | None:
     family = FAMILY_OF.get(pipeline_name)
     if family is None:
         return None
-    return getattr(importlib.import_module(f"{__package__}.{family}"), f"Omni{pipeline_name}")
+    from ..utils.quiet import quiet_torchvision_fallback
+
+    with quiet_torchvision_fallback():
+        module = importlib.import_module(f"{__package__}.{family}")
+    return getattr(module, f"Omni{pipeline_name}")
 
 
 @functools.lru_cache(maxsize=1)
