@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .mixin import OmniPipelineMixin
+
+logger = logging.getLogger(__name__)
 
 PIPELINE_FAMILIES: dict[str, tuple[str, ...]] = {
     "chroma": ("ChromaPipeline", "ChromaImg2ImgPipeline", "ChromaInpaintPipeline"),
@@ -42,6 +45,30 @@ FAMILY_OF: dict[str, str] = {name: family for family, names in PIPELINE_FAMILIES
 OMNI_CLASS_MODULES: dict[str, str] = {f"Omni{name}": f"{__package__}.{family}" for name, family in FAMILY_OF.items()}
 
 
+TESTED_DIFFUSERS = (0, 42)
+
+
+@functools.lru_cache(maxsize=1)
+def check_diffusers_version() -> str | None:
+    """Warn once when the installed Diffusers is not the release series diffusers-omni is tested against.
+
+    Returns the warning (``None`` when the version is the tested one). Newer releases usually work; the declarations
+    (attention call sites, block lists) are checked against the models when omni attention is enabled, so a changed
+    model fails there with the module it could not match.
+    """
+    import diffusers
+    from packaging.version import Version
+
+    found = Version(diffusers.__version__)
+    if found.release[:2] == TESTED_DIFFUSERS:
+        return None
+    tested = ".".join(map(str, TESTED_DIFFUSERS))
+    message = (f"diffusers {diffusers.__version__} is installed; diffusers-omni {'is tested against' if found.release[:2] > TESTED_DIFFUSERS else 'needs'} "
+               f"{tested}.x. Report problems with `diffusers-omni info` output.")
+    logger.warning(message)
+    return message
+
+
 def omni_class_for(pipeline_name: str) -> type | None:
     """The Omni class serving the Diffusers pipeline named ``pipeline_name`` (imports only its family module)."""
     family = FAMILY_OF.get(pipeline_name)
@@ -49,8 +76,17 @@ def omni_class_for(pipeline_name: str) -> type | None:
         return None
     from ..utils.quiet import quiet_torchvision_fallback
 
-    with quiet_torchvision_fallback():
-        module = importlib.import_module(f"{__package__}.{family}")
+    check_diffusers_version()
+    try:
+        with quiet_torchvision_fallback():
+            module = importlib.import_module(f"{__package__}.{family}")
+    except ImportError as exc:
+        import diffusers
+
+        raise ImportError(
+            f"diffusers-omni's {family} pipelines cannot be built on diffusers {diffusers.__version__} ({exc}); "
+            f"tested against {'.'.join(map(str, TESTED_DIFFUSERS))}.x"
+        ) from exc
     return getattr(module, f"Omni{pipeline_name}")
 
 

@@ -203,3 +203,20 @@ def test_omnify_imports_only_the_family_in_use():
             "print(sorted(m for m in sys.modules if m.startswith('diffusers_omni.pipelines.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['diffusers_omni.pipelines.flux', 'diffusers_omni.pipelines.mixin', 'diffusers_omni.pipelines.registry']"
+
+
+def test_untested_diffusers_release_is_named_once(monkeypatch, caplog):
+    import diffusers
+
+    from diffusers_omni.pipelines import registry
+
+    registry.check_diffusers_version.cache_clear()
+    assert registry.check_diffusers_version() is None
+    registry.check_diffusers_version.cache_clear()
+    monkeypatch.setattr(diffusers, "__version__", "0.43.0")
+    with caplog.at_level("WARNING", logger="diffusers_omni"):
+        message = registry.check_diffusers_version()
+        registry.check_diffusers_version()
+    registry.check_diffusers_version.cache_clear()
+    assert message == "diffusers 0.43.0 is installed; diffusers-omni is tested against 0.42.x. Report problems with `diffusers-omni info` output."
+    assert [r.getMessage() for r in caplog.records].count(message) == 1
