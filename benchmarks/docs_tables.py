@@ -377,10 +377,10 @@ def plot_offload_summary(path: Path) -> None:
 PLOTS = {"offload_summary.png": (plot_offload_summary, offload_plot_data)}
 
 
-def plot_is_current(name: str) -> bool:
+def plot_is_current(name: str, directory: Path | None = None) -> bool:
     from PIL import Image
 
-    path = RESULTS / name
+    path = (directory or RESULTS) / name
     if not path.exists():
         return False
     with Image.open(path) as image:

@@ -39,14 +39,17 @@ def test_plots_show_the_numbers_of_their_tables():
             assert f"| {bar['variant']} | {bar['step_s']:.3f} |" in summary
 
 
-def test_a_stale_plot_is_detected(tmp_path, monkeypatch):
+def test_a_stale_plot_is_detected(tmp_path):
     docs_tables = _module()
-    monkeypatch.setattr(docs_tables, "RESULTS", tmp_path)
-    assert not docs_tables.plot_is_current("offload_summary.png")
-    import shutil
+    assert not docs_tables.plot_is_current("offload_summary.png", tmp_path)
+    docs_tables.plot_offload_summary(tmp_path / "offload_summary.png")
+    assert docs_tables.plot_is_current("offload_summary.png", tmp_path)
+    # A plot drawn from other numbers (the first FLUX run's 12 GiB bar) is stale.
+    from PIL import Image
 
-    shutil.copy(ROOT / "benchmarks" / "results" / "offload_summary.png", tmp_path / "offload_summary.png")
-    assert docs_tables.plot_is_current("offload_summary.png")
+    with Image.open(ROOT / "benchmarks" / "results" / "offload_h200_flux.png") as old:
+        old.save(tmp_path / "offload_summary.png")
+    assert not docs_tables.plot_is_current("offload_summary.png", tmp_path)
 
 
 def test_e2e_attention_table_renders_when_results_exist(tmp_path, monkeypatch):
