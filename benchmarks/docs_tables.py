@@ -235,6 +235,51 @@ def distributed_example(ranks: int = 4) -> str:
     )
 
 
+# GPUs × backends (from the backends' declared capabilities, not measured) ---------------------------------------
+
+GPUS = (
+    ("Ampere: A100, A30", (8, 0)),
+    ("Ampere: RTX 30xx, A10, A40", (8, 6)),
+    ("Ada: RTX 40xx, L4, L40S", (8, 9)),
+    ("Hopper: H100, H200, GH200", (9, 0)),
+    ("Blackwell: B200, GB200", (10, 0)),
+    ("Blackwell: B300, GB300", (10, 3)),
+    ("Blackwell: RTX 50xx, RTX PRO 6000", (12, 0)),
+)
+
+
+def gpu_backends() -> str:
+    """Which backend can run on which GPU, from each backend's declared device and compute-capability limits
+    (package checks left out: the column says what to install)."""
+    from diffusers_omni.attention.backends.flash import IMPLEMENTATIONS
+    from diffusers_omni.attention.platform import Platform
+    from diffusers_omni.attention.registry import get_backend_class, registered_backend_names
+
+    names = [n for n in registered_backend_names() if "cuda" in get_backend_class(n).devices]
+    rows = []
+    for label, cc in GPUS:
+        platform = Platform(device_type="cuda", device_name=label, compute_capability=cc, cudnn_version=91900)
+        cells = []
+        for name in names:
+            if name == "FLASH_ATTN":
+                usable = [impl.label for impl in IMPLEMENTATIONS if cc >= impl.min_compute_capability and (
+                          impl.compute_capabilities is None or cc in impl.compute_capabilities)]
+                cells.append(", ".join(usable) or "—")
+                continue
+            reasons = [r for r in get_backend_class(name).availability_reasons(platform) if "not importable" not in r]
+            cells.append("—" if reasons else "✓")
+        rows.append([f"{label} (sm_{cc[0]}{cc[1]})", *cells])
+    return table(["GPU", *(f"`{n}`" for n in names)], rows)
+
+
+def diffusers_names() -> str:
+    """Diffusers' attention backend names and what each becomes here (``config/names.py``)."""
+    from diffusers_omni.config.names import DIFFUSERS_BACKEND_NAMES
+
+    rows = [[f"`{e.diffusers}`", f"`{e.omni}`" if e.omni else "refused", e.note] for e in DIFFUSERS_BACKEND_NAMES]
+    return table(["Diffusers name", "diffusers-omni", "Note"], rows)
+
+
 # README: why this -------------------------------------------------------------------------------------------------
 
 def _speedup(ours: float, theirs: float) -> str:
@@ -303,6 +348,8 @@ def render_e2e_attention(data: dict) -> str:
 
 
 RENDERERS = {
+    "gpu-backends": gpu_backends,
+    "diffusers-names": diffusers_names,
     "readme-wins": readme_wins,
     "e2e-attention": e2e_attention,
     "attention-backends": attention_backends,

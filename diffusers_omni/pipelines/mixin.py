@@ -69,7 +69,8 @@ class OmniPipelineMixin:
         Args:
             omni_attention: the attention config (anything ``AttentionConfig.parse`` accepts); ``None`` uses
                 ``DIFFUSION_ATTENTION_BACKEND`` or the platform default; ``False`` keeps Diffusers' processors.
-            args, kwargs: as for ``DiffusionPipeline.from_pretrained``.
+
+        Other arguments are those of ``DiffusionPipeline.from_pretrained``.
 
         Every way to get an Omni pipeline — ``from_pretrained``, ``from_pipe`` and ``omnify`` — turns omni attention
         on unless told not to (constructing the class from components directly does not).
