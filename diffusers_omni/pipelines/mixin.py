@@ -50,6 +50,22 @@ def sharing_components() -> Iterator[None]:
         _sharing_components.reset(token)
 
 
+class AttentionReport(list):
+    """The attention report: a list of dicts (``module``, ``role``, ``category``, ``backend``, ``source``, …) that
+    prints as one line per role with its backend, source and module count."""
+
+    def __repr__(self) -> str:
+        if not self:
+            return "AttentionReport(omni attention is off)"
+        grouped: dict[tuple, int] = {}
+        for entry in self:
+            key = (entry.get("role"), entry.get("category"), entry.get("backend"), entry.get("source"))
+            grouped[key] = grouped.get(key, 0) + 1
+        lines = [f"  {role} ({category}): {backend} — {source} [{count} module{'s' * (count != 1)}]"
+                 for (role, category, backend, source), count in grouped.items()]
+        return "AttentionReport(\n" + "\n".join(lines) + "\n)"
+
+
 class OmniPipelineMixin:
     """Adds omni attention (and later offload) to a Diffusers pipeline class.
 
@@ -123,7 +139,7 @@ class OmniPipelineMixin:
                 found[path] = module
         return found
 
-    def enable_omni_attention(self, config: Any = None) -> list[dict]:
+    def enable_omni_attention(self, config: Any = None) -> AttentionReport:
         """Route every DiT attention call through the backend resolved for its role.
 
         Args:
@@ -158,10 +174,10 @@ class OmniPipelineMixin:
         for module in self.omni_dits().values():
             remove_attention(module)
 
-    def omni_attention_report(self) -> list[dict]:
+    def omni_attention_report(self) -> AttentionReport:
         """One dict per attention call site: ``module`` (dotted, from the pipeline), ``role``, ``category``,
         ``backend`` and ``source``."""
-        report = []
+        report = AttentionReport()
         for path, module in self.omni_dits().items():
             for entry in attention_report(module):
                 report.append({**entry, "module": f"{path}.{entry['module']}"})

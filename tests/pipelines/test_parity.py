@@ -220,3 +220,19 @@ def test_untested_diffusers_release_is_named_once(monkeypatch, caplog):
     registry.check_diffusers_version.cache_clear()
     assert message == "diffusers 0.43.0 is installed; diffusers-omni is tested against 0.42.x. Report problems with `diffusers-omni info` output."
     assert [r.getMessage() for r in caplog.records].count(message) == 1
+
+
+def test_reports_and_offload_backends_print_readably():
+    pipe = omnify(tiny_flux_pipeline(), {"default": "TORCH_SDPA", "per_role": {"flux.single": "native"}})
+    report = pipe.omni_attention_report()
+    assert isinstance(report, list) and report == [dict(e) for e in report]
+    assert repr(report) == (
+        "AttentionReport(\n  flux.joint (self): TORCH_SDPA — default [1 module]\n"
+        "  flux.single (self): TORCH_SDPA — per_role['flux.single'] [1 module]\n)"
+    )
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    assert repr(backend) == "LayerwiseOffloadBackend(strategy='layerwise', device='cpu', enabled)"
+    pipe.disable_omni_offload()
+    assert repr(backend).endswith("disabled)")
+    pipe.disable_omni_attention()
+    assert repr(pipe.omni_attention_report()) == "AttentionReport(omni attention is off)"
