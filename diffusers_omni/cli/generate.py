@@ -56,7 +56,8 @@ def run(args) -> int:
         output = _output_path(args, video=_accepts(pipe, "num_frames"))
         if offload == "distributed-layerwise":
             pipe.enable_distributed_layerwise_offload(
-                use_allgather=not args.no_allgather, resident_layers=args.resident_layers, device=device
+                use_allgather=not args.no_allgather, resident_layers=args.resident_layers, device=device,
+                **({"show_progress": False} if rank != 0 else {}),
             )
         elif offload == "layerwise":
             options = {"prefetch_depth": args.prefetch_depth} if args.prefetch_depth is not None else {}
