@@ -135,13 +135,32 @@ def _variants(name: str) -> tuple[dict, dict[str, dict]]:
     return entry, {v["variant"]: v for v in entry["variants"]}
 
 
+OFFLOAD_SUMMARY_RUNS = (
+    ("offload_h200_flux", "FLUX.1-dev size", "omni layerwise"),
+    ("offload_h200_flux_budget", "FLUX.1-dev size", "omni layerwise 12GiB"),
+    ("offload_h200_wan", "Wan2.2-14B size", "omni layerwise"),
+)
+
+
+def offload_plot_data() -> list[dict]:
+    """The bars of the offload plot: exactly the runs and variants of the offload-summary table."""
+    bars = []
+    for name, label, variant_name in OFFLOAD_SUMMARY_RUNS:
+        entry, variants = _variants(name)
+        group = f"{label}\n{variant_name.removeprefix('omni ')}"
+        chosen = [(variant_name, variants[variant_name])]
+        chosen += [(n, v) for n, v in variants.items() if n.startswith("diffusers")]
+        chosen.append(("resident", variants["resident"]))
+        for variant, v in chosen:
+            bars.append({"group": group, "variant": variant, "step_s": round(v["step_s"], 3),
+                         "peak_gib": round(v["peak_device_bytes"] / GiB, 2), "target_s": round(v["target_step_s"], 3)
+                         if "target_step_s" in v else None, "run": name})
+    return bars
+
+
 def offload_summary() -> str:
     rows = []
-    for name, label, variant_name in (
-        ("offload_h200_flux", "FLUX.1-dev size", "omni layerwise"),
-        ("offload_h200_flux_budget", "FLUX.1-dev size", "omni layerwise 12GiB"),
-        ("offload_h200_wan", "Wan2.2-14B size", "omni layerwise"),
-    ):
+    for name, label, variant_name in OFFLOAD_SUMMARY_RUNS:
         entry, variants = _variants(name)
         variant = variants[variant_name]
         diffusers = [v for n, v in variants.items() if n.startswith("diffusers")]
@@ -213,7 +232,123 @@ def distributed_example(ranks: int = 4) -> str:
     )
 
 
+# GPUs × backends (from the backends' declared capabilities, not measured) ---------------------------------------
+
+GPUS = (
+    ("Ampere: A100, A30", (8, 0)),
+    ("Ampere: RTX 30xx, A10, A40", (8, 6)),
+    ("Ada: RTX 40xx, L4, L40S", (8, 9)),
+    ("Hopper: H100, H200, GH200", (9, 0)),
+    ("Blackwell: B200, GB200", (10, 0)),
+    ("Blackwell: B300, GB300", (10, 3)),
+    ("Blackwell: RTX 50xx, RTX PRO 6000", (12, 0)),
+)
+
+
+def gpu_backends() -> str:
+    """Which backend can run on which GPU, from each backend's declared device and compute-capability limits
+    (package checks left out: the column says what to install)."""
+    from diffusers_omni.attention.backends.flash import IMPLEMENTATIONS
+    from diffusers_omni.attention.platform import Platform
+    from diffusers_omni.attention.registry import get_backend_class, registered_backend_names
+
+    names = [n for n in registered_backend_names() if "cuda" in get_backend_class(n).devices]
+    rows = []
+    for label, cc in GPUS:
+        platform = Platform(device_type="cuda", device_name=label, compute_capability=cc, cudnn_version=91900)
+        cells = []
+        for name in names:
+            if name == "FLASH_ATTN":
+                usable = [impl.label for impl in IMPLEMENTATIONS if cc >= impl.min_compute_capability and (
+                          impl.compute_capabilities is None or cc in impl.compute_capabilities)]
+                cells.append(", ".join(usable) or "—")
+                continue
+            reasons = [r for r in get_backend_class(name).availability_reasons(platform) if "not importable" not in r]
+            cells.append("—" if reasons else "✓")
+        rows.append([f"{label} (sm_{cc[0]}{cc[1]})", *cells])
+    return table(["GPU", *(f"`{n}`" for n in names)], rows)
+
+
+def diffusers_names() -> str:
+    """Diffusers' attention backend names and what each becomes here (``config/names.py``)."""
+    from diffusers_omni.config.names import DIFFUSERS_BACKEND_NAMES
+
+    rows = [[f"`{e.diffusers}`", f"`{e.omni}`" if e.omni else "refused", e.note] for e in DIFFUSERS_BACKEND_NAMES]
+    return table(["Diffusers name", "diffusers-omni", "Note"], rows)
+
+
+# README: why this -------------------------------------------------------------------------------------------------
+
+def _speedup(ours: float, theirs: float) -> str:
+    return f"{theirs / ours:.2f}× faster"
+
+
+def readme_wins() -> str:
+    """The first-screen table of the README: measured end to end against what Diffusers itself offers."""
+    rows = []
+    for name, label in (("offload_h200_flux", "FLUX.1-dev size (22 GiB bf16), 1024²"),
+                        ("offload_h200_wan", "Wan2.2-14B size (27 GiB bf16), 480p × 33 frames")):
+        _, variants = _variants(name)
+        ours = variants["omni layerwise"]
+        theirs = [v for n, v in variants.items() if n.startswith("diffusers")]
+        best = min(theirs, key=lambda v: v["step_s"])
+        rows.append([f"{label}: step with offloading", f"**{ours['step_s']:.2f} s** (`enable_layerwise_offload`)",
+                     f"{best['step_s']:.2f}–{max(v['step_s'] for v in theirs):.2f} s (`enable_group_offload`, block "
+                     "level, streams)", _speedup(ours["step_s"], best["step_s"])])
+        rows.append([f"{label}: peak GPU memory", gib(ours["peak_device_bytes"]), gib(best["peak_device_bytes"]),
+                     "same" if abs(ours["peak_device_bytes"] - best["peak_device_bytes"]) < 0.05 * GiB else
+                     f"{(ours['peak_device_bytes'] - best['peak_device_bytes']) / GiB:+.2f} GiB"])
+        first = theirs[0]
+        rows.append([f"{label}: enable offloading (first time in the process)", f"{ours['setup_s']:.1f} s",
+                     f"{first['setup_s']:.1f} s", _speedup(ours["setup_s"], first["setup_s"])])
+    check = result("gpu_pipeline_check_h200")
+    same = [k for k, v in check.items() if isinstance(v, dict) and v.get("bitwise_equal_to_stock")]
+    rows.append(["FLUX.1 pipeline output, omni attention vs Diffusers' processors",
+                 f"bitwise equal ({len(same)} configs, max abs diff "
+                 f"{max(check[k]['max_abs_diff'] for k in same)})", "—", "no accuracy cost"])
+    env = result("offload_h200_flux")["environment"]
+    return table(["Measured on one " + env["device_name"], "diffusers-omni", "Diffusers", ""], rows) + (
+        f"\ntorch {env['torch']}, diffusers {env['diffusers']}; one transformer forward per step, median of repeats; "
+        "from `benchmarks/results/offload_h200_{flux,wan}.json` and `gpu_pipeline_check_h200.json`. Diffusers' "
+        "second group-offload variant in the same process (after the first was removed) enabled in "
+        + " / ".join(f"{[v for n, v in _variants(n)[1].items() if n.startswith('diffusers')][-1]['setup_s']:.2f} s"
+                     for n in ("offload_h200_flux", "offload_h200_wan")) + ".\n")
+
+
+E2E_ATTENTION = "e2e_attention_h200"
+
+
+def e2e_attention() -> str:
+    """End-to-end seconds per denoising step under Diffusers' own attention backends and ours, when measured.
+
+    Reads ``benchmarks/results/e2e_attention_h200.json`` ({"device", "torch", "script", "models": {label: {"tokens",
+    "baseline", "steps": {variant: seconds}}}}); renders nothing while that file does not exist.
+    """
+    path = RESULTS / f"{E2E_ATTENTION}.json"
+    if not path.exists():
+        return ""
+    return render_e2e_attention(json.loads(path.read_text()))
+
+
+def render_e2e_attention(data: dict) -> str:
+    rows = []
+    for model, entry in data["models"].items():
+        base = entry["steps"][entry["baseline"]]
+        fastest = min(entry["steps"].values())
+        for variant, seconds in entry["steps"].items():
+            cell = f"**{seconds:.3f}**" if seconds == fastest else f"{seconds:.3f}"
+            rows.append([model, f"{entry['tokens']:,}", variant + (" (baseline)" if variant == entry["baseline"] else ""),
+                         cell, f"{base / seconds:.2f}×"])
+    return table(["Model", "Tokens", "Attention", "Step (s)", "Speed-up vs baseline"], rows) + (
+        f"\nEnd to end, one denoising step, {data['device']}, torch {data['torch']}; `{data['script']}`; bold = "
+        "fastest.\n")
+
+
 RENDERERS = {
+    "gpu-backends": gpu_backends,
+    "diffusers-names": diffusers_names,
+    "readme-wins": readme_wins,
+    "e2e-attention": e2e_attention,
     "attention-backends": attention_backends,
     "attention-same-kernel": attention_same_kernel,
     "attention-router": attention_router,
@@ -239,7 +374,61 @@ def render_page(text: str) -> str:
 
 
 def pages() -> list[Path]:
-    return [p for p in sorted((ROOT / "docs").rglob("*.md")) if MARKER.search(p.read_text())]
+    candidates = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [p for p in candidates if MARKER.search(p.read_text())]
+
+
+# Plots: drawn from the same functions as the tables; each PNG carries a digest of the numbers it shows, so a test
+# can tell when a plot no longer matches the results (a plot can never contradict its table).
+
+def _digest(data) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def plot_offload_summary(path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = offload_plot_data()
+    groups = list(dict.fromkeys(b["group"] for b in bars))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False)
+    for ax, group in zip(axes[0], groups):
+        mine = [b for b in bars if b["group"] == group]
+        colors = ["tab:green" if b["variant"].startswith("omni") else
+                  "tab:blue" if b["variant"] == "resident" else "tab:gray" for b in mine]
+        ax.bar(range(len(mine)), [b["step_s"] for b in mine], color=colors)
+        for i, b in enumerate(mine):
+            top = max(b["step_s"], b["target_s"] or 0)
+            ax.text(i, top, f"{b['step_s']:.3f} s\n{b['peak_gib']:.2f} GiB", ha="center", va="bottom", fontsize=7)
+            if b["target_s"] is not None:
+                ax.hlines(b["target_s"], i - 0.4, i + 0.4, colors="tab:red", linestyles="--")
+        labels = [b["variant"].replace("diffusers group_offload record_stream=", "Diffusers group\noffload, record_\n"
+                                       "stream=").replace("omni ", "omni\n") for b in mine]
+        ax.set_xticks(range(len(mine)), labels, fontsize=7)
+        ax.set_title(group, fontsize=9)
+        ax.set_ylabel("seconds per transformer forward")
+        ax.margins(y=0.2)
+    fig.suptitle("Offloaded step time and peak GPU memory (H200; red dashes: target)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Description": f"data-sha256:{_digest(bars)}", "Software": None})
+    plt.close(fig)
+
+
+PLOTS = {"offload_summary.png": (plot_offload_summary, offload_plot_data)}
+
+
+def plot_is_current(name: str, directory: Path | None = None) -> bool:
+    from PIL import Image
+
+    path = (directory or RESULTS) / name
+    if not path.exists():
+        return False
+    with Image.open(path) as image:
+        return image.text.get("Description") == f"data-sha256:{_digest(PLOTS[name][1]())}"
 
 
 def main() -> None:
@@ -247,6 +436,11 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="report stale tables, change nothing")
     args = parser.parse_args()
     stale = []
+    for name, (draw, _) in PLOTS.items():
+        if not plot_is_current(name):
+            stale.append(Path("benchmarks/results") / name)
+            if not args.check:
+                draw(RESULTS / name)
     for page in pages():
         text = page.read_text()
         rendered = render_page(text)

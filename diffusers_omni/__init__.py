@@ -1,7 +1,7 @@
 """diffusers-omni: per-role attention backends and CPU offloading for Hugging Face Diffusers pipelines.
 
 Importing this package is cheap: it imports no kernel package and no Diffusers pipeline; the names below load
-their modules on first use.
+their modules on first use (``diffusers_omni.OmniFluxPipeline`` imports the FLUX family alone).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .attention import registry as _registry  # noqa: F401  (the backend names AttentionSpec accepts)
+from .pipelines.registry import OMNI_CLASS_MODULES
 from .config.attention import AttentionConfig, AttentionSpec, AttnQuantSpec, BlockSparseSpec, SkipSoftmaxSpec
 from .utils.versions import omni_version
 
@@ -35,10 +36,6 @@ _LAZY = {
     "record_transformer_inputs": "diffusers_omni.alignment",
     "OmniPipelineMixin": "diffusers_omni.pipelines.mixin",
     "SupportsComponentDiscovery": "diffusers_omni.pipelines.mixin",
-    "OmniFluxPipeline": "diffusers_omni.pipelines.flux",
-    "OmniWanPipeline": "diffusers_omni.pipelines.wan",
-    "OmniWanImageToVideoPipeline": "diffusers_omni.pipelines.wan",
-    "OmniWanVideoToVideoPipeline": "diffusers_omni.pipelines.wan",
     "OffloadConfig": "diffusers_omni.config.offload",
     "OffloadStrategy": "diffusers_omni.config.offload",
     "OffloadPlan": "diffusers_omni.config.offload",
@@ -46,6 +43,8 @@ _LAZY = {
     "apply_offload": "diffusers_omni.offload.api",
     "load_transformer_mmap": "diffusers_omni.offload.loading",
     "check_same_steps": "diffusers_omni.offload.dataparallel",
+    # Every Omni<Name>Pipeline class; importing one imports only its family's module.
+    **OMNI_CLASS_MODULES,
 }
 
 __all__ = [

@@ -22,7 +22,7 @@ _SIDE_HELP = "'stock' (Diffusers' processors), a backend name, or JSON {'default
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from .common import TINY_MODELS
+    from .common import TINY_MODELS, device_arg, finite_float, non_negative_int, positive_int
 
     align = sub.add_parser("align", help="per-layer comparison of a transformer call under two configurations")
     align.add_argument("--model", default="tiny-flux", help=f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}")
@@ -34,27 +34,32 @@ def add_parser(sub) -> argparse.ArgumentParser:
         align.add_argument(f"--save-{side}", help=f"write side {side}'s per-layer outputs and fingerprint (torch file)")
     align.add_argument("--inputs", help="replay transformer inputs recorded earlier (--record) instead of running the pipeline")
     align.add_argument("--record", help="write the recorded transformer inputs here")
-    align.add_argument("--call-index", type=int, default=0, help="which transformer forward to record (0 = first step)")
+    align.add_argument("--call-index", type=non_negative_int, default=0, help="which transformer forward to record (0 = first step)")
     align.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
-    align.add_argument("--steps", type=int, default=2)
-    align.add_argument("--height", type=int, default=32)
-    align.add_argument("--width", type=int, default=32)
-    align.add_argument("--frames", type=int, default=5, help="video pipelines: number of frames")
+    align.add_argument("--steps", type=positive_int, default=2)
+    align.add_argument("--height", type=positive_int, default=32)
+    align.add_argument("--width", type=positive_int, default=32)
+    align.add_argument("--frames", type=positive_int, default=5, help="video pipelines: number of frames")
     align.add_argument("--seed", type=int, default=0)
     align.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="torch_dtype for from_pretrained")
-    align.add_argument("--device", help="cuda, cpu, … (default: cuda when available)")
+    align.add_argument("--device", type=device_arg, help="cuda, cuda:N, mps, cpu (default: cuda when available)")
     align.add_argument("--fingerprint", help="write side a's kernel fingerprint (JSON) here")
     align.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two saved files: fingerprints (.json) or layer outputs")
-    align.add_argument("--atol", type=float, help="aligned when every layer's max abs error is within this (default: bitwise)")
+    align.add_argument("--atol", type=finite_float, help="aligned when every layer's max abs error is within this (default: bitwise)")
     align.add_argument("--json", help="write the report as JSON here")
-    align.add_argument("-v", "--verbose", action="store_true")
+    align.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG")
     return align
 
 
 def _compare_files(args) -> int:
     from ..alignment import LayerOutputs, compare_fingerprints, compare_layer_outputs, load_fingerprint
 
+    from .common import UsageError
+
     first, second = args.compare
+    for path in (first, second):
+        if not Path(path).is_file():
+            raise UsageError(f"--compare {path!r}: no such file")
     if first.endswith(".json") and second.endswith(".json"):
         comparison = compare_fingerprints(load_fingerprint(first), load_fingerprint(second))
         print(comparison.table())
@@ -95,9 +100,11 @@ def run(args) -> int:
     import torch
 
     from ..alignment import AlignmentSide, RecordedInputs, capture_layers, compare_layer_outputs, save_fingerprint
-    from .common import configure_logging, load_pipeline
+    from .common import UsageError, configure_logging, load_pipeline
 
     configure_logging(args.verbose)
+    if args.inputs is not None and not Path(args.inputs).is_file():
+        raise UsageError(f"--inputs={args.inputs!r}: no such file")
     if args.compare:
         return _compare_files(args)
     sides = {}

@@ -1,11 +1,115 @@
-"""Helpers shared by the CLI commands: platform overrides, logging and pipeline loading."""
+"""Helpers shared by the CLI commands: argument types, tables, logging, platform overrides and pipeline loading."""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import math
+from pathlib import Path
 from typing import Any
 
+from ..config.names import did_you_mean
+
 TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v")
+
+
+class UsageError(ValueError):
+    """Invalid command-line input; the message names the flag and the value (exit status 2)."""
+
+
+# Argument types: argparse turns ArgumentTypeError into "argument --steps: <message>" and exit status 2.
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer ≥ 0, got {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text!r}")
+    return value
+
+
+def device_arg(text: str) -> str:
+    """A torch device string that exists on this machine (``cuda`` without CUDA is refused here, not mid-run)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; expected cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: CUDA is not available here (torch {torch.__version__}"
+                f"{', built without CUDA' if torch.version.cuda is None else ', no GPU visible'}); use --device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available here; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps", "xpu", "npu"):
+        raise argparse.ArgumentTypeError(f"{text!r}: device type {device.type!r} is not supported; use cpu, cuda or mps")
+    return text
+
+
+def check_writable(path: Path, flag: str = "--output") -> None:
+    """Refuse an output path that cannot be written before any work is done (creates missing parent folders)."""
+    import tempfile
+
+    if path.is_dir():
+        raise UsageError(f"{flag}={str(path)!r} is a directory; give a file name such as {str(path / 'omni.png')!r}")
+    existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"{flag}={str(path)!r}: cannot write there ({existing} is a file, not a directory)")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag}={str(path)!r}: cannot write there ({exc.strerror or exc})") from None
+
+
+def check_model(model: str, flag: str = "--model") -> None:
+    """A tiny model name, a Diffusers pipeline directory, or something that looks like a hub id."""
+    if model in TINY_MODELS:
+        return
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "model_index.json").is_file():
+            raise UsageError(
+                f"{flag}={model!r} is a directory without model_index.json; expected a pipeline saved with "
+                "save_pretrained (or a hub snapshot), a hub id, or one of " + ", ".join(TINY_MODELS)
+            )
+        return
+    hub_like = model.count("/") == 1 and not model.startswith(("/", ".", "~"))
+    hint = "" if hub_like else did_you_mean(model, TINY_MODELS, prefix=" (did you mean ", suffix="?)")
+    looks_local = model.startswith(("/", ".", "~")) or path.exists() or model.count("/") > 1
+    if hint or looks_local:
+        raise UsageError(
+            f"{flag}={model!r} is not a model directory{hint}; expected a local pipeline directory, a hub id such "
+            f"as 'black-forest-labs/FLUX.1-dev', or one of {', '.join(TINY_MODELS)}"
+        )
 
 
 def parse_platform(text: str | None):
@@ -18,21 +122,41 @@ def parse_platform(text: str | None):
     if head in ("cpu", "mps"):
         return Platform(device_type=head, device_name=head.upper())
     if not (head.startswith("sm_") and head[3:].isdigit() and len(head) >= 5):
-        raise SystemExit(f"--platform={text!r}: expected cpu, mps or sm_XY[,cudnn=N] (e.g. sm_90,cudnn=91900)")
+        raise UsageError(f"--platform={text!r}: expected cpu, mps or sm_XY[,cudnn=N] (e.g. sm_90,cudnn=91900)")
     digits = head[3:]
     capability = (int(digits[:-1]), int(digits[-1]))
     cudnn = 91900
     for option in options:
         key, _, value = option.partition("=")
         if key != "cudnn" or not value.isdigit():
-            raise SystemExit(f"--platform option {option!r} is not allowed; allowed: cudnn=N")
+            raise UsageError(f"--platform option {option!r} is not allowed; allowed: cudnn=N")
         cudnn = int(value)
     return Platform(device_type="cuda", device_name=f"simulated {head}", compute_capability=capability, cudnn_version=cudnn)
 
 
-def configure_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("diffusers_omni").setLevel(logging.INFO)
+_HANDLER_NAME = "diffusers-omni-cli"
+
+
+def configure_logging(verbose: int | bool = 0, rank: int = 0) -> None:
+    """Diffusers-style logging for the CLI: our warnings by default, ``-v`` INFO, ``-vv`` DEBUG (Diffusers' too).
+
+    Only the ``diffusers_omni`` logger gets a handler; the root logger is left alone. Ranks other than 0 of a
+    distributed run show errors only.
+    """
+    level = logging.WARNING if not verbose else (logging.INFO if int(verbose) == 1 else logging.DEBUG)
+    if rank != 0:
+        level = logging.ERROR
+    logger = logging.getLogger("diffusers_omni")
+    if not any(getattr(h, "name", None) == _HANDLER_NAME for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.set_name(_HANDLER_NAME)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(level)
+    if int(verbose) >= 2:
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.set_verbosity_debug()
 
 
 def load_pipeline(model: str, dtype: Any = None, mmap: bool = False):
@@ -42,11 +166,14 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False):
     the safetensors files, shared through the page cache, so ranks of a distributed run do not each hold a copy).
     """
     from .. import testing
+    from ..utils.quiet import quiet_torchvision_fallback
 
+    check_model(model)
     if mmap:
         if model in TINY_MODELS:
-            raise ValueError(f"--mmap needs a model directory or hub id; got {model!r} (built in memory, no files)")
-        return _load_with_mmap_dits(model, dtype)
+            raise UsageError(f"--mmap needs a model directory or hub id; got {model!r} (built in memory, no files)")
+        with quiet_torchvision_fallback():
+            return _load_with_mmap_dits(model, dtype)
 
     if model == "tiny-flux":
         return testing.tiny_flux_pipeline()
@@ -57,12 +184,12 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False):
     from diffusers import DiffusionPipeline
 
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}
-    return DiffusionPipeline.from_pretrained(model, **kwargs)
+    with quiet_torchvision_fallback():
+        return DiffusionPipeline.from_pretrained(model, **kwargs)
 
 
 def _load_with_mmap_dits(model: str, dtype: Any):
     import importlib
-    from pathlib import Path
 
     import diffusers
     from diffusers import DiffusionPipeline

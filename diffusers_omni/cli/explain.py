@@ -51,10 +51,11 @@ def run(args) -> int:
     import torch
 
     from ..utils.text import table
-    from .common import TINY_MODELS, configure_logging, load_pipeline, parse_platform
+    from .common import TINY_MODELS, check_model, configure_logging, load_pipeline, parse_platform
 
     configure_logging(args.verbose)
     platform = parse_platform(args.platform)
+    check_model(args.model)
     if args.model in TINY_MODELS:
         rows = explain_pipeline(load_pipeline(args.model), args.attention, platform)
     else:
@@ -85,8 +86,12 @@ def dits_from_configs(model: str, dtype) -> dict:
 
     from ..pipelines.registry import omni_pipeline_class
 
+    from ..utils.quiet import quiet_torchvision_fallback
+
     index = DiffusionPipeline.load_config(model)
-    omni_cls = omni_pipeline_class(getattr(diffusers, index["_class_name"]))
+    with quiet_torchvision_fallback():
+        pipeline_cls = getattr(diffusers, index["_class_name"])
+    omni_cls = omni_pipeline_class(pipeline_cls)
     dits = {}
     for path in omni_cls._dit_modules:
         entry = index.get(path)

@@ -43,6 +43,7 @@ def collect_info(platform=None) -> dict:
     ]
     return {
         "diffusers_omni": omni_version(),
+        "environment": environment(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
@@ -54,6 +55,67 @@ def collect_info(platform=None) -> dict:
         "deterministic_mode": _deterministic_mode(),
         "backends": backends,
     }
+
+
+_PACKAGES = ("torch", "diffusers", "transformers", "accelerate", "huggingface_hub", "safetensors", "tokenizers",
+             "numpy", "flash-attn", "flash-attn-4", "fa3-fwd", "flashinfer-python", "sageattention", "kernels",
+             "torchao", "bitsandbytes", "gguf", "peft", "imageio-ffmpeg")
+
+
+def environment() -> dict:
+    """What ``diffusers-cli env`` reports, plus the optional kernel packages: versions, OS, GPUs, host memory."""
+    import os
+    import platform as host
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    gpus = []
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            gpus.append({"index": index, "name": props.name, "memory_bytes": props.total_memory,
+                         "compute_capability": f"{props.major}.{props.minor}"})
+    try:
+        host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        host_memory = None
+    return {
+        "python": host.python_version(),
+        "os": host.platform(),
+        "cpu_count": os.cpu_count(),
+        "host_memory_bytes": host_memory,
+        "packages": {name: installed(name) for name in _PACKAGES},
+        "accelerator": "cuda" if torch.cuda.is_available() else (
+            "mps" if torch.backends.mps.is_available() else "none"),
+        "gpus": gpus,
+    }
+
+
+def bug_report_block(info: dict) -> str:
+    """The copy-pasteable block for a bug report (the shape of ``diffusers-cli env``'s)."""
+    env = info["environment"]
+    gib = 2**30
+    lines = [
+        f"- diffusers-omni version: {info['diffusers_omni']}",
+        f"- Platform: {env['os']}",
+        f"- Python version: {env['python']}",
+        *(f"- {name} version: {value}" for name, value in env["packages"].items() if value),
+        f"- CUDA / cuDNN: {info['cuda'] or 'none'} / {info['cudnn'] or 'none'}",
+        *(f"- GPU {g['index']}: {g['name']} ({g['memory_bytes'] / gib:.1f} GiB, sm {g['compute_capability']})"
+          for g in env["gpus"]),
+        f"- Accelerator: {env['accelerator']}",
+        f"- Host memory: {env['host_memory_bytes'] / gib:.1f} GiB" if env["host_memory_bytes"] else "- Host memory: unknown",
+        f"- CPUs: {env['cpu_count']}",
+        f"- Attention platform: {info['platform']['description']}",
+        "- Available attention backends: " + (", ".join(b["name"] for b in info["backends"] if b["available"]) or "none"),
+        f"- Deterministic mode: {'on' if info['deterministic_mode'].get('enabled') else 'off'}",
+    ]
+    return "\n".join(lines)
 
 
 def _shape_routing(platform) -> dict:
@@ -110,6 +172,7 @@ def format_info(info: dict) -> str:
         else:
             lines.append(f"  {backend['name']:18s} unavailable")
             lines.extend(f"      - {reason}" for reason in backend["reasons"])
+    lines += ["", "Copy and paste the text below into a bug report:", "", bug_report_block(info)]
     return "\n".join(lines)
 
 

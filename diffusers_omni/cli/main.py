@@ -1,54 +1,96 @@
-"""Entry point of the ``diffusers-omni`` command."""
+"""Entry point of the ``diffusers-omni`` command.
+
+Exit status: 0 success, 1 the command ran and failed (``align``: not aligned; a model that cannot be loaded), 2
+invalid input (the message names the flag and the value), 130 interrupted (Ctrl-C).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .common import TINY_MODELS
+from ..config.names import did_you_mean
+from ..utils.versions import omni_version
+from .common import TINY_MODELS, UsageError, device_arg, finite_float, non_negative_int, positive_int
 
-_MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)} (default: tiny-flux)"
+_MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}"
+_PLATFORM_HELP = "simulate a platform: cpu, mps or sm_XY[,cudnn=N]"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: X)`` where there is a default worth showing (not for flags and unset options)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """``argparse`` with defaults in ``--help`` and "did you mean" for a mistyped choice or subcommand."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def _check_value(self, action: argparse.Action, value) -> None:
+        if action.choices is not None and value not in action.choices:
+            choices = [str(c) for c in action.choices]
+            hint = did_you_mean(value, choices, prefix=" (did you mean ", suffix="?)")
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}{hint}; choose from {', '.join(choices)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diffusers-omni", description="Per-role attention backends for Diffusers")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="diffusers-omni", description="Per-role attention backends and CPU offload for Diffusers")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {omni_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,models,explain,generate,align}")
 
-    info = sub.add_parser("info", help="platform, versions and every attention backend")
+    info = sub.add_parser("info", help="platform, versions and every attention backend (paste it into bug reports)")
     info.add_argument("--json", action="store_true", help="machine-readable output")
-    info.add_argument("--platform", help="simulate a platform: cpu, mps or sm_XY[,cudnn=N]")
+    info.add_argument("--platform", help=_PLATFORM_HELP)
 
     models = sub.add_parser("models", help="supported architectures, pipelines, roles and blocks")
     models.add_argument("--json", action="store_true", help="machine-readable output")
 
     explain = sub.add_parser("explain", help="per-role backend resolution for a pipeline")
     explain.add_argument("--model", default="tiny-flux", help=_MODEL_HELP)
-    explain.add_argument("--attention", help="backend name, or JSON {'default': ..., 'per_role': ...}")
-    explain.add_argument("--platform", help="simulate a platform: cpu, mps or sm_XY[,cudnn=N]")
-    explain.add_argument("--json", action="store_true")
+    explain.add_argument("--attention", help="backend name (ours or Diffusers'), or JSON {'default': ..., 'per_role': ...}")
+    explain.add_argument("--platform", help=_PLATFORM_HELP)
+    explain.add_argument("--json", action="store_true", help="machine-readable output")
     explain.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
                          help="dtype the DiTs will run in (real models are built from their configs, no weights)")
-    explain.add_argument("-v", "--verbose", action="store_true")
+    explain.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG")
 
-    generate = sub.add_parser("generate", help="generate an image through omni attention")
+    generate = sub.add_parser("generate", help="generate an image or a video through omni attention")
     generate.add_argument("--model", default="tiny-flux", help=_MODEL_HELP)
     generate.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
-    generate.add_argument("--steps", type=int, default=4)
-    generate.add_argument("--height", type=int, default=64)
-    generate.add_argument("--width", type=int, default=64)
-    generate.add_argument("--frames", type=int, default=5, help="video pipelines: number of frames")
+    generate.add_argument("--negative-prompt", help="what to steer away from (pipelines that take one)")
+    generate.add_argument("--guidance-scale", type=finite_float, help="classifier-free guidance (default: the pipeline's)")
+    generate.add_argument("--steps", type=positive_int, default=4, help="denoising steps")
+    generate.add_argument("--height", type=positive_int, default=64, help="pixels; a multiple the model needs")
+    generate.add_argument("--width", type=positive_int, default=64, help="pixels; a multiple the model needs")
+    generate.add_argument("--frames", type=positive_int,
+                          help="video pipelines: number of frames (default: 5 for the tiny models, else the pipeline's)")
     generate.add_argument("--image", help="image-to-video pipelines: conditioning image path")
     generate.add_argument("--seed", type=int, default=0)
-    generate.add_argument("--attention", help="backend name, or JSON {'default': ..., 'per_role': ...}")
-    generate.add_argument("--device", help="cuda, cpu, … (default: cuda when available)")
-    generate.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="torch_dtype for from_pretrained")
-    generate.add_argument("--output", default="omni.png")
-    generate.add_argument("-v", "--verbose", action="store_true")
+    generate.add_argument("--attention", help="backend name (ours or Diffusers'), or JSON {'default': ..., 'per_role': ...}")
+    generate.add_argument("--device", type=device_arg, help="cuda, cuda:N, mps, cpu (default: cuda when available)")
+    generate.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                          help="torch_dtype; auto = bfloat16 for a local or hub model on an accelerator, else float32 "
+                               "(the tiny models are float32)")
+    generate.add_argument("--output", help="where to write: .png/.jpg for images, .mp4 or .gif for videos (default: "
+                                           "omni.png, or omni.mp4 for a video — omni.gif without a video encoder)")
+    generate.add_argument("--json", action="store_true",
+                          help="print a JSON summary (timings, peak memory, backends) instead of the tables")
+    generate.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG")
     generate.add_argument("--offload", choices=["none", "model-level", "layerwise", "distributed-layerwise"],
                           default="none", help="offload strategy; distributed-layerwise runs under torchrun")
+    generate.add_argument("--max-device-memory",
+                          help="layerwise: DiT weight bytes allowed on the device, e.g. 12GiB (blocks that fit stay)")
+    generate.add_argument("--prefetch-depth", type=positive_int, help="layerwise: blocks prefetched ahead (default: 1)")
     generate.add_argument("--no-allgather", action="store_true",
                           help="distributed-layerwise: a full host copy per rank instead of 1/N shards + all-gather")
-    generate.add_argument("--resident-layers", type=int, default=0,
+    generate.add_argument("--resident-layers", type=non_negative_int, default=0,
                           help="distributed-layerwise with --no-allgather: leading blocks kept on the device")
     generate.add_argument("--rank-seeds", help="comma-separated seed per rank (default: --seed + rank)")
     generate.add_argument("--rank-prompt", action="append", help="prompt for the next rank (repeat once per rank)")
@@ -63,22 +105,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "info":
-        from .info import run
-    elif args.command == "models":
-        from .models import run
-    elif args.command == "explain":
-        from .explain import run
-    elif args.command == "align":
-        from .align import run
-    else:
-        from .generate import run
+    command = "diffusers-omni"
     try:
+        args = build_parser().parse_args(argv)
+        command = f"diffusers-omni {args.command}"
+        if args.command == "info":
+            from .info import run
+        elif args.command == "models":
+            from .models import run
+        elif args.command == "explain":
+            from .explain import run
+        elif args.command == "align":
+            from .align import run
+        else:
+            from .generate import run
         return run(args)
-    except (ValueError, TypeError) as exc:
-        print(f"diffusers-omni {args.command}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"\n{command}: interrupted", file=sys.stderr)
+        return 130
+    except (UsageError, ValueError, TypeError) as exc:
+        print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        # Files and downloads: a model that cannot be read, a hub id that does not exist, a disk that is full.
+        print(f"{command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ entry point that accepts user input in any of its supported forms.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import sys
@@ -15,6 +16,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 from ._values import keys_text, show
+
+from .names import DIFFUSERS_BACKEND_NAMES, did_you_mean, diffusers_backend_name
+
+logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 
@@ -59,12 +64,23 @@ def normalize_backend_name(value: Any, field_name: str = "backend") -> str:
         return AUTO
     canonical = name.upper()
     valid = _known_backend_names()
-    if canonical not in valid:
+    if canonical in valid:
+        return canonical
+    alias = diffusers_backend_name(name)
+    if alias is not None and alias.omni is not None and alias.omni in valid:
+        logger.info("%s=%r is Diffusers' name for %s (%s)", field_name, value, alias.omni, alias.note)
+        return alias.omni
+    if alias is not None:
         raise ValueError(
-            f"{field_name}={value!r} is not a known attention backend; valid values: "
-            f"{', '.join(valid)}, or {AUTO!r} for the platform default"
+            f"{field_name}={value!r} is a Diffusers attention backend with no equivalent here: {alias.note}; "
+            f"valid values: {', '.join(valid)}, or {AUTO!r} for the platform default"
         )
-    return canonical
+    aliases = [entry.diffusers for entry in DIFFUSERS_BACKEND_NAMES if entry.omni in valid]
+    raise ValueError(
+        f"{field_name}={value!r} is not a known attention backend{did_you_mean(name, [*valid, AUTO, *aliases], prefix=' (did you mean ', suffix='?)')}; "
+        f"valid values: {', '.join(valid)}, or {AUTO!r} for the platform default (Diffusers' names such as "
+        "'native', '_native_cudnn', 'flash', '_flash_3', 'sage' are accepted too)"
+    )
 
 
 def _check_type(owner: str, name: str, value: Any, types: tuple[type, ...], allowed: str) -> None:

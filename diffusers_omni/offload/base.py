@@ -168,6 +168,10 @@ class OffloadBackend(ABC):
     def is_enabled(self) -> bool:
         return self._enabled
 
+    def __repr__(self) -> str:
+        state = "enabled" if self._enabled else "disabled"
+        return f"{type(self).__name__}(strategy={self.strategy.value!r}, device={str(self.device)!r}, {state})"
+
     @property
     def execution_device(self) -> torch.device:
         """Where the offloaded modules compute (latents and embeddings belong here)."""

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
-from ..installer import apply_attention_all, attention_report, remove_attention_all
+from ..installer import apply_attention_all, attention_report, is_attention_applied, remove_attention_all
 from ..utils.modules import get_submodule_path
 
 logger = logging.getLogger("diffusers_omni")
@@ -62,6 +62,22 @@ def _expose_in_diffusers(cls: type) -> None:
             setattr(module, cls.__name__, cls)
 
 
+class AttentionReport(list):
+    """The attention report: a list of dicts (``module``, ``role``, ``category``, ``backend``, ``source``, …) that
+    prints as one line per role with its backend, source and module count."""
+
+    def __repr__(self) -> str:
+        if not self:
+            return "AttentionReport(omni attention is off)"
+        grouped: dict[tuple, int] = {}
+        for entry in self:
+            key = (entry.get("role"), entry.get("category"), entry.get("backend"), entry.get("source"))
+            grouped[key] = grouped.get(key, 0) + 1
+        lines = [f"  {role} ({category}): {backend} — {source} [{count} module{'s' * (count != 1)}]"
+                 for (role, category, backend, source), count in grouped.items()]
+        return "AttentionReport(\n" + "\n".join(lines) + "\n)"
+
+
 class OmniPipelineMixin:
     """Adds omni attention (and later offload) to a Diffusers pipeline class.
 
@@ -98,6 +114,51 @@ class OmniPipelineMixin:
     _vae_modules: ClassVar[tuple[str, ...]] = ()
     _resident_modules: ClassVar[tuple[str, ...]] = ()
 
+    @classmethod
+    def from_pretrained(cls, *args: Any, omni_attention: Any = None, **kwargs: Any):
+        """Diffusers' ``from_pretrained``, then omni attention on every declared DiT.
+
+        Args:
+            omni_attention: the attention config (anything ``AttentionConfig.parse`` accepts); ``None`` uses
+                ``DIFFUSION_ATTENTION_BACKEND`` or the platform default; ``False`` keeps Diffusers' processors.
+
+        Other arguments are those of ``DiffusionPipeline.from_pretrained``.
+
+        Every way to get an Omni pipeline — ``from_pretrained``, ``from_pipe`` and ``omnify`` — turns omni attention
+        on unless told not to (constructing the class from components directly does not).
+
+        Example:
+        ```py
+        >>> pipe = OmniFluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev", torch_dtype=torch.bfloat16)
+        ```
+        """
+        pipe = super().from_pretrained(*args, **kwargs)
+        pipe._enable_omni_attention_on_creation(omni_attention)
+        return pipe
+
+    @classmethod
+    def from_pipe(cls, pipeline: Any, omni_attention: Any = None, **kwargs: Any):
+        """Diffusers' ``from_pipe`` (components shared, cast to ``torch_dtype``, float32 by default), then omni
+        attention as for ``from_pretrained``. A DiT that already runs omni attention keeps its configuration unless
+        ``omni_attention`` names one.
+
+        Example:
+        ```py
+        >>> omni = OmniFluxPipeline.from_pipe(pipe, omni_attention="TORCH_SDPA")
+        ```
+        """
+        pipe = super().from_pipe(pipeline, **kwargs)
+        pipe._enable_omni_attention_on_creation(omni_attention)
+        return pipe
+
+    def _enable_omni_attention_on_creation(self, config: Any) -> None:
+        dits = self.omni_dits()
+        if config is False or not dits:
+            return
+        if config is None and all(is_attention_applied(module) for module in dits.values()):
+            return
+        self.enable_omni_attention(config)
+
     def to(self, *args: Any, **kwargs: Any):
         if _sharing_components.get() and not args and set(kwargs) <= {"dtype", "torch_dtype"}:
             return self
@@ -112,7 +173,7 @@ class OmniPipelineMixin:
                 found[path] = module
         return found
 
-    def enable_omni_attention(self, config: Any = None) -> list[dict]:
+    def enable_omni_attention(self, config: Any = None) -> AttentionReport:
         """Route every DiT attention call through the backend resolved for its role.
 
         Args:
@@ -147,10 +208,10 @@ class OmniPipelineMixin:
         fails)."""
         remove_attention_all(list(self.omni_dits().values()))
 
-    def omni_attention_report(self) -> list[dict]:
+    def omni_attention_report(self) -> AttentionReport:
         """One dict per attention call site: ``module`` (dotted, from the pipeline), ``role``, ``category``,
         ``backend`` and ``source``."""
-        report = []
+        report = AttentionReport()
         for path, module in self.omni_dits().items():
             for entry in attention_report(module):
                 report.append({**entry, "module": f"{path}.{entry['module']}"})

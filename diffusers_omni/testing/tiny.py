@@ -27,24 +27,46 @@ so compare reloaded outputs with a tolerance.
 
 from __future__ import annotations
 
+import logging
+import re
 import string
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar, overload
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    AutoencoderKLWan,
-    DiffusionPipeline,
-    FlowMatchEulerDiscreteScheduler,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    UniPCMultistepScheduler,
-    WanImageToVideoPipeline,
-    WanPipeline,
-    WanTransformer3DModel,
-)
+
+# Diffusers' pipeline modules read ``transformers.CLIPImageProcessor`` at import; without torchvision, transformers 5
+# logs a fallback notice for it (harmless: it uses the PIL class). Dropped for this import only, as
+# ``diffusers_omni.utils.quiet`` does for the package (``testing`` imports nothing of the package).
+_FALLBACK = re.compile(r"^`\w+` requires torchvision \(not installed\); falling back to `\w+Pil`")
+
+
+@contextmanager
+def _quiet_torchvision_fallback() -> Iterator[None]:
+    logger = logging.getLogger("transformers.utils.import_utils")
+    drop = logging.Filter()
+    drop.filter = lambda record: not _FALLBACK.match(record.getMessage())  # type: ignore[method-assign]
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
+with _quiet_torchvision_fallback():
+    from diffusers import (
+        AutoencoderKL,
+        AutoencoderKLWan,
+        DiffusionPipeline,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+        UniPCMultistepScheduler,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import (
     CLIPImageProcessorPil,

@@ -49,11 +49,13 @@ def test_generate_writes_an_image(tmp_path, capsys):
         assert image.size == (32, 32)
 
 
-def test_generate_wan_writes_a_frame(tmp_path):
-    output = tmp_path / "frame.png"
-    args = ["generate", "--model", "tiny-wan", "--steps", "2", "--height", "32", "--width", "32", "--output", str(output)]
+def test_generate_wan_writes_every_frame(tmp_path):
+    output = tmp_path / "video.gif"
+    args = ["generate", "--model", "tiny-wan", "--steps", "2", "--height", "32", "--width", "32", "--frames", "5",
+            "--output", str(output)]
     assert main(args) == 0
-    assert output.exists()
+    with Image.open(output) as video:
+        assert video.n_frames == 5 and video.size == (32, 32)
 
 
 def test_models_lists_every_declaration(capsys):

@@ -150,3 +150,89 @@ def test_omnify_shares_components_without_casting_them():
     assert torch.equal(run(pipe, FLUX_CALL), expected)
     # Plain from_pipe keeps Diffusers' own semantics (it casts to float32 by default).
     assert OmniFluxPipeline.from_pipe(stock).transformer.dtype == torch.float32
+
+
+def test_from_pipe_and_from_pretrained_enable_omni_attention_like_omnify(tmp_path):
+    stock = tiny_flux_pipeline()
+    converted = OmniFluxPipeline.from_pipe(stock)
+    assert [e["backend"] for e in converted.omni_attention_report()] == ["TORCH_SDPA", "TORCH_SDPA"]
+    assert {e["role"] for e in converted.omni_attention_report()} == {
+        e["role"] for e in omnify(tiny_flux_pipeline()).omni_attention_report()
+    }
+    stock.save_pretrained(tmp_path)
+    loaded = OmniFluxPipeline.from_pretrained(tmp_path)
+    assert len(loaded.omni_attention_report()) == 2
+    assert OmniFluxPipeline.from_pretrained(tmp_path, omni_attention=False).omni_attention_report() == []
+    assert OmniFluxPipeline.from_pipe(tiny_flux_pipeline(), omni_attention=False).omni_attention_report() == []
+
+
+def test_from_pipe_keeps_the_attention_config_already_installed():
+    pipe = omnify(tiny_flux_pipeline(), {"default": "TORCH_SDPA", "per_role": {"flux.single": "native"}})
+    sources = {e["role"]: e["source"] for e in pipe.omni_attention_report()}
+    again = OmniFluxPipeline.from_pipe(pipe)
+    assert {e["role"]: e["source"] for e in again.omni_attention_report()} == sources
+    assert sources["flux.single"] == "per_role['flux.single']"
+
+
+def test_every_omni_class_is_importable_from_the_root_and_registered():
+    import diffusers_omni
+    from diffusers_omni.pipelines.registry import OMNI_CLASS_MODULES, omni_pipelines
+    from diffusers_omni.pipelines.mixin import OmniPipelineMixin
+
+    discovered = omni_pipelines()
+    assert len(discovered) == len(OMNI_CLASS_MODULES) >= 55
+    for diffusers_name, cls in discovered.items():
+        assert getattr(diffusers_omni, f"Omni{diffusers_name}") is cls
+        assert issubclass(cls, OmniPipelineMixin) and cls.__bases__[-1].__name__ == diffusers_name
+    # No family module defines an Omni class the table misses.
+    import importlib
+    import inspect
+
+    for module in set(OMNI_CLASS_MODULES.values()):
+        for name, cls in inspect.getmembers(importlib.import_module(module), inspect.isclass):
+            if issubclass(cls, OmniPipelineMixin) and cls.__module__ == module:
+                assert name in OMNI_CLASS_MODULES, name
+
+
+def test_omnify_imports_only_the_family_in_use():
+    import subprocess
+    import sys
+
+    code = ("import sys; from diffusers_omni import omnify; from diffusers_omni.testing import tiny_flux_pipeline; "
+            "omnify(tiny_flux_pipeline()); "
+            "print(sorted(m for m in sys.modules if m.startswith('diffusers_omni.pipelines.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['diffusers_omni.pipelines.flux', 'diffusers_omni.pipelines.mixin', 'diffusers_omni.pipelines.registry']"
+
+
+def test_untested_diffusers_release_is_named_once(monkeypatch, caplog):
+    import diffusers
+
+    from diffusers_omni.pipelines import registry
+
+    registry.check_diffusers_version.cache_clear()
+    assert registry.check_diffusers_version() is None
+    registry.check_diffusers_version.cache_clear()
+    monkeypatch.setattr(diffusers, "__version__", "0.43.0")
+    with caplog.at_level("WARNING", logger="diffusers_omni"):
+        message = registry.check_diffusers_version()
+        registry.check_diffusers_version()
+    registry.check_diffusers_version.cache_clear()
+    assert message == "diffusers 0.43.0 is installed; diffusers-omni is tested against 0.42.x. Report problems with `diffusers-omni info` output."
+    assert [r.getMessage() for r in caplog.records].count(message) == 1
+
+
+def test_reports_and_offload_backends_print_readably():
+    pipe = omnify(tiny_flux_pipeline(), {"default": "TORCH_SDPA", "per_role": {"flux.single": "native"}})
+    report = pipe.omni_attention_report()
+    assert isinstance(report, list) and report == [dict(e) for e in report]
+    assert repr(report) == (
+        "AttentionReport(\n  flux.joint (self): TORCH_SDPA — default [1 module]\n"
+        "  flux.single (self): TORCH_SDPA — per_role['flux.single'] [1 module]\n)"
+    )
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    assert repr(backend) == "LayerwiseOffloadBackend(strategy='layerwise', device='cpu', enabled)"
+    pipe.disable_omni_offload()
+    assert repr(backend).endswith("disabled)")
+    pipe.disable_omni_attention()
+    assert repr(pipe.omni_attention_report()) == "AttentionReport(omni attention is off)"
