@@ -58,6 +58,14 @@ def table_choice(table: dict, family: str, q_len: int, kv_len: int, head_dim: in
     return pick(rule, lambda name: name in candidates, preferred, table.get("tolerance", 0.03))
 
 
+def fp8_choice(table: dict, family: str, q_len: int, kv_len: int, head_dim: int, masked: bool) -> bool:
+    """Whether an explicit FP8 ``FLASH_ATTN`` spec runs this shape class in FP8: only classes where the committed
+    measurement found the whole FP8 call (quantisation included) faster than FA3 bf16 at every measured shape.
+    Classes the table does not cover stay bf16."""
+    rule = table.get("fp8", {}).get(family, {}).get(rule_key(q_len, kv_len, head_dim, masked))
+    return bool(rule and rule.get("fp8"))
+
+
 def ranked_alternatives(table: dict, family: str, head_dim: int | None, may_mask: bool, base: str,
                         available) -> tuple[str, ...]:
     """Backends other than ``base`` that the table ranks first (among ``base`` and those ``available(name)``
