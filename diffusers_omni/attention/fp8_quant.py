@@ -153,7 +153,8 @@ def _kernels(interpret: bool):
             bits = y.to(tl.int32, bitcast=True)
             bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
             normal = bits.to(tl.float32, bitcast=True)
-            sub = ((y * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+            sub = ((tl.abs(y) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+            sub = tl.where(y < 0, -sub, sub)  # keep the sign of values rounding to zero (-0.0, as torch)
             y = tl.minimum(tl.maximum(tl.where(tl.abs(y) < 0.015625, sub, normal), -448.0), 448.0)
         out = y_ptr + b * out_stride_b + h * out_stride_h + rows[:, None] * out_stride_s + cols[None, :]
         tl.store(out, y.to(tl.float8e4nv), mask=ok)

@@ -121,6 +121,7 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
     processors = {}
     backends: dict[tuple, AttentionBackend] = {}
     mask_policy = MaskPolicy()
+    geometry_users = []
     for site, resolutions in plan:
         attend = {}
         for role, resolution in resolutions.items():
@@ -137,17 +138,23 @@ def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
             if bind_site is not None:
                 backend = bind_site(model, site, resolution)
             attend[role] = RoleAttention(resolution, backend, mask_policy)
+            attach = getattr(backend, "attach_geometry_source", None)
+            if attach is not None and getattr(declaration, "video_geometry", None) is not None:
+                geometry_users.append(attach)
         current = site.module.processor
         original = current.original if is_omni_processor(current) else current
         processors[site.name] = (site, declaration.make_processor(site, original, attend), original)
 
+    if geometry_users:  # block-sparse backends read the video layout the declaration derives from each forward
+        geometry_users[0](model, declaration.video_geometry)
     report, installed = [], []
     for name, (site, processor, original) in processors.items():
         originals[name] = original
         site.module.set_processor(processor)
         installed.append((site.module, processor))
         for role in site.roles:
-            report.append(_report_entry(name, role, processor.attend[role.role].resolution))
+            attend = processor.attend[role.role]
+            report.append(_report_entry(name, role, attend.resolution, attend.backend))
     if previous is not None and previous.guard is not None:
         previous.guard.remove()
     state = _InstalledAttention(config, originals, report, installed)
@@ -188,7 +195,8 @@ def _keep_applied(model: nn.Module, args) -> None:
     apply_attention(model, state.config)
 
 
-def _report_entry(module: str, role, resolution: Resolution) -> dict:
+def _report_entry(module: str, role, resolution: Resolution, backend=None) -> dict:
+    lossy = bool(getattr(backend, "lossy", False)) if backend is not None else resolution.lossy
     return {
         "module": module,
         "role": role.role,
@@ -196,6 +204,8 @@ def _report_entry(module: str, role, resolution: Resolution) -> dict:
         "backend": resolution.backend,
         "shape_routed": list(resolution.shape_routed),
         "source": resolution.source,
+        "lossy": lossy,
+        "quality": resolution.quality_note() if lossy else "exact",
     }
 
 
