@@ -351,6 +351,7 @@ def flashinfer_paged_factory(device: torch.device):
 
 
 _workspaces: dict[torch.device, torch.Tensor] = {}
+_announced: set[tuple] = set()
 
 
 class BlockSparseRunner:
@@ -415,6 +416,11 @@ class BlockSparseRunner:
         table = torch.cat([dense, sparse.reshape(groups, -1)], dim=1)
         indices = table.reshape(-1).to(torch.int32).to(device)
         selected = indices.view(groups, -1)[:, dense.shape[1]:].view(groups, mb - dense_rows, kept + tail)[..., :kept]
+        if self._factory is flashinfer_paged_factory and (dtype, head_dim) not in _announced:
+            _announced.add((dtype, head_dim))
+            logger.info("block-sparse attention: loading FlashInfer's paged FA3 prefill for %s head_dim=%d (a first "
+                        "use on a machine compiles it, ~90 s; `diffusers-omni warmup` does it ahead of time)",
+                        str(dtype).replace("torch.", ""), head_dim)
         wrapper = self._factory(device)
         wrapper.plan(qo_indptr, kv_indptr, indices, last_len, 1, 1, head_dim, BLOCK, causal=False, sm_scale=scale,
                      q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
