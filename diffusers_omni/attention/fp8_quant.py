@@ -7,7 +7,8 @@ passes over each tensor:
 1. **statistics** (``_stats_kernel``): per (batch, head, channel) running max, min and sum over the tokens;
 2. **cast** (``_cast_kernel``): ``(x - mean) / scale`` rounded to e4m3 (saturated at ±448).
 
-Between them a handful of tiny ``[B·H, D]`` operations pick the scales: ``scale = amax / 448`` per (batch, head).
+Between them ``_finalize_kernel`` (one program per (batch, head), reading only the per-chunk statistics) picks the
+scale, ``amax / 448`` per (batch, head), and whether K is smoothed.
 K is *smoothed*: the per-(batch, head, channel) mean over the tokens is subtracted before the cast. That does not
 change the attention output (every score of one query row moves by the same ``q·mean``, which softmax cancels)
 and shrinks K's range wherever K carries a per-channel offset, as real DiT keys do; it is applied per (batch, head)
