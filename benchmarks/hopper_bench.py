@@ -14,9 +14,9 @@ One process, one GPU (run on the H200):
   auto, omni FP8, omni RainFusion (Wan, default sparsity), median seconds per step in the same process. The FP8
   routing used there is derived from this run's FP8 rows (``derive_routing.derive_fp8``), as the committed table is.
 
-    python benchmarks/hopper_bench.py --out benchmarks/results/hopper_fp8_sparse_h200 \
+    python -m benchmarks.hopper_bench --out benchmarks/results/hopper_fp8_sparse_h200 \
         --e2e benchmarks/results/e2e_attention_h200.json
-    python benchmarks/hopper_bench.py --smoke --out /tmp/hopper_smoke   # CPU: reference kernels, tiny shapes
+    python -m benchmarks.hopper_bench --smoke --out /tmp/hopper_smoke   # CPU: reference kernels, tiny shapes
 """
 
 from __future__ import annotations
@@ -33,15 +33,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from derive_routing import derive_fp8  # noqa: E402
-
-from diffusers_omni.attention import block_sparse as bs  # noqa: E402
-from diffusers_omni.attention import fp8_quant as fq  # noqa: E402
-from diffusers_omni.attention.platform import current_platform  # noqa: E402
+from benchmarks.derive_routing import derive_fp8
+from diffusers_omni.attention import block_sparse as bs
+from diffusers_omni.attention import fp8_quant as fq
+from diffusers_omni.attention.platform import current_platform
 
 SHAPES = [  # as attention_bench.SHAPES: name, batch, heads, q_len, kv_len, head_dim, masked
     ("FLUX 1024² self", 1, 24, 4608, 4608, 128, False),
@@ -258,7 +253,7 @@ def sparse_section(args, func, factory) -> dict:
 # Whole transformer ----------------------------------------------------------------------------------------------
 
 def build_model(name: str, device: str, smoke: bool):
-    from offload_bench import parameters_on_meta
+    from benchmarks.offload_bench import parameters_on_meta
 
     from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 
@@ -334,32 +329,49 @@ def step_seconds(model, inputs, warmup: int, repeats: int) -> float:
 
 
 def flash3_shim() -> str | None:
-    """Diffusers' ``_flash_3`` imports ``flash_attn_interface`` (a FlashAttention-3 source build) and checks a
-    ``flash_attn_3`` distribution. ``fa3-fwd`` ships the same FA3 forward as ``fa3_fwd_interface``; expose it under
-    the name Diffusers imports (a module alias plus distribution metadata in a temporary directory). Returns why it is
-    unavailable, or ``None``."""
+    """Diffusers' ``_flash_3`` imports ``flash_attn_interface`` (a FlashAttention-3 source build) and checks for a
+    ``flash_attn_3`` distribution. ``fa3-fwd`` ships the same FA3 forward as ``fa3_fwd_interface``: alias it under
+    the module name Diffusers imports and answer its distribution lookup (a ``sys.meta_path`` finder), before
+    Diffusers is imported. Returns why it is unavailable, or ``None``."""
+    import importlib.machinery
+    import importlib.metadata
     import importlib.util
-    import tempfile
+    import types
 
     if importlib.util.find_spec("flash_attn_interface") is not None:
         return None
     if importlib.util.find_spec("fa3_fwd_interface") is None:
         return "neither flash_attn_interface nor fa3_fwd_interface is importable"
-    root = Path(tempfile.mkdtemp(prefix="fa3_shim_"))
-    (root / "flash_attn_interface.py").write_text("from fa3_fwd_interface import *  # noqa\n"
-                                                  "from fa3_fwd_interface import flash_attn_func, flash_attn_varlen_func\n")
-    (root / "flash_attn_3").mkdir()
-    (root / "flash_attn_3" / "__init__.py").write_text("")
-    info = root / "flash_attn_3-3.0.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flash_attn_3\nVersion: 3.0.0\n")
-    sys.path.insert(0, str(root))
+    import fa3_fwd_interface
+
+    package = types.ModuleType("flash_attn_3")
+    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn_3", None)
+    sys.modules["flash_attn_3"] = package
+    sys.modules["flash_attn_interface"] = fa3_fwd_interface
+
+    class ShimDistribution(importlib.metadata.Distribution):
+        def read_text(self, filename):
+            return "Metadata-Version: 2.1\nName: flash_attn_3\nVersion: 3.0.0\n" if filename == "METADATA" else None
+
+        def locate_file(self, path):
+            return None
+
+    class ShimFinder(importlib.metadata.DistributionFinder):
+        def find_spec(self, *args, **kwargs):
+            return None
+
+        def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+            if context.name in (None, "flash_attn_3", "flash-attn-3"):
+                return iter([ShimDistribution()])
+            return iter(())
+
+    sys.meta_path.append(ShimFinder())
     return None
 
 
 def e2e_section(args, rows_fp8: list[dict], on_model=None) -> dict:
     from diffusers_omni.attention import routing
-    from diffusers_omni.attention.install import apply_attention, remove_attention
+    from diffusers_omni.installer import apply_attention, remove_attention
 
     shim_problem = flash3_shim()  # before diffusers is imported
     import diffusers  # noqa: F401

@@ -8,7 +8,7 @@ to (and that ``hopper_bench.py`` compares them with on the H200):
 * RAINFUSION_ATTN: the CUDA path's selection and page tables through ``block_sparse.ReferencePagedPrefill``.
   Tiny Wan at 29 frames × 256 × 512 (4,096 self-attention tokens: 32 blocks, the minimum that runs sparse).
 
-    python benchmarks/tiny_latents.py --out benchmarks/results/hopper_tiny_latents_cpu.json
+    python -m benchmarks.tiny_latents --out benchmarks/results/hopper_tiny_latents_cpu.json
 """
 
 from __future__ import annotations
@@ -16,21 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from diffusers_omni.attention import block_sparse as bs  # noqa: E402
-from diffusers_omni.attention import fp8_quant as fq  # noqa: E402
-from diffusers_omni.attention.backends.flash import FlashAttentionBackend, FlashKernels  # noqa: E402
-from diffusers_omni.attention.backends.rainfusion import RainFusionBackend  # noqa: E402
-from diffusers_omni.attention.registry import register_backend, reset_backend  # noqa: E402
+from diffusers_omni.attention import block_sparse as bs
+from diffusers_omni.attention import fp8_quant as fq
+from diffusers_omni.attention.backends.flash import FlashAttentionBackend, FlashKernels
+from diffusers_omni.attention.backends.rainfusion import RainFusionBackend
+from diffusers_omni.attention.registry import register_backend, reset_backend
 
 FP8 = {"default": {"backend": "FLASH_ATTN", "quant": {"dtype_qk": "fp8_e4m3", "dtype_vo": "fp8_e4m3"}}}
 
@@ -68,7 +64,7 @@ class ReferenceRainFusion(RainFusionBackend):
 
 
 def latents(pipe, config, call: dict) -> torch.Tensor:
-    from diffusers_omni.attention.install import apply_attention
+    from diffusers_omni.installer import apply_attention
 
     apply_attention(pipe.transformer, config or "TORCH_SDPA")
     out = pipe(**call, generator=torch.Generator().manual_seed(0), output_type="latent")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from diffusers_omni.attention import fp8_quant as fq
 from diffusers_omni.attention.backends.flash import FlashAttentionBackend, FlashKernels
-from diffusers_omni.attention.routing import fp8_choice, rule_key
+from diffusers_omni.attention.routing import fp8_choice, load_table, rule_key
 from diffusers_omni.config.attention import AttentionSpec, AttnQuantSpec
 
 FP8 = {"dtype_qk": "fp8_e4m3", "dtype_vo": "fp8_e4m3"}
@@ -108,7 +108,8 @@ def fa3_reference(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_d
 
 def _backend(table):
     return FlashAttentionBackend(AttentionSpec("FLASH_ATTN", quant=FP8),
-                                 kernels=FlashKernels(fa3_reference, None, "FA3-fwd"), fp8_table=table)
+                                 kernels=FlashKernels(fa3_reference, None, "FA3-fwd"),
+                                 fp8_rule=lambda q, kv, d: fp8_choice(table, "cpu", q, kv, d, False))
 
 
 def _table(q_len, kv_len, d, fp8=True):
@@ -131,6 +132,13 @@ def test_interpreted_backend_runs_fp8_where_the_table_says_and_bf16_elsewhere():
     assert torch.equal(cross, fa3_reference(q, k_long, v_long)[0])
     assert backend.fp8_route(200, 200, 64) and not backend.fp8_route(200, 1100, 64)
     assert backend.describe()["lossy"] and "fp8_e4m3" in backend.describe()["quant"]
+
+
+def test_routing_installs_the_committed_fp8_rules():
+    from diffusers_omni.attention.backends import flash
+
+    assert flash._fp8_rules("hopper", 32760, 32760, 128) == fp8_choice(load_table(), "hopper", 32760, 32760, 128, False)
+    assert not flash._fp8_rules("hopper", 4608, 4608, 128)
 
 
 def test_routing_table_lookup():

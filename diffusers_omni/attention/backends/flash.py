@@ -22,7 +22,6 @@ mask raises for an explicit selection and goes to ``TORCH_SDPA`` (one warning) f
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import logging
 from dataclasses import dataclass
 from typing import Callable, ClassVar
@@ -30,8 +29,9 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
+from ...utils.versions import installed_version, version_at_least
 from .base import AttentionBackend, package_importable
-from .sdpa import sdpa_bshd
+from .sdpa import SDPAFallback, sdpa_bshd
 
 logger = logging.getLogger(__name__)
 
@@ -72,34 +72,16 @@ IMPLEMENTATIONS: tuple[FlashImplementation, ...] = (
 _BY_LABEL = {impl.label: impl for impl in IMPLEMENTATIONS}
 
 
-def _distribution_version(names: tuple[str, ...]) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _version_tuple(text: str) -> tuple:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(text).release
-    except InvalidVersion:
-        return ()
-
-
 def implementation_reasons(impl: FlashImplementation) -> list[str]:
     """Why ``impl`` cannot be used here (package missing, version too old); empty when it can."""
     if not package_importable(impl.module):
         return [f"{impl.label}: module {impl.module!r} is not importable; to install: {impl.install}"]
     if impl.min_version is not None:
-        found = _distribution_version(impl.distributions)
+        found = installed_version(*impl.distributions)
         if found is None:
             return [f"{impl.label}: cannot read the installed version of {impl.distributions[0]}; "
                     f"{impl.min_version} or newer is required"]
-        if _version_tuple(found) < _version_tuple(impl.min_version):
+        if not version_at_least(found, impl.min_version):
             return [f"{impl.label}: {impl.distributions[0]} {found} is installed; {impl.min_version} or newer is "
                     f"required ({impl.install})"]
     return []
@@ -211,6 +193,16 @@ def _first(out):
 
 FP8_IMPLEMENTATIONS = ("FA3", "FA3-fwd")  # FlashAttention-3's forward takes float8_e4m3fn with q/k/v descales
 
+# ``(family, q_len, kv_len, head_dim) -> bool``: whether an unmasked call runs FP8. ``attention.routing`` (which
+# imports this module, so this module cannot import it) installs its committed-table lookup here when it is imported.
+_fp8_rules: Callable[[str, int, int, int], bool] | None = None
+
+
+def use_fp8_rules(lookup: Callable[[str, int, int, int], bool]) -> None:
+    """Install the FP8 shape rules (``attention.routing`` does, from ``routing_table.json``)."""
+    global _fp8_rules
+    _fp8_rules = lookup
+
 
 def load_kernels(impl: FlashImplementation) -> FlashKernels:
     module = importlib.import_module(impl.module)
@@ -218,7 +210,7 @@ def load_kernels(impl: FlashImplementation) -> FlashKernels:
     return FlashKernels(func=module.flash_attn_func, varlen_func=varlen, label=impl.label)
 
 
-class FlashAttentionBackend(AttentionBackend):
+class FlashAttentionBackend(SDPAFallback, AttentionBackend):
     """FlashAttention through the best implementation installed (FA4 → FA3 → fa3-fwd → FA2)."""
 
     name: ClassVar[str] = "FLASH_ATTN"
@@ -231,7 +223,8 @@ class FlashAttentionBackend(AttentionBackend):
     supports_backward = True  # per implementation; see __init__ (fa3-fwd has none)
     deterministic = False
 
-    def __init__(self, spec=None, kernels: FlashKernels | None = None, fp8_table: dict | None = None) -> None:
+    def __init__(self, spec=None, kernels: FlashKernels | None = None,
+                 fp8_rule: Callable[[int, int, int], bool] | None = None) -> None:
         super().__init__(spec)
         self._impl = None
         if kernels is None:
@@ -241,10 +234,9 @@ class FlashAttentionBackend(AttentionBackend):
             self._impl = impl
             self.supports_backward = impl.supports_backward if impl else True
         self._kernels = kernels
-        self._warned: set[tuple] = set()
         self.fp8 = spec is not None and spec.quant is not None
         self._fp8_routes: dict[tuple, bool] = {}
-        self._fp8_table = fp8_table
+        self._fp8_rule = fp8_rule
         if self.fp8:
             self.lossy = True
             self.supports_backward = False  # the FP8 forward has no backward
@@ -270,15 +262,22 @@ class FlashAttentionBackend(AttentionBackend):
                              "(pip install triton); it is not importable")
 
     def fp8_route(self, q_len: int, kv_len: int, head_dim: int) -> bool:
-        """Whether an unmasked call of this shape runs in FP8 (from the committed routing table; cached per shape)."""
+        """Whether an unmasked call of this shape runs in FP8 (the committed routing table's rule; cached per shape).
+        Without rules (the routing module never imported) every shape runs bf16, with one warning."""
         signature = (q_len, kv_len, head_dim)
         chosen = self._fp8_routes.get(signature)
         if chosen is None:
-            from ..platform import current_platform
-            from ..routing import fp8_choice, load_table
+            if self._fp8_rule is not None:
+                chosen = self._fp8_rule(q_len, kv_len, head_dim)
+            elif _fp8_rules is not None:
+                from ..platform import current_platform
 
-            table = self._fp8_table if self._fp8_table is not None else load_table()
-            chosen = fp8_choice(table, current_platform().family, q_len, kv_len, head_dim, False)
+                chosen = _fp8_rules(current_platform().family, q_len, kv_len, head_dim)
+            else:
+                chosen = False
+                if not self._fp8_routes:  # once per backend: the first shape it sees
+                    logger.warning("%s FP8: no shape rules are loaded (import diffusers_omni.attention.routing); "
+                                   "every call runs bf16", self.name)
             if not torch.compiler.is_compiling():
                 self._fp8_routes[signature] = chosen
         return chosen
@@ -327,12 +326,6 @@ class FlashAttentionBackend(AttentionBackend):
                 raise RuntimeError(f"{self.name}: no usable FlashAttention implementation is installed")
             self._kernels = load_kernels(self._impl)
         return self._kernels
-
-    def _fallback(self, signature: tuple, why: str, args: tuple) -> torch.Tensor:
-        if signature not in self._warned:
-            self._warned.add(signature)
-            logger.warning("%s: %s; this call and its like run on TORCH_SDPA", self.name, why)
-        return sdpa_bshd(*args)
 
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -383,7 +376,7 @@ class FlashAttentionBackend(AttentionBackend):
         return {
             **super().describe(),
             "implementation": f"{impl.module}.flash_attn_func ({impl.label})" if impl else None,
-            "version": _distribution_version(impl.distributions) if impl else None,
+            "version": installed_version(*impl.distributions) if impl else None,
             "supports_backward": self.supports_backward,
             "torch_flash_attention_impls": torch_flash_attention_impls(),
             "quant": (
