@@ -55,6 +55,27 @@ def derive(results: list[dict], tolerance: float = 0.03) -> dict:
     return {"tolerance": tolerance, "bucket_edges": list(BUCKET_EDGES), "sources": sources, "families": families}
 
 
+FP8_MARGIN = 0.02
+
+
+def derive_fp8(results: list[dict], margin: float = FP8_MARGIN) -> dict:
+    """FP8 rules per platform family and shape class from ``hopper_bench.py`` results: a class runs FP8 only when the
+    whole FP8 call (quantisation included) beat FA3 bf16 by at least ``margin`` at every measured shape of the class."""
+    speedups: dict = defaultdict(lambda: defaultdict(list))
+    for result in results:
+        family = result["platform"]["family"]
+        for row in result.get("fp8", []):
+            if row.get("speedup") is None:
+                continue
+            key = rule_key(row["Sq"], row["Skv"], row["D"], row["masked"])
+            speedups[family][key].append(row["speedup"])
+    return {
+        family: {key: {"fp8": min(values) >= 1 + margin, "worst_speedup": round(min(values), 4)}
+                 for key, values in sorted(classes.items())}
+        for family, classes in speedups.items()
+    }
+
+
 def distinct_exact(shape: dict) -> dict:
     """A shape's rows for distinct exact kernels: no lossy kernel, no Hub backend that fell back to FLASH_ATTN."""
     return {n: r for n, r in shape["results"].items()
@@ -103,8 +124,12 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=0.03)
     parser.add_argument("--out", default=str(TABLE_PATH))
     parser.add_argument("--check", default=None, help="also write a markdown routing check of the first results file")
+    parser.add_argument("--fp8", nargs="*", default=[], help="hopper_bench.py JSON results (FP8 rules)")
     args = parser.parse_args()
     table = derive([json.loads(Path(p).read_text()) for p in args.results], args.tolerance)
+    if args.fp8:
+        table["fp8_margin"] = FP8_MARGIN
+        table["fp8"] = derive_fp8([json.loads(Path(p).read_text()) for p in args.fp8])
     Path(args.out).write_text(json.dumps(table, indent=2) + "\n")
     if args.check:
         Path(args.check).write_text(check(json.loads(Path(args.results[0]).read_text()), table))

@@ -237,6 +237,10 @@ def _stage(model: nn.Module, declaration, plan, journal: _Journal) -> dict[str, 
             bind_site = getattr(backend, "bind_site", None)
             if bind_site is not None:
                 backend = bind_site(model, site, resolution)
+            # Block-sparse backends read the video layout the declaration derives from each forward's inputs.
+            attach = getattr(backend, "attach_geometry_source", None)
+            if attach is not None and getattr(declaration, "video_geometry", None) is not None:
+                attach(model, declaration.video_geometry)
             attend[role] = RoleAttention(resolution, backend, mask_policy)
         current = site.module.processor
         original = current.original if is_omni_processor(current) else current
@@ -253,7 +257,8 @@ def _commit(model: nn.Module, config: AttentionConfig, processors: dict[str, tup
         site.module.set_processor(processor)
         installed.append((site.module, processor))
         for role in site.roles:
-            report.append(_report_entry(name, role, processor.attend[role.role].resolution))
+            attend = processor.attend[role.role]
+            report.append(_report_entry(name, role, attend.resolution, attend.backend))
     journal.record(model)
     if previous is not None and previous.guard is not None:
         previous.guard.remove()
@@ -327,7 +332,8 @@ def reapply_attention(model: nn.Module) -> list[dict]:
     return apply_attention_all([model], state.config, check_roles=False)[0]
 
 
-def _report_entry(module: str, role, resolution: Resolution) -> dict:
+def _report_entry(module: str, role, resolution: Resolution, backend=None) -> dict:
+    lossy = bool(getattr(backend, "lossy", False)) if backend is not None else resolution.lossy
     return {
         "module": module,
         "role": role.role,
@@ -335,6 +341,8 @@ def _report_entry(module: str, role, resolution: Resolution) -> dict:
         "backend": resolution.backend,
         "shape_routed": list(resolution.shape_routed),
         "source": resolution.source,
+        "lossy": lossy,
+        "quality": resolution.quality_note() if lossy else "exact",
     }
 
 

@@ -5,6 +5,10 @@ stock Diffusers, a dtype, inference or training mode) and keeps every block's ou
 the kernel fingerprint. ``compare_layer_outputs`` reports, per block, the maximum absolute error, the maximum
 relative error (normalised by the larger of the two sides' maximum magnitudes) and bitwise equality.
 ``check_alignment`` does both sides and the comparison in one call.
+
+For lossy configurations (FP8, block-sparse) the report also gives the quality a user compares configs by: per
+layer the relative error ``‖b − a‖ / ‖a‖`` (side ``a`` is the reference), and for the final output its PSNR in dB
+(peak: the reference output's value range).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +218,8 @@ class LayerComparison:
     max_abs: float
     max_rel: float
     bitwise_equal: bool
+    rel_err: float = 0.0  # ‖b − a‖ / ‖a‖ over the layer's output tensors (side a is the reference)
+    psnr_db: float = math.inf  # 10·log10(range(a)² / MSE); inf when equal
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -222,6 +229,8 @@ class LayerComparison:
             "dtype_b": self.dtype_b,
             "max_abs": self.max_abs,
             "max_rel": self.max_rel,
+            "rel_err": self.rel_err,
+            "psnr_db": self.psnr_db,
             "bitwise_equal": self.bitwise_equal,
         }
 
@@ -237,13 +246,22 @@ def _compare(name: str, a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]
             "were both sides run on the same inputs?"
         )
     max_abs, peak, bitwise = 0.0, 0.0, True
+    diff_sq, ref_sq, count, lo, hi = 0.0, 0.0, 0, math.inf, -math.inf
     for x, y in zip(a, b):
         bitwise = bitwise and x.dtype == y.dtype and torch.equal(x, y)
         x64, y64 = x.double(), y.double()
         if x64.numel():
             max_abs = max(max_abs, (x64 - y64).abs().max().item())
             peak = max(peak, x64.abs().max().item(), y64.abs().max().item())
+            diff_sq += (x64 - y64).square().sum().item()
+            ref_sq += x64.square().sum().item()
+            count += x64.numel()
+            lo, hi = min(lo, x64.min().item()), max(hi, x64.max().item())
     max_rel = max_abs / peak if peak > 0 else (0.0 if max_abs == 0 else float("inf"))
+    rel_err = math.sqrt(diff_sq / ref_sq) if ref_sq > 0 else (0.0 if diff_sq == 0 else math.inf)
+    mse = diff_sq / count if count else 0.0
+    value_range = hi - lo if count else 0.0
+    psnr = math.inf if mse == 0 else (10 * math.log10(value_range**2 / mse) if value_range > 0 else -math.inf)
     shape = tuple(a[-1].shape) if a else ()
     return LayerComparison(
         name,
@@ -253,6 +271,8 @@ def _compare(name: str, a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]
         max_abs,
         max_rel,
         bitwise,
+        rel_err,
+        psnr,
     )
 
 
@@ -276,6 +296,11 @@ class AlignmentReport:
         return next((row.layer for row in self.layers if not row.bitwise_equal), None)
 
     @property
+    def output(self) -> LayerComparison | None:
+        """The comparison of the final output (the last row)."""
+        return next((row for row in self.layers if row.layer == OUTPUT_LAYER), None)
+
+    @property
     def aligned(self) -> bool:
         """Bitwise equal everywhere, or (with ``atol``) every layer's max abs error within it."""
         if self.atol is None:
@@ -287,6 +312,8 @@ class AlignmentReport:
             "aligned": self.aligned,
             "bitwise_equal": self.bitwise_equal,
             "first_divergence": self.first_divergence,
+            "output_rel_err": self.output.rel_err if self.output else None,
+            "output_psnr_db": self.output.psnr_db if self.output else None,
             "atol": self.atol,
             "a": self.side_a,
             "b": self.side_b,
@@ -306,16 +333,21 @@ class AlignmentReport:
                 "layer": row.layer,
                 "max_abs": f"{row.max_abs:.3e}",
                 "max_rel": f"{row.max_rel:.3e}",
+                "rel_err": f"{row.rel_err:.3e}",
+                "psnr_db": f"{row.psnr_db:.1f}",
                 "bitwise": "yes" if row.bitwise_equal else "NO",
                 "dtype a/b": row.dtype_a if row.dtype_a == row.dtype_b else f"{row.dtype_a}/{row.dtype_b}",
             }
             for row in self.layers
         ]
-        lines = [table(rows, ["layer", "max_abs", "max_rel", "bitwise", "dtype a/b"]), ""]
+        lines = [table(rows, ["layer", "max_abs", "max_rel", "rel_err", "psnr_db", "bitwise", "dtype a/b"]), ""]
         lines.append(self.fingerprints.table())
         verdict = "bitwise equal" if self.bitwise_equal else f"first divergence at {self.first_divergence}"
         if self.atol is not None:
             verdict += f"; {'within' if self.aligned else 'NOT within'} atol={self.atol:g}"
+        output = self.output
+        if output is not None and not output.bitwise_equal:
+            lines.append(f"\nfinal output vs side a: rel err {output.rel_err:.3e}, PSNR {output.psnr_db:.1f} dB")
         lines.append(f"\nresult: {verdict}")
         return "\n".join(lines)
 

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .backends.base import AttentionCall
-from .backends.flash import flash_attention_implementations
+from .backends.flash import flash_attention_implementations, use_fp8_rules
 from .platform import Platform
 
 TABLE_PATH = Path(__file__).with_name("routing_table.json")
@@ -67,6 +67,14 @@ def table_choice(table: dict, family: str, q_len: int, kv_len: int, head_dim: in
     if not rule:
         return None
     return pick(rule, lambda name: name in candidates, preferred, table.get("tolerance", 0.03))
+
+
+def fp8_choice(table: dict, family: str, q_len: int, kv_len: int, head_dim: int, masked: bool) -> bool:
+    """Whether an explicit FP8 ``FLASH_ATTN`` spec runs this shape class in FP8: only classes where the committed
+    measurement found the whole FP8 call (quantisation included) faster than FA3 bf16 at every measured shape.
+    Classes the table does not cover stay bf16."""
+    rule = table.get("fp8", {}).get(family, {}).get(rule_key(q_len, kv_len, head_dim, masked))
+    return bool(rule and rule.get("fp8"))
 
 
 def ranked_alternatives(table: dict, family: str, head_dim: int | None, may_mask: bool, base: str,
@@ -200,3 +208,6 @@ def platform_routes(platform: Platform) -> tuple[Route, ...]:
 
 def failed_conditions(route: Route, platform: Platform, call: AttentionCall) -> list[str]:
     return [name for name in route.when if not ROUTE_CONDITIONS[name](platform, call)]
+
+
+use_fp8_rules(lambda family, q_len, kv_len, head_dim: fp8_choice(load_table(), family, q_len, kv_len, head_dim, False))

@@ -59,6 +59,24 @@ class Resolution:
     # ``backend`` still runs every shape the table does not cover.
     shape_routed: tuple[str, ...] = ()
 
+    @property
+    def lossy(self) -> bool:
+        """Whether the chosen backend under this spec approximates attention (quantised or block-sparse)."""
+        return get_backend_class(self.backend).is_lossy(self.spec)
+
+    def quality_note(self) -> str:
+        """One line on what a lossy choice approximates, and how to measure it."""
+        if not self.lossy:
+            return "exact"
+        spec = self.spec
+        if spec is not None and spec.quant is not None:
+            what = f"quantised ({self.backend} quant {spec.quant.dtype_qk}/{spec.quant.dtype_vo})"
+        elif spec is not None and spec.block_sparse is not None:
+            what = f"block-sparse ({self.backend} sparsity {spec.block_sparse.sparsity})"
+        else:
+            what = f"lossy kernel ({self.backend})"
+        return f"{what}; measure against an exact config with `diffusers-omni align --a ... --b TORCH_SDPA`"
+
     def describe_backend(self) -> str:
         if not self.shape_routed:
             return self.backend
@@ -71,6 +89,7 @@ class Resolution:
             "backend": self.backend,
             "shape_routed": list(self.shape_routed),
             "source": self.source,
+            "lossy": self.lossy,
             "spec": self.spec.to_dict() if self.spec else None,
             "call": self.call.describe(),
             "rejected": [c.to_dict() for c in self.candidates if c.reasons],

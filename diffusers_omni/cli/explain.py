@@ -65,11 +65,14 @@ def run(args) -> int:
         return 0
     print(f"platform: {(platform or current_platform()).describe()}")
     summary = summarize(rows)
-    print(table(summary, ["role", "category", "backend", "source", "modules", "call"]))
+    print(table(summary, ["role", "category", "backend", "lossy", "source", "modules", "call"]))
     for row in summary:
         if row.get("shape_routed"):
             print(f"  {row['role']}: shape-routed to {', '.join(row['shape_routed'])} where routing_table.json ranks "
                   f"them first for this platform; other shapes run {row['backend']} (see `diffusers-omni info`)")
+        if row.get("lossy"):
+            print(f"  {row['role']}: LOSSY — {row['backend']} approximates attention (quantised or block-sparse); "
+                  "compare it with an exact config on your model: diffusers-omni align --a TORCH_SDPA --b '<config>'")
         for rejected in row["rejected"]:
             print(f"  {row['role']}: skipped {rejected['backend']}: {'; '.join(rejected['reasons'])}")
     return 0

@@ -99,8 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--per-rank-outputs", action="store_true",
                           help="every rank writes OUTPUT with .rankN before the suffix (default: only rank 0 writes)")
     from .align import add_parser as add_align_parser
+    from .warmup import add_parser as add_warmup_parser
 
     add_align_parser(sub)
+    add_warmup_parser(sub)
     return parser
 
 
@@ -117,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             from .explain import run
         elif args.command == "align":
             from .align import run
+        elif args.command == "warmup":
+            from .warmup import run
         else:
             from .generate import run
         return run(args)

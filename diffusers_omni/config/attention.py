@@ -29,6 +29,9 @@ _TRTLLM_QK_DTYPES = ("int8", "fp8_e4m3")
 _FLASHINFER_QK_DTYPES = ("float16", "bfloat16")
 _FLASHINFER_VO_DTYPES = ("float16", "bfloat16", "fp8_e4m3")
 _QUANT_BLOCK_SIZES = (1, 4, 16)
+# FLASH_ATTN FP8 (an extension of the contract, Hopper FA3): Q, K and V all in e4m3, one scale per (batch, head).
+_FLASH_FP8 = ("fp8_e4m3",)
+_QUANT_DEFAULT_BLOCKS = (1, 16)
 # Layer indices above this are refused rather than expanded: no DiT comes near 10,000 blocks, and a selector such as
 # "0-1000000000000" would otherwise be expanded into a tuple that exhausts host memory.
 MAX_LAYER_INDEX = 9_999
@@ -114,11 +117,13 @@ def _check_choice(owner: str, name: str, value: Any, allowed: tuple, context: st
 
 @dataclass(frozen=True)
 class AttnQuantSpec:
-    """Quantised attention inputs, read by ``TRTLLM_ATTN`` (SAGE quantisation) and ``FLASHINFER_ATTN`` (QK16/V8).
+    """Quantised attention inputs, read by ``TRTLLM_ATTN`` (SAGE quantisation), ``FLASHINFER_ATTN`` (QK16/V8) and
+    ``FLASH_ATTN`` (FP8 e4m3 Q, K and V on Hopper FlashAttention-3: an extension of the contract, which defines
+    ``quant`` for FlashInfer and TRTLLM only).
 
     Args:
         dtype_qk (`str`, *optional*): dtype of Q and K.
-        dtype_vo (`str`, *optional*): dtype of V (FlashInfer only).
+        dtype_vo (`str`, *optional*): dtype of V (FlashInfer; FLASH_ATTN requires ``"fp8_e4m3"`` for both).
         q_block_size (`int`, defaults to 1): quantisation block along the query sequence (TRTLLM: 1, 4 or 16).
         k_block_size (`int`, defaults to 16): quantisation block along the key sequence (TRTLLM: 1, 4 or 16).
     """
@@ -162,8 +167,24 @@ class AttnQuantSpec:
                     "quant with FLASHINFER_ATTN needs dtype_qk and/or dtype_vo; "
                     f"allowed dtype_qk: {_FLASHINFER_QK_DTYPES}, dtype_vo: {_FLASHINFER_VO_DTYPES}"
                 )
+        elif backend == "FLASH_ATTN":
+            for name in ("dtype_qk", "dtype_vo"):
+                value = getattr(self, name)
+                if value is None:
+                    raise ValueError(f"quant.{name} is required with FLASH_ATTN; allowed: {_FLASH_FP8}")
+                _check_choice("quant", name, value, _FLASH_FP8, "with FLASH_ATTN")
+            blocks = (self.q_block_size, self.k_block_size)
+            if blocks != _QUANT_DEFAULT_BLOCKS:
+                raise ValueError(
+                    f"quant.q_block_size={self.q_block_size!r}, quant.k_block_size={self.k_block_size!r} are not "
+                    "allowed with FLASH_ATTN (one FP8 scale per batch and head); allowed: the defaults "
+                    f"q_block_size={_QUANT_DEFAULT_BLOCKS[0]}, k_block_size={_QUANT_DEFAULT_BLOCKS[1]}"
+                )
         else:
-            raise ValueError(f"quant is not allowed with backend={backend!r}; allowed only with TRTLLM_ATTN or FLASHINFER_ATTN")
+            raise ValueError(
+                f"quant is not allowed with backend={backend!r}; allowed only with TRTLLM_ATTN, FLASHINFER_ATTN or "
+                "FLASH_ATTN"
+            )
 
 
 @dataclass(frozen=True)
@@ -292,7 +313,7 @@ class AttentionSpec:
 
     Args:
         backend (`str`): a backend name such as ``"TORCH_SDPA"`` or ``"auto"`` for the platform default.
-        quant (`AttnQuantSpec`, *optional*): quantised inputs (TRTLLM_ATTN, FLASHINFER_ATTN).
+        quant (`AttnQuantSpec`, *optional*): quantised inputs (TRTLLM_ATTN, FLASHINFER_ATTN, FLASH_ATTN FP8).
         skip_softmax (`SkipSoftmaxSpec`, *optional*): Skip-Softmax sparsity (TRTLLM_ATTN).
         block_sparse (`BlockSparseSpec`, *optional*): block-sparse attention (RAINFUSION_ATTN).
     """

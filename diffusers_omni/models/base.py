@@ -56,6 +56,8 @@ class TransformerDeclaration:
         make_processor: ``(site, original_processor, attend) -> processor``; raises for processors it cannot
             replace.
         mask_free: the model passes no attention mask on any path (eligible for mask-free kernels).
+        video_geometry: ``(model, args, kwargs) -> VideoGeometry | None``: the video layout of a forward's
+            self-attention sequence (prefix rows, latent grid), read by block-sparse backends (``RAINFUSION_ATTN``).
     """
 
     name: str
@@ -67,6 +69,7 @@ class TransformerDeclaration:
     roles: tuple[AttentionRole, ...] = field(default=())
     display_name: str = ""
     example_checkpoint: str = ""
+    video_geometry: Callable[[nn.Module, tuple, dict], Any] | None = None
 
 
 _DECLARATIONS: dict[str, TransformerDeclaration] = {}

@@ -12,6 +12,7 @@ from diffusers.models.transformers.transformer_wan import (
 )
 
 from ..attention.processors import OmniAttnProcessor, RoleAttention
+from ..attention.rainfusion_plan import VideoGeometry
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
 from .base import processor_factory
 
@@ -78,6 +79,16 @@ class OmniWanAttnProcessor(OmniAttnProcessor):
         return attn.to_out[1](attn.to_out[0](out))
 
 
+def _video_geometry(model: nn.Module, args: tuple, kwargs: dict) -> VideoGeometry | None:
+    """Self-attention runs over the patchified latent only: no prefix, grid ``(F/p_t, H/p_h, W/p_w)``."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if not isinstance(hidden, torch.Tensor) or hidden.ndim != 5:
+        return None
+    p_t, p_h, p_w = model.config.patch_size
+    _, _, frames, height, width = hidden.shape
+    return VideoGeometry(0, (frames // p_t, height // p_h, width // p_w))
+
+
 def _find_sites(model: nn.Module) -> list[AttentionSite]:
     sites = []
     for name, module in model.named_modules():
@@ -104,5 +115,6 @@ WAN = register_transformer(
         display_name="Wan 2.1 / 2.2",
         example_checkpoint="Wan-AI/Wan2.2-T2V-A14B-Diffusers",
         roles=(WAN_SELF, WAN_CROSS, WAN_IMAGE_CROSS),
+        video_geometry=_video_geometry,
     )
 )

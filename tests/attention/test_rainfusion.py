@@ -86,15 +86,23 @@ def test_dense_reasons():
     assert dense_reason(plan, step=2, start_step=2, layer=4, skip_layers=(0, 1, 2, 3)) is None
 
 
-def test_explicit_selection_raises_off_npu():
-    for platform, c in [
-        (Platform("cpu", "CPU"), AttentionCall("cpu", torch.float32, 64)),
-        (Platform("cuda", "H200", (9, 0), 91900), AttentionCall("cuda", torch.bfloat16, 128)),
-    ]:
-        with pytest.raises(BackendNotSupportedError) as info:
-            resolve("RAINFUSION_ATTN", "x.self", "self", c, platform)
-        assert f"platform device is {platform.device_type!r}; RAINFUSION_ATTN requires one of ['npu']" in str(info.value)
-        assert "package 'mindiesd' is not importable" in str(info.value)
+def test_explicit_selection_needs_npu_or_hopper(monkeypatch):
+    with pytest.raises(BackendNotSupportedError) as info:
+        resolve("RAINFUSION_ATTN", "x.self", "self", AttentionCall("cpu", torch.float32, 64), Platform("cpu", "CPU"))
+    assert "platform device is 'cpu'; RAINFUSION_ATTN requires one of ['cuda', 'npu']" in str(info.value)
+    with pytest.raises(BackendNotSupportedError, match="package 'mindiesd' is not importable"):
+        resolve("RAINFUSION_ATTN", "x.self", "self", AttentionCall("npu", torch.bfloat16, 128), Platform("npu", "NPU"))
+    hopper = Platform("cuda", "H200", (9, 0), 91900)
+    call = AttentionCall("cuda", torch.bfloat16, 128)
+    found = {"flashinfer": False}
+    monkeypatch.setattr(rainfusion, "package_importable", lambda name: found.get(name, True))
+    with pytest.raises(BackendNotSupportedError, match="package 'flashinfer' is not importable"):
+        resolve("RAINFUSION_ATTN", "x.self", "self", call, hopper)
+    found["flashinfer"] = True
+    assert resolve("RAINFUSION_ATTN", "x.self", "self", call, hopper).backend == "RAINFUSION_ATTN"
+    ampere = Platform("cuda", "A100", (8, 0), 91900)
+    with pytest.raises(BackendNotSupportedError, match="requires sm_90"):
+        resolve("RAINFUSION_ATTN", "x.self", "self", AttentionCall("cuda", torch.bfloat16, 128), ampere)
 
 
 def test_ring_sequence_parallel_refused():
@@ -131,6 +139,7 @@ def test_backend_delegates_and_runs_sparse(monkeypatch, caplog):
     model = TinyDiT()
     spec = AttentionSpec("RAINFUSION_ATTN", block_sparse={"sparsity": 0.8, "start_step": 1, "skip_layers": "0"})
     backend = RainFusionBackend(spec)
+    backend.kernel = "rf_v2"  # the Ascend path, with the fake kernel boundary above
     layer0 = backend.bind_site(model, types.SimpleNamespace(name="blocks.0.attn1"), None)
     layer1 = backend.bind_site(model, types.SimpleNamespace(name="blocks.1.attn1"), None)
     prefix, grid = 5, (3, 40, 40)  # 4,800 video rows: 2 · 0 residue, 4,800 mod 128 = 64 promoted, 37 blocks

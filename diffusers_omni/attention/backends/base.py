@@ -85,6 +85,12 @@ class AttentionBackend:
         self.spec = spec
 
     @classmethod
+    def is_lossy(cls, spec: "AttentionSpec | None") -> bool:
+        """Whether this backend under ``spec`` approximates attention (quantised or sparse kernels): reports and
+        ``explain`` flag such roles, and nothing lossy is ever a platform default."""
+        return cls.lossy
+
+    @classmethod
     def determinism_reasons(cls, platform: "Platform") -> list[str]:
         """Why this backend cannot promise bitwise run-to-run reproducibility on ``platform`` (empty: it can)."""
         if cls.deterministic:

@@ -8,7 +8,14 @@ FlashAttention-3 forward only (``fa3_fwd_interface``, PyPI package ``fa3-fwd``) 
 so this backend calls the packages directly and only reports which of PyTorch's implementations are registered.
 
 Inputs are ``[B, S, H, D]`` in float16/bfloat16. float32 inputs go to ``TORCH_SDPA`` with one warning per
-signature. Boolean key-padding masks (``[B, Skv]`` or ``[B, 1, 1, Skv]``) run through unpad + varlen; any other
+signature.
+
+FP8 (``AttentionSpec("FLASH_ATTN", quant=AttnQuantSpec(dtype_qk="fp8_e4m3", dtype_vo="fp8_e4m3"))``, an extension
+of the contract; lossy, forward only): FlashAttention-3 (``FA3`` or ``FA3-fwd``) on sm_90 runs Q, K, V in e4m3 with
+one descale per (batch, head), quantised by ``diffusers_omni.attention.fp8_quant`` (two Triton passes, K smoothed).
+Per call shape class the committed routing table (``routing.fp8_choice``) keeps bf16 FA3 where the measured FP8
+call, quantisation included, was not faster (short sequences, short KV) and for shapes it never measured; masked,
+causal, GQA and dropout calls stay bf16 too. Boolean key-padding masks (``[B, Skv]`` or ``[B, 1, 1, Skv]``) run through unpad + varlen; any other
 mask raises for an explicit selection and goes to ``TORCH_SDPA`` (one warning) for a platform default.
 """
 
@@ -184,6 +191,19 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+FP8_IMPLEMENTATIONS = ("FA3", "FA3-fwd")  # FlashAttention-3's forward takes float8_e4m3fn with q/k/v descales
+
+# ``(family, q_len, kv_len, head_dim) -> bool``: whether an unmasked call runs FP8. ``attention.routing`` (which
+# imports this module, so this module cannot import it) installs its committed-table lookup here when it is imported.
+_fp8_rules: Callable[[str, int, int, int], bool] | None = None
+
+
+def use_fp8_rules(lookup: Callable[[str, int, int, int], bool]) -> None:
+    """Install the FP8 shape rules (``attention.routing`` does, from ``routing_table.json``)."""
+    global _fp8_rules
+    _fp8_rules = lookup
+
+
 def load_kernels(impl: FlashImplementation) -> FlashKernels:
     module = importlib.import_module(impl.module)
     varlen = getattr(module, "flash_attn_varlen_func", None)
@@ -203,7 +223,8 @@ class FlashAttentionBackend(SDPAFallback, AttentionBackend):
     supports_backward = True  # per implementation; see __init__ (fa3-fwd has none)
     deterministic = False
 
-    def __init__(self, spec=None, kernels: FlashKernels | None = None) -> None:
+    def __init__(self, spec=None, kernels: FlashKernels | None = None,
+                 fp8_rule: Callable[[int, int, int], bool] | None = None) -> None:
         super().__init__(spec)
         self._impl = None
         if kernels is None:
@@ -213,6 +234,58 @@ class FlashAttentionBackend(SDPAFallback, AttentionBackend):
             self._impl = impl
             self.supports_backward = impl.supports_backward if impl else True
         self._kernels = kernels
+        self.fp8 = spec is not None and spec.quant is not None
+        self._fp8_routes: dict[tuple, bool] = {}
+        self._fp8_rule = fp8_rule
+        if self.fp8:
+            self.lossy = True
+            self.supports_backward = False  # the FP8 forward has no backward
+            self._check_fp8()
+
+    @classmethod
+    def is_lossy(cls, spec) -> bool:
+        return spec is not None and spec.quant is not None
+
+    def _check_fp8(self) -> None:
+        """FP8 needs FlashAttention-3 (its forward takes descales) and Triton (the quantisation kernels); checked at
+        enable time so that nothing is installed when it cannot run."""
+        label = self._kernels.label if self._kernels is not None else (self._impl.label if self._impl else None)
+        if label not in FP8_IMPLEMENTATIONS:
+            raise ValueError(
+                f"{self.name} quant dtype_qk='fp8_e4m3' needs FlashAttention-3 on sm_90 ({' or '.join(FP8_IMPLEMENTATIONS)}"
+                f": pip install fa3-fwd); found {label or 'no FlashAttention implementation'}"
+            )
+        from ..fp8_quant import triton_available
+
+        if not triton_available():
+            raise ValueError(f"{self.name} quant dtype_qk='fp8_e4m3' needs Triton for its quantisation kernels "
+                             "(pip install triton); it is not importable")
+
+    def fp8_route(self, q_len: int, kv_len: int, head_dim: int) -> bool:
+        """Whether an unmasked call of this shape runs in FP8 (the committed routing table's rule; cached per shape).
+        Without rules (the routing module never imported) every shape runs bf16, with one warning."""
+        signature = (q_len, kv_len, head_dim)
+        chosen = self._fp8_routes.get(signature)
+        if chosen is None:
+            if self._fp8_rule is not None:
+                chosen = self._fp8_rule(q_len, kv_len, head_dim)
+            elif _fp8_rules is not None:
+                from ..platform import current_platform
+
+                chosen = _fp8_rules(current_platform().family, q_len, kv_len, head_dim)
+            else:
+                chosen = False
+                if not self._fp8_routes:  # once per backend: the first shape it sees
+                    logger.warning("%s FP8: no shape rules are loaded (import diffusers_omni.attention.routing); "
+                                   "every call runs bf16", self.name)
+            if not torch.compiler.is_compiling():
+                self._fp8_routes[signature] = chosen
+        return chosen
+
+    def _run_fp8(self, query, key, value, scale):
+        from ..fp8_quant import fp8_attention
+
+        return fp8_attention(self.kernels.func, query, key, value, scale)
 
     @classmethod
     def determinism_reasons(cls, platform) -> list[str]:
@@ -262,6 +335,15 @@ class FlashAttentionBackend(SDPAFallback, AttentionBackend):
         if dropout_p and not (self._impl is None or self._impl.supports_dropout):
             return self._fallback(("dropout",), f"dropout_p={dropout_p} ({self._impl.label} has no dropout)", args)
         kernels = self.kernels
+        if (
+            self.fp8
+            and attn_mask is None
+            and not is_causal
+            and not dropout_p
+            and query.shape[2] == key.shape[2]
+            and self.fp8_route(query.shape[1], key.shape[1], query.shape[-1])
+        ):
+            return self._run_fp8(query, key, value, scale)
         if attn_mask is None:
             extra = {"dropout_p": dropout_p} if dropout_p else {}
             return _first(kernels.func(query, key, value, softmax_scale=scale, causal=is_causal, **extra))
@@ -297,4 +379,9 @@ class FlashAttentionBackend(SDPAFallback, AttentionBackend):
             "version": installed_version(*impl.distributions) if impl else None,
             "supports_backward": self.supports_backward,
             "torch_flash_attention_impls": torch_flash_attention_impls(),
+            "quant": (
+                "fp8_e4m3 Q/K/V, one scale per (batch, head), K smoothed; bf16 for shapes routing_table.json does not "
+                "route to FP8" if self.fp8 else None
+            ),
+            "lossy": self.lossy,
         }

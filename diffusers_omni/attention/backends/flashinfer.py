@@ -90,6 +90,7 @@ class FlashInferBackend(SDPAFallback, AttentionBackend):
         quant = spec.quant if spec is not None else None
         self.dtype_qk = _DTYPES[quant.dtype_qk] if quant is not None and quant.dtype_qk else None
         self.dtype_vo = _DTYPES[quant.dtype_vo] if quant is not None and quant.dtype_vo else None
+        self.lossy = self.is_lossy(spec)
         if self.dtype_vo is not None and self.dtype_vo not in _HALF:
             found = flashinfer_version()
             if wrapper_factory is None and not version_at_least(found, MIXED_DTYPE_MIN_VERSION):
@@ -103,6 +104,11 @@ class FlashInferBackend(SDPAFallback, AttentionBackend):
                     "BatchPrefillWithRaggedKVCacheWrapper.plan() has no v_data_type argument, so V cannot have its "
                     "own dtype on this path; use dtype_vo equal to the Q/K dtype"
                 )
+
+    @classmethod
+    def is_lossy(cls, spec) -> bool:
+        quant = spec.quant if spec is not None else None
+        return quant is not None and quant.dtype_vo == "fp8_e4m3"  # QK16/V8 quantises V
 
     @classmethod
     def extra_availability_reasons(cls, platform) -> list[str]:

@@ -1,10 +1,17 @@
-"""``RAINFUSION_ATTN``: MindIE-SD RainFusion (rf_v2) block-sparse video attention on Ascend NPU (``mindiesd``).
+"""``RAINFUSION_ATTN``: block-sparse attention — MindIE-SD RainFusion (rf_v2) on Ascend NPU (``mindiesd``), and
+FlashInfer's paged FA3 prefill on Hopper (sm_90, ``flashinfer-python``), an extension of the contract.
 
-What runs sparse is decided by ``diffusers_omni.attention.rainfusion_plan`` from the video layout the model
-publishes (``publish_video_geometry``). Everything else — no geometry, fewer than 32 video blocks, warm-up steps
-(``block_sparse.start_step``), ``block_sparse.skip_layers``, cross-attention (KV not the video) — delegates to the dense
-``TORCH_SDPA`` backend, so a model can select RainFusion unconditionally. Incompatible with ring sequence
-parallelism (rf_v2 ranks blocks over the whole key sequence): ``check_sequence_parallel(ring_degree)`` refuses it.
+What runs sparse is decided from the video layout the model publishes (``publish_video_geometry``; models whose
+declaration has a ``video_geometry`` publish it on every forward). Warm-up steps (``block_sparse.start_step``),
+``block_sparse.skip_layers``, cross-attention (KV not the query sequence) and sequences under 32 blocks delegate to
+the dense ``TORCH_SDPA`` backend, so a model can select RainFusion unconditionally. Incompatible with ring sequence
+parallelism (blocks are ranked over the whole key sequence): ``check_sequence_parallel(ring_degree)`` refuses it.
+
+On CUDA (``diffusers_omni.attention.block_sparse``) each (batch, head) keeps, per 128-row query block, the
+``round((1 - sparsity) · blocks)`` key blocks with the best pooled score ``mean(q_block) · mean(k_block)``; with a
+published geometry the prefix (text) rows attend densely and the prefix and first-frame key blocks are always kept;
+without one (geometry-free) the same data-dependent selection runs on the natural row order. Rows keep their order
+(a block is a strip of consecutive latent rows), so K and V are read in place.
 
 The kernel call (``_rf_v2``) follows the contract's description of rf_v2 (128-row blocks, kept prefix, first-frame
 blocks kept, nominal sparsity); its exact MindIE-SD entry point and argument names are NOT verified — no NPU or
@@ -23,8 +30,16 @@ import torch
 
 from ..model_state import remember_state
 
-from ..rainfusion_plan import RainFusionPlan, VideoGeometry, dense_reason, plan_geometry, video_order
-from .base import AttentionBackend
+from ..block_sparse import BLOCK, BlockSparseRunner, SparseLayout, kept_blocks
+from ..rainfusion_plan import (
+    MIN_VIDEO_BLOCKS,
+    RainFusionPlan,
+    VideoGeometry,
+    dense_reason,
+    plan_geometry,
+    video_order,
+)
+from .base import AttentionBackend, package_importable
 from .sdpa import TorchSDPABackend
 
 logger = logging.getLogger("diffusers_omni.attention")
@@ -39,6 +54,10 @@ class RainFusionState:
         self.plan: RainFusionPlan | None = None
         self.step = -1
         self.handle = None
+        # ``(model, args, kwargs) -> VideoGeometry | None`` from the model's declaration; an explicit
+        # ``publish_video_geometry`` call takes precedence over it from then on.
+        self.source = None
+        self.explicit = False
 
     def publish(self, geometry: VideoGeometry | None) -> None:
         self.plan = plan_geometry(geometry) if geometry is not None else None
@@ -49,10 +68,12 @@ def rainfusion_state(model: torch.nn.Module) -> RainFusionState:
     if state is None:
         state = RainFusionState()
 
-        def count_step(module, args):
+        def count_step(module, args, kwargs):
             state.step += 1
+            if state.source is not None and not state.explicit:
+                state.publish(state.source(module, args, kwargs))
 
-        state.handle = model.register_forward_pre_hook(count_step)
+        state.handle = model.register_forward_pre_hook(count_step, with_kwargs=True)
         setattr(model, _STATE_ATTR, state)
         remember_state(model, _STATE_ATTR)
     return state
@@ -60,11 +81,18 @@ def rainfusion_state(model: torch.nn.Module) -> RainFusionState:
 
 def publish_video_geometry(model: torch.nn.Module, geometry: VideoGeometry | None, step: int | None = None) -> None:
     """Models (or pipelines) call this before a forward: the prefix length and the latent grid ``(t, h, w)``.
-    ``step`` sets the denoise step explicitly (otherwise each transformer forward counts one step)."""
+    ``step`` sets the denoise step explicitly (otherwise each transformer forward counts one step). An explicit
+    call overrides the geometry a model declaration publishes by itself."""
     state = rainfusion_state(model)
+    state.explicit = True
     state.publish(geometry)
     if step is not None:
         state.step = step - 1  # the pre-hook adds one at the next forward
+
+
+def attach_geometry_source(model: torch.nn.Module, source) -> None:
+    """Publish ``source(model, args, kwargs)`` (a declaration's ``video_geometry``) before every forward."""
+    rainfusion_state(model).source = source
 
 
 def check_sequence_parallel(ring_degree: int) -> None:
@@ -86,28 +114,67 @@ def _import_mindiesd():
     return importlib.import_module("mindiesd")
 
 
+def _dense_delegate() -> AttentionBackend:
+    """Dense calls (warm-up steps, skipped layers, cross-attention) run on FLASH_ATTN where it is available on CUDA
+    (FlashAttention-3 on Hopper; it hands masks and float32 to SDPA itself), on TORCH_SDPA otherwise."""
+    from ..platform import current_platform
+    from .flash import FlashAttentionBackend
+
+    platform = current_platform()
+    if platform.device_type == "cuda" and not FlashAttentionBackend.availability_reasons(platform):
+        return FlashAttentionBackend(None)
+    return TorchSDPABackend()
+
+
+_MINDIESD_HINT = "Huawei MindIE-SD (a release implementing protected video tails for rf_v2)"
+_FLASHINFER_HINT = "pip install flashinfer-python apache-tvm-ffi"
+
+
 class RainFusionBackend(AttentionBackend):
     name: ClassVar[str] = "RAINFUSION_ATTN"
-    devices = frozenset({"npu"})
+    devices = frozenset({"npu", "cuda"})
     dtypes = frozenset({torch.float16, torch.bfloat16})
     supports_mask = False
     supports_gqa = False
     supports_backward = False
     deterministic = False
     lossy = True  # block-sparse
-    packages = (("mindiesd", "Huawei MindIE-SD (a release implementing protected video tails for rf_v2)"),)
 
-    def __init__(self, spec=None) -> None:
+    def __init__(self, spec=None, runner: BlockSparseRunner | None = None) -> None:
         super().__init__(spec)
         block = spec.block_sparse if spec is not None else None
         from ...config.attention import BlockSparseSpec
 
         self.block_sparse = block or BlockSparseSpec()
-        self.dense = TorchSDPABackend()
+        self.dense = _dense_delegate()
+        self.runner = runner or BlockSparseRunner()  # shared by the per-site copies: one plan cache
         self.state: RainFusionState | None = None
         self.site_name: str | None = None
         self.layer: int | None = None
         self._logged: set[str] = set()
+        self._layouts: dict[tuple, SparseLayout] = {}
+        from ..platform import current_platform
+
+        # Which kernel path runs: MindIE-SD rf_v2 on Ascend, the FlashInfer block-sparse path elsewhere.
+        self.kernel = "rf_v2" if current_platform().device_type == "npu" else "block_sparse"
+
+    @classmethod
+    def extra_availability_reasons(cls, platform) -> list[str]:
+        if platform.device_type == "npu" and not package_importable("mindiesd"):
+            return [f"package 'mindiesd' is not importable; to install: {_MINDIESD_HINT}"]
+        if platform.device_type == "cuda":
+            reasons = []
+            if platform.compute_capability is not None and platform.compute_capability[0] != 9:
+                reasons.append(f"compute capability is {platform.sm}; {cls.name} on CUDA requires sm_90 (FlashInfer's "
+                               "FA3 paged prefill)")
+            if not package_importable("flashinfer"):
+                reasons.append(f"package 'flashinfer' is not importable; to install: {_FLASHINFER_HINT}")
+            return reasons
+        return []
+
+    def attach_geometry_source(self, model, source) -> None:
+        """Called by the installer with the model declaration's ``video_geometry``."""
+        attach_geometry_source(model, source)
 
     def bind_site(self, model, site, resolution) -> "RainFusionBackend":
         bound = copy.copy(self)
@@ -135,15 +202,72 @@ class RainFusionBackend(AttentionBackend):
                 reason = f"sequence lengths {query.shape[1]}/{key.shape[1]} are not the published {expected} rows"
         return reason
 
+    def layout_for(self, seq_len: int) -> SparseLayout:
+        """The CUDA block layout of a self-attention call of ``seq_len`` rows under the published geometry (prefix
+        rows dense, prefix and first-frame key blocks kept) or, without one, geometry-free."""
+        plan = self.state.plan if self.state is not None else None
+        geometry = plan.geometry if plan is not None else None
+        key = (seq_len, geometry)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if geometry is None:
+                layout = SparseLayout(seq_len, source="geometry-free")
+            else:
+                prefix = geometry.prefix_len
+                kept_rows = prefix + plan.first_frame_rows
+                forced = tuple(range(min(-(-kept_rows // BLOCK), seq_len // BLOCK)))
+                layout = SparseLayout(seq_len, None, -(-prefix // BLOCK), forced,
+                                      source=f"geometry prefix={prefix} grid={geometry.grid}")
+            self._layouts[key] = layout
+        return layout
+
+    def why_dense_cuda(self, query: torch.Tensor, key: torch.Tensor) -> str | None:
+        """Why this call runs dense on the CUDA path (``None``: it runs block-sparse)."""
+        if self.block_sparse.sparsity == 0:
+            return "block_sparse.sparsity is 0"
+        state = self.state
+        if state is not None and state.step < self.block_sparse.start_step:
+            return f"denoise step {state.step} < block_sparse.start_step={self.block_sparse.start_step}"
+        skip = self.block_sparse.skip_layers or ()
+        if self.layer is not None and self.layer in skip:
+            return f"layer {self.layer} is in block_sparse.skip_layers"
+        q_len, kv_len = query.shape[1], key.shape[1]
+        if q_len != kv_len:
+            return f"cross-attention (KV length {kv_len} is not the query length {q_len})"
+        if query.shape[2] != key.shape[2]:
+            return f"grouped-query attention ({query.shape[2]} query heads, {key.shape[2]} KV heads)"
+        plan = state.plan if state is not None else None
+        if plan is not None and q_len != plan.geometry.prefix_len + plan.video_rows:
+            return f"sequence lengths {q_len}/{kv_len} are not the published {plan.geometry.prefix_len + plan.video_rows} rows"
+        blocks = q_len // BLOCK
+        if blocks < MIN_VIDEO_BLOCKS:
+            return f"the sequence has {blocks} whole 128-row blocks; block-sparse attention needs at least {MIN_VIDEO_BLOCKS}"
+        layout = self.layout_for(q_len)
+        if kept_blocks(layout, self.block_sparse.sparsity) >= layout.full_key_blocks:
+            return f"block_sparse.sparsity={self.block_sparse.sparsity} keeps every key block at {q_len} rows"
+        return None
+
+    def _log_once(self, kind: str, message: str, *args) -> None:
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.info(message, *args)
+
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        reason = self.why_dense(query, key)
+        cuda = self.kernel != "rf_v2"
+        reason = self.why_dense_cuda(query, key) if cuda else self.why_dense(query, key)
+        if reason is None and (attn_mask is not None or is_causal or dropout_p):
+            reason = "the call passes a mask, causal=True or dropout"
         if reason is not None:
             kind = reason.split(" ")[0] + reason.split(" ")[1]
-            if kind not in self._logged:
-                self._logged.add(kind)
-                logger.info("RAINFUSION_ATTN (%s): dense for this call — %s", self.site_name, reason)
+            self._log_once(kind, "RAINFUSION_ATTN (%s): dense for this call — %s", self.site_name, reason)
             return self.dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        return self._rf_v2(query, key, value, self.state.plan, scale)
+        if not cuda:
+            return self._rf_v2(query, key, value, self.state.plan, scale)
+        layout = self.layout_for(query.shape[1])
+        self._log_once(("sparse", layout.source), "RAINFUSION_ATTN (%s): block-sparse on CUDA, %s layout, %d of %d "
+                       "key blocks kept per query block", self.site_name, layout.source,
+                       kept_blocks(layout, self.block_sparse.sparsity), layout.full_key_blocks)
+        return self.runner(query, key, value, layout, self.block_sparse.sparsity, scale)
 
     def _rf_v2(self, query, key, value, plan: RainFusionPlan, scale):
         prefix = plan.geometry.prefix_len
@@ -166,4 +290,11 @@ class RainFusionBackend(AttentionBackend):
         return result
 
     def describe(self) -> dict:
-        return {**super().describe(), "implementation": "mindiesd rf_v2 (unverified entry point)", "sparsity": self.block_sparse.sparsity}
+        if self.kernel == "rf_v2":
+            implementation = "mindiesd rf_v2 (unverified entry point)"
+        else:
+            implementation = ("diffusers_omni.attention.block_sparse: pooled top-k block selection + "
+                              "flashinfer.BatchPrefillWithPagedKVCacheWrapper(backend='fa3')")
+        return {**super().describe(), "implementation": implementation, "lossy": True,
+                "sparsity": self.block_sparse.sparsity, "start_step": self.block_sparse.start_step,
+                "skip_layers": list(self.block_sparse.skip_layers or ())}
