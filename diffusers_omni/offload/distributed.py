@@ -34,7 +34,6 @@ from tqdm.auto import tqdm
 
 from ..config.offload import OffloadStrategy, format_bytes
 from .base import Journal
-from .discovery import named_tensors
 from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
 from .layerwise import LayerwiseOffloadBackend, LayerwiseStats, _bind, _State
 from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
@@ -78,24 +77,6 @@ def require_process_group(group: Any = None) -> Any:
             "process use enable_layerwise_offload()"
         )
     return group if group is not None else dist.group.WORLD
-
-
-def quantization_reasons(module: torch.nn.Module, label: str) -> list[str]:
-    """Why ``module`` looks quantised online (its weights are not plain checkpoint tensors)."""
-    reasons = []
-    config = getattr(module, "config", None)
-    quant_config = getattr(module, "quantization_config", None) or (
-        config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
-    )
-    if quant_config is not None:
-        reasons.append(f"{label!r} has a quantization_config ({type(quant_config).__name__})")
-    if getattr(module, "hf_quantizer", None) is not None or getattr(module, "is_quantized", False):
-        reasons.append(f"{label!r} was quantised by a Diffusers quantizer")
-    for name, tensor in named_tensors(module):
-        if type(tensor.data) is not torch.Tensor:
-            reasons.append(f"{label}.{name} is a {type(tensor.data).__name__} tensor subclass (e.g. torchao)")
-            break
-    return reasons
 
 
 class _GatherTransfers(Transfers):
@@ -174,7 +155,7 @@ class _ShardedBlock:
             numel = slot.shape.numel()
             lo, hi = max(slot.offset, start), min(slot.offset + numel, end)
             if lo < hi:
-                source = slot.tensor.data.reshape(-1)[lo - slot.offset : hi - slot.offset]
+                source = slot.flat_source()[lo - slot.offset : hi - slot.offset]
                 self.host[slot.dtype][lo - start : hi - start].copy_(source)
         for buffer in self.host.values():
             host_memory.pin(buffer)
@@ -234,7 +215,7 @@ class _GatherStreamer:
     @torch.compiler.disable
     def end(self, block: _ShardedBlock, following: _ShardedBlock | None) -> None:
         self.transfers.record_on_compute(block.slot.released)
-        block.weights.bind(block.placeholders)
+        block.weights.park(block.placeholders)
         block.running = False
         if following is not None and following.slot is block.slot:
             self.load(following)  # odd ring: the wrap-around shares the last block's slot
@@ -304,13 +285,6 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
             )
 
     def _check_and_place_residents(self, state: _State) -> None:
-        if self.use_allgather:
-            reasons = [r for c in state.topology.dits for r in quantization_reasons(c.module, c.label)]
-            if reasons:
-                raise ValueError(
-                    "use_allgather=True cannot shard online-quantised weights (" + "; ".join(reasons) + "); allowed: "
-                    "use_allgather=False, or a checkpoint saved already quantised and loaded as plain tensors"
-                )
         layers = self.config.resident_layers
         if layers:
             main = state.weights[0]
@@ -350,15 +324,14 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                 for weights, resident in zip(stack_weights, stack_resident):
                     if weights.empty or resident:
                         if resident:  # plan-declared residents: a full device copy (no sharding)
-                            for slot in weights.slots:
-                                journal.move_tensor(slot.tensor, self.device)
+                            journal.record(f"move {weights.path}", weights.tensors.move_to(self.device))
                         row.append(None)
                         continue
                     block = _ShardedBlock(weights, self.world_size, self.rank, self.device)
                     block.pack(host_memory)
-                    originals = [s.tensor.data for s in weights.slots]
-                    journal.record(f"restore {weights.path}", _bind(weights.bind, originals))
-                    weights.bind(block.placeholders)  # the originals are freed once enable commits
+                    originals = weights.tensors.current()
+                    journal.record(f"restore {weights.path}", _bind(weights.park, originals))
+                    weights.park(block.placeholders)  # the originals are freed once enable commits
                     for d, t in block.host.items():
                         per_dtype[str(d)] = per_dtype.get(str(d), 0) + t.numel() * t.element_size()
                     row.append(block)
@@ -455,7 +428,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                 state.transfers.gather(block.h2d, block.gathers, wait_for=block.slot.released,
                                        staged=block.slot.staged, done=block.slot.ready)
                 state.transfers.synchronize()
-                block.weights.bind([view.to("cpu", copy=True) for view in block.views])
+                block.weights.park([view.to("cpu", copy=True) for view in block.views], final=True)
                 block.host = {}
         state.host_memory.release(self.device)
         logger.info("distributed layerwise offload disabled: block weights are full host tensors again")
