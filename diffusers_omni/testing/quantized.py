@@ -108,6 +108,8 @@ def gguf_quantize_(model: nn.Module, prefer: str = "Q8_0", compute_dtype: torch.
             if type(child) is not nn.Linear:
                 continue
             name = f"{parent_name}.{child_name}.weight" if parent_name else f"{child_name}.weight"
+            if _kept_in_fp32(model, name):
+                continue
             quant = choose(name, child.weight, prefer)
             if quant is None:
                 continue
@@ -124,3 +126,45 @@ def gguf_quantize_(model: nn.Module, prefer: str = "Q8_0", compute_dtype: torch.
             setattr(parent, child_name, layer)
             chosen[name] = quant
     return chosen
+
+
+def _kept_in_fp32(model: nn.Module, name: str) -> bool:
+    """Diffusers' quantizers leave ``_keep_in_fp32_modules`` (e.g. Wan's ``time_embedder``) unquantized."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    return any(part in keep for part in name.split("."))
+
+
+def bnb_quantize_(model: nn.Module, bits: int = 4, quant_type: str = "nf4", double_quant: bool = True,
+                  compute_dtype: torch.dtype = torch.bfloat16,
+                  skip: Callable[[str, nn.Linear], bool] = lambda name, layer: False) -> int:
+    """Replace ``model``'s ``nn.Linear`` layers in place by bitsandbytes ``Linear4bit`` (``quant_type``, double
+    quantization of the absmax with ``double_quant``) or ``Linear8bitLt`` layers, quantized on the weights' device
+    (what Diffusers' ``BitsAndBytesConfig`` loading produces). Returns the number of layers replaced."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if type(child) is not nn.Linear or skip(name, child) or _kept_in_fp32(model, name):
+                continue
+            device = child.weight.device
+            weight = child.weight.detach()
+            if bits == 4:
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, child.bias is not None,
+                                          compute_dtype=compute_dtype, compress_statistics=double_quant,
+                                          quant_type=quant_type, device="meta")
+                layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type=quant_type,
+                                                 compress_statistics=double_quant, module=layer)._quantize(device)
+            elif bits == 8:
+                layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, child.bias is not None,
+                                            has_fp16_weights=False, threshold=0.0, device="meta")
+                layer.weight = bnb.nn.Int8Params(weight.to(torch.float16), requires_grad=False,
+                                                 has_fp16_weights=False)._quantize(device)
+            else:
+                raise ValueError(f"bits={bits!r}; allowed: 4, 8")
+            if child.bias is not None:
+                layer.bias = nn.Parameter(child.bias.detach(), requires_grad=False)
+            setattr(parent, child_name, layer.train(child.training))
+            count += 1
+    return count

@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig, WanTransformer3DModel
 
-from diffusers_omni.testing.quantized import write_gguf_checkpoint
+from diffusers_omni.testing.quantized import bnb_quantize_, write_gguf_checkpoint
 
-FORMATS = ("torchao-int8", "torchao-float8", "gguf")
+FORMATS = ("torchao-int8", "torchao-float8", "gguf", "bnb-nf4", "bnb-int8")
 MODELS = ("flux", "wan")
 
 
@@ -64,6 +64,12 @@ def quantized(model_name: str, fmt: str, folder: str | Path | None = None) -> nn
         from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
         quantize_(model, Int8WeightOnlyConfig() if fmt == "torchao-int8" else Float8WeightOnlyConfig())
+        return model.eval()
+    if fmt.startswith("bnb"):
+        # bitsandbytes' CPU kernels repack 4-bit weights on the first eval forward and need both dimensions to be
+        # multiples of 64; the embedders and the output projection stay unquantized here.
+        bnb_quantize_(model, bits=4 if fmt == "bnb-nf4" else 8, compute_dtype=torch.float32,
+                      skip=lambda name, layer: bool(layer.in_features % 64 or layer.out_features % 64))
         return model.eval()
     if fmt != "gguf":
         raise ValueError(f"fmt={fmt!r}; allowed: {FORMATS}")

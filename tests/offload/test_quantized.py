@@ -1,5 +1,5 @@
-"""Offload of quantized transformers on CPU: torchao int8/float8 weight-only and GGUF (Q8_0 + Q4_K, read back
-through ``from_single_file``) under every strategy, bitwise equal to the resident quantized model; packed bytes
+"""Offload of quantized transformers on CPU: torchao int8/float8 weight-only, GGUF (Q8_0 + Q4_K, read back
+through ``from_single_file``) and bitsandbytes NF4 (double quant) / int8 under every strategy, bitwise equal to the resident quantized model; packed bytes
 streamed; the same weight objects after disable; unstreamable subclasses refused with nothing changed."""
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def _hooks(model) -> dict[str, list[str]]:
 
 
 def _logical_numel(weight) -> int:
-    """Elements of the weight as the model sees it (a GGUF weight's bytes hold ``quant_shape`` values)."""
-    return torch.Size(getattr(weight, "quant_shape", weight.shape)).numel()
+    """Elements of the weight as the model sees it (GGUF and bitsandbytes 4-bit bytes hold more values)."""
+    state = getattr(weight, "quant_state", None)
+    return torch.Size(getattr(weight, "quant_shape", state.shape if state is not None else weight.shape)).numel()
 
 
 def _config(strategy: str, model) -> OffloadConfig:
@@ -57,7 +58,10 @@ def gguf_folder(tmp_path_factory):
 def test_quantized_dit_streams_packed_bytes_bitwise_equal(fmt, model_name, strategy, gguf_folder):
     model = qh.quantized(model_name, fmt, gguf_folder / f"{model_name}-{strategy}")
     kinds = qh.weight_kinds(model)
-    assert kinds == {"torchao-int8": {"Int8Tensor"}, "torchao-float8": {"Float8Tensor"}, "gguf": {"GGUFParameter"}}[fmt]
+    assert kinds == {"torchao-int8": {"Int8Tensor"}, "torchao-float8": {"Float8Tensor"}, "gguf": {"GGUFParameter"},
+                     "bnb-nf4": {"Params4bit"}, "bnb-int8": {"Int8Params"}}[fmt]
+    if fmt == "bnb-nf4":
+        assert all(p.quant_state.nested and p.quant_type == "nf4" for p in model.parameters() if hasattr(p, "quant_state"))
     if fmt == "gguf":
         types = {p.quant_type.name for p in model.parameters() if hasattr(p, "quant_type")}
         assert types == {"Q8_0", "Q4_K"}
