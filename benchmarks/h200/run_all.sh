@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that installs the carried wheels and runs every pending H200 measurement, writing under $OUT.
 # Budget: FlashInfer JIT-compiles ~90 s per kernel variant on a fresh machine; the offload runs take ~4 min per model.
-#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|alignment
+#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|alignment|quant-offload
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
@@ -21,6 +21,8 @@ for job in "$@"; do
     offload-multigpu) python3 -m torch.distributed.run --nproc-per-node "$(python3 -c 'import torch;print(torch.cuda.device_count())')" \
                         benchmarks/distributed_offload_bench.py --models flux,wan --out "$out/offload_multigpu_h200" ;;
     alignment) python3 benchmarks/alignment_gpu.py --out "$out/alignment_h200" ;;
+    quant-offload) python3 benchmarks/quant_offload_check.py --out "$out/quant_offload_h200_check"
+                   python3 benchmarks/quant_offload_bench.py --warmup 1 --repeats 2 --out "$out/quant_offload_h200" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done
