@@ -216,6 +216,43 @@ def distributed_example(ranks: int = 4) -> str:
     )
 
 
+def _short_error(error: str) -> str:
+    kind, _, message = error.partition(": ")
+    for needle, short in (("is_pinned", "aten.is_pinned not implemented"),
+                          ("set the storage", "cannot move the subclass's storage"),
+                          ("quant_state", "quant_state not moved")):
+        if needle in message:
+            return f"{kind}: {short}"
+    return kind
+
+
+def quant_offload() -> str:
+    report = result("quant_offload_h200")
+    rows = []
+    for entry in report["entries"]:
+        variants = {v["variant"]: v for v in entry["variants"]}
+        resident, omni, diffusers = (variants[n] for n in ("resident", "omni layerwise", "diffusers group_offload"))
+        diffusers_step = f"{diffusers['step_s']:.3f}" if "step_s" in diffusers else _short_error(diffusers["error"])
+        meets = [omni.get(k) for k in ("meets_step_target", "meets_peak_target", "meets_setup_target")]
+        missed = [k for k, m in zip(("step", "peak", "setup"), meets) if m is False]
+        rows.append([
+            entry["model"], entry["format"], gib(entry["packed_bytes"]), f"{resident['step_s']:.3f}", diffusers_step,
+            f"{omni['step_s']:.3f}", f"{omni['target_step_s']:.3f}", "NO: " + ", ".join(missed) if missed else "yes",
+            f"{gib(omni['peak_device_bytes'])} / " + (gib(diffusers["peak_device_bytes"]) if "step_s" in diffusers
+                                                      else "—"),
+            f"{omni['setup_s']:.1f}", "yes" if omni["bitwise_equal_to_resident"] else "NO",
+        ])
+    env, versions = report["environment"], report["versions"]
+    return table(["Model", "Format", "Packed", "Resident step (s)", "Diffusers group offload (s)",
+                  "omni layerwise (s)", "Target (s)", "Meets", "Peak omni / Diffusers", "Setup (s)",
+                  "Bitwise = resident"], rows) + (
+        f"\n{env['device_name']}, torch {env['torch']}, torchao {versions['torchao']}, bitsandbytes "
+        f"{versions['bitsandbytes']}, gguf {versions['gguf']}; pinned host→device "
+        f"{report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s in the same run; median of {report['args']['repeats']} "
+        f"steps after {report['args']['warmup']} warm-up. Target = 1.05 × max(resident step, streamed bytes ÷ "
+        "bandwidth); peak ≤ Diffusers' (where it runs); setup ≤ 10 s for FLUX size.\n")
+
+
 RENDERERS = {
     "attention-backends": attention_backends,
     "attention-same-kernel": attention_same_kernel,
@@ -228,6 +265,7 @@ RENDERERS = {
     "offload-budget-window": offload_budget_window,
     "distributed-summary": distributed_summary,
     "distributed-example": distributed_example,
+    "quant-offload": quant_offload,
 }
 
 
