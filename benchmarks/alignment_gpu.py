@@ -14,7 +14,7 @@ implementation), at DiT attention shapes, in bf16:
 A backend refused in deterministic mode (CUDNN_ATTN) is recorded with its reasons. Writes ``<out>.json`` and
 ``<out>.md``:
 
-    PYTHONPATH=/path/to/diffusers python benchmarks/alignment_gpu.py --out benchmarks/results/alignment_h200
+    PYTHONPATH=/path/to/diffusers python -m benchmarks.alignment_gpu --out benchmarks/results/alignment_h200
 """
 
 from __future__ import annotations
@@ -22,20 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # must precede the first cuBLAS call
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffusers_omni.attention.platform import current_platform  # noqa: E402
-from diffusers_omni.attention.registry import get_backend_class  # noqa: E402
+from diffusers_omni.attention.platform import current_platform
+from diffusers_omni.attention.registry import get_backend_class
 
 # (label, batch, heads, q_len, kv_len, head_dim, masked)
 SHAPES = [

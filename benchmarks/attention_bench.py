@@ -4,7 +4,7 @@ Times every backend that can run each shape, in one process, with CUDA events (m
 warm-up), reports TFLOP/s (4·B·H·Sq·Skv·D / time) and the relative error ‖out − ref‖/‖ref‖ against an fp32
 reference, and checks that the platform default is within 3% of the fastest available backend.
 
-    python benchmarks/attention_bench.py --out benchmarks/results/attention_h200
+    python -m benchmarks.attention_bench --out benchmarks/results/attention_h200
 """
 
 from __future__ import annotations
@@ -13,21 +13,19 @@ import argparse
 import json
 import platform as host_platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffusers_omni.attention.backends.base import AttentionCall  # noqa: E402
-from diffusers_omni.attention.platform import current_platform  # noqa: E402
-from diffusers_omni.attention.registry import get_backend_class, registered_backend_names  # noqa: E402
-from diffusers_omni.attention.routing import ShapeRouter  # noqa: E402
-from benchmarks.derive_routing import distinct_exact  # noqa: E402
-from diffusers_omni.attention.selector import resolve  # noqa: E402
+from diffusers_omni.attention.backends.base import AttentionCall
+from diffusers_omni.attention.platform import current_platform
+from diffusers_omni.attention.registry import get_backend_class, registered_backend_names
+from diffusers_omni.attention.routing import ShapeRouter
+from benchmarks.derive_routing import distinct_exact
+from diffusers_omni.attention.selector import resolve
 
 # name, batch, heads, q_len, kv_len, head_dim, role category, masked (boolean key padding, last 10% of keys off)
 SHAPES = [

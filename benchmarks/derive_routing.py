@@ -7,7 +7,7 @@ backward everywhere); the others follow by speed. Only rows that are backends (`
 neither lossy kernels (``lossy``: INT8 SageAttention) nor Hub kernels (``*_HUB``: a download, chosen explicitly for
 training/rollout parity) are ever a default.
 
-    python benchmarks/derive_routing.py benchmarks/results/attention_h200.json \
+    python -m benchmarks.derive_routing benchmarks/results/attention_h200.json \
         --check benchmarks/results/attention_h200_routing_check.md
 """
 
@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffusers_omni.attention.routing import BUCKET_EDGES, TABLE_PATH, rule_key  # noqa: E402
+from diffusers_omni.attention.routing import BUCKET_EDGES, TABLE_PATH, rule_key
 
 PREFERENCE = ("TORCH_SDPA", "CUDNN_ATTN", "FLASH_ATTN", "FLASHINFER_ATTN")
 

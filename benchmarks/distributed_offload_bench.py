@@ -43,13 +43,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from offload_bench import (  # noqa: E402
+from benchmarks.offload_bench import (
     GiB,
     _fmt,
     _gib,
@@ -64,9 +62,9 @@ from offload_bench import (  # noqa: E402
     trim_host_heap,
 )
 
-from diffusers_omni import OffloadConfig, apply_offload, load_transformer_mmap  # noqa: E402
-from diffusers_omni.config.offload import format_bytes  # noqa: E402
-from diffusers_omni.offload.distributed import all_gather_bytes  # noqa: E402
+from diffusers_omni import OffloadConfig, apply_offload, load_transformer_mmap
+from diffusers_omni.config.offload import format_bytes
+from diffusers_omni.offload.distributed import all_gather_bytes
 
 STEP_FACTOR, RSS_FACTOR, DP_FACTOR = 1.1, 1.05, 0.85
 _DONE_MARKER = ".omni_bench_complete"

@@ -3,8 +3,8 @@
 Each table sits between ``<!-- results: NAME -->`` and ``<!-- /results -->`` in a docs page; this script rewrites
 what is between the markers. ``--check`` only reports stale tables (a test runs it).
 
-    python benchmarks/docs_tables.py            # rewrite
-    python benchmarks/docs_tables.py --check    # exit 1 when a table differs from the results
+    python -m benchmarks.docs_tables            # rewrite
+    python -m benchmarks.docs_tables --check    # exit 1 when a table differs from the results
 """
 
 from __future__ import annotations
@@ -12,18 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from derive_routing import distinct_exact, routed_choices  # noqa: E402
+from benchmarks.derive_routing import distinct_exact, routed_choices
 
-from diffusers_omni.attention.routing import load_table  # noqa: E402
+from diffusers_omni.attention.routing import load_table
 
 GiB = 2**30
 MARKER = re.compile(r"(<!-- results: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /results -->)", re.S)

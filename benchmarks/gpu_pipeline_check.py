@@ -3,22 +3,20 @@
 Checks that the report shows each role's backend and source, and compares latents with stock Diffusers at the
 same seed (bf16). Writes JSON to --out.
 
-    python benchmarks/gpu_pipeline_check.py --out benchmarks/results/gpu_pipeline_check_h200.json
+    python -m benchmarks.gpu_pipeline_check --out benchmarks/results/gpu_pipeline_check_h200.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffusers_omni import omnify  # noqa: E402
-from diffusers_omni.testing import tiny_flux_pipeline  # noqa: E402
+from diffusers_omni import omnify
+from diffusers_omni.testing import tiny_flux_pipeline
 
 CALL = {"prompt": "a red fox", "height": 64, "width": 64, "num_inference_steps": 2, "output_type": "latent"}
 

@@ -15,9 +15,9 @@ A step is one transformer forward under ``torch.inference_mode`` (median of seve
 
 Usage (one process per model; results go to ``<out>.json``, ``<out>.md`` and ``<out>.png``)::
 
-    python benchmarks/offload_bench.py --models flux --out benchmarks/results/offload_h200_flux
-    python benchmarks/offload_bench.py --models wan --out benchmarks/results/offload_h200_wan
-    python benchmarks/offload_bench.py --smoke   # tiny models on CPU, checks the script's logic
+    python -m benchmarks.offload_bench --models flux --out benchmarks/results/offload_h200_flux
+    python -m benchmarks.offload_bench --models wan --out benchmarks/results/offload_h200_wan
+    python -m benchmarks.offload_bench --smoke   # tiny models on CPU, checks the script's logic
 """
 
 from __future__ import annotations
@@ -36,10 +36,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
+import torch
+import torch.nn as nn
 
 GiB = 2**30
 TARGET_FACTOR = 1.05

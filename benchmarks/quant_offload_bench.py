@@ -22,14 +22,13 @@ Diffusers' for the same format; setup ≤ 10 s for the FLUX size.
 
 Usage (results go to ``<out>.json``, ``<out>.md`` and ``<out>.png``)::
 
-    python benchmarks/quant_offload_bench.py --out benchmarks/results/quant_offload_h200
-    python benchmarks/quant_offload_bench.py --smoke --device cpu   # tiny models, checks the script's logic
+    python -m benchmarks.quant_offload_bench --out benchmarks/results/quant_offload_h200
+    python -m benchmarks.quant_offload_bench --smoke --device cpu   # tiny models, checks the script's logic
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import statistics
@@ -38,14 +37,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import torch
+import torch.nn as nn
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-
-from offload_bench import (  # noqa: E402
+from benchmarks.offload_bench import (
     _fmt,
     _gib,
     environment,

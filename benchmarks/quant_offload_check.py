@@ -6,7 +6,7 @@ from host weights and from device weights; plus pipelines loaded with Diffusers'
 (bitsandbytes 4-bit transformer and text encoder). Each check compares with the resident quantized model bit for
 bit, step after step, and checks the weights after ``disable()``. Writes ``<out>.json``.
 
-    python benchmarks/quant_offload_check.py --out benchmarks/results/quant_offload_h200_check
+    python -m benchmarks.quant_offload_check --out benchmarks/results/quant_offload_h200_check
 """
 
 from __future__ import annotations
@@ -19,13 +19,9 @@ import tempfile
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import torch
 
-import torch  # noqa: E402
-
-from quant_offload_bench import build_model, make_inputs, quantize, versions  # noqa: E402
+from benchmarks.quant_offload_bench import build_model, make_inputs, quantize, versions
 
 FORMATS = ("torchao-float8", "torchao-int8", "gguf-q8_0", "gguf-q4_k", "bnb-nf4", "bnb-int8")
 

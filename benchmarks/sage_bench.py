@@ -17,13 +17,13 @@ Written for and run on an NVIDIA H200 (``benchmarks/results/sage_h200.{json,md}`
    Each row counts the SageAttention kernel calls by KV length, so it shows which roles really ran on it. A role
    the installed sageattention refuses is recorded with its reasons.
 
-    python benchmarks/sage_bench.py --out benchmarks/results/sage_h200
+    python -m benchmarks.sage_bench --out benchmarks/results/sage_h200
     # part 3 only, keeping parts 1-2 of an earlier run in the written files:
-    python benchmarks/sage_bench.py --only pipelines --reuse benchmarks/results/sage_h200.json --out <out>
+    python -m benchmarks.sage_bench --only pipelines --reuse benchmarks/results/sage_h200.json --out <out>
     # CPU dry run of part 3 (no SageAttention): the head_dim-64 pipelines build and run on TORCH_SDPA; then, on a
     # simulated Hopper sm_90 with sageattention 1.0.6 reported installed and a FAKE exact kernel (SDPA) at the
     # kernel boundary, SAGE_ATTN is accepted for every role and the short-KV guard routes as on the GPU
-    python benchmarks/sage_bench.py --only pipelines --device cpu --out /tmp/sage_cpu_dry
+    python -m benchmarks.sage_bench --only pipelines --device cpu --out /tmp/sage_cpu_dry
 
 Writes ``<out>.json`` and ``<out>.md``.
 """
@@ -34,17 +34,15 @@ import argparse
 import contextlib
 import json
 import math
-import sys
 import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.attention_bench import SHAPES, reference, rel_err, time_ms  # noqa: E402
-from diffusers_omni.attention.backends.sage import K_BLOCK, configured_as_default  # noqa: E402
+from benchmarks.attention_bench import SHAPES, reference, rel_err, time_ms
+from diffusers_omni.attention.backends.sage import K_BLOCK, configured_as_default
 
 SWEEP_KV = [64, 77, 100, 128, 141, 256, 333, 512, 1000, 1024, 4096]
 
@@ -169,7 +167,7 @@ def _counting_sage_kernel(counts: dict, fake: bool):
     (SDPA, not SageAttention) there and reports sageattention 1.0.6 as installed (CPU dry run only)."""
     from diffusers_omni.attention.backends import base, sage
 
-    saved = sage._import_sageattention, sage._package_version, base.package_importable
+    saved = sage._import_sageattention, sage.installed_version, base.package_importable
     real = None if fake else saved[0]()
 
     def sageattn(q, k, v, tensor_layout="NHD", is_causal=False, sm_scale=None, smooth_k=True):
@@ -182,18 +180,18 @@ def _counting_sage_kernel(counts: dict, fake: bool):
 
     sage._import_sageattention = lambda: types.SimpleNamespace(sageattn=sageattn)
     if fake:
-        sage._package_version = lambda *dists: SIMULATED_SAGE_VERSION if "sageattention" in dists else saved[1](*dists)
+        sage.installed_version = lambda *dists: SIMULATED_SAGE_VERSION if "sageattention" in dists else saved[1](*dists)
         base.package_importable = lambda name: name == "sageattention" or saved[2](name)
     try:
         yield counts
     finally:
-        sage._import_sageattention, sage._package_version, base.package_importable = saved
+        sage._import_sageattention, sage.installed_version, base.package_importable = saved
 
 
 def simulated_control_rows() -> list[dict]:
     """CPU dry run only: the unmodified tiny transformers of ``diffusers_omni.testing`` (head_dim 16 and 12) must be
     refused under the same simulation, which shows the simulated sageattention 1.0.6 head_dim rule is in force."""
-    from diffusers_omni.attention.install import plan_attention
+    from diffusers_omni.installer import plan_attention
     from diffusers_omni.attention.platform import Platform
     from diffusers_omni.attention.selector import clear_resolution_cache
     from diffusers_omni.testing import tiny_flux_components, tiny_wan_components

@@ -9,9 +9,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from .attention import registry as _registry  # noqa: F401  (the backend names AttentionSpec accepts)
 from .config.attention import AttentionConfig, AttentionSpec, AttnQuantSpec, BlockSparseSpec, SkipSoftmaxSpec
+from .utils.versions import omni_version
 
-__version__ = "0.1.0"
+__version__ = omni_version()
 
 _LAZY = {
     "register_backend": "diffusers_omni.attention.registry",
@@ -23,9 +25,9 @@ _LAZY = {
     "Platform": "diffusers_omni.attention.platform",
     "current_platform": "diffusers_omni.attention.platform",
     "use_platform": "diffusers_omni.attention.platform",
-    "apply_attention": "diffusers_omni.attention.install",
-    "remove_attention": "diffusers_omni.attention.install",
-    "attention_report": "diffusers_omni.attention.install",
+    "apply_attention": "diffusers_omni.installer",
+    "remove_attention": "diffusers_omni.installer",
+    "attention_report": "diffusers_omni.installer",
     "omnify": "diffusers_omni.pipelines.registry",
     "check_alignment": "diffusers_omni.alignment",
     "kernel_fingerprint": "diffusers_omni.alignment",
@@ -71,7 +73,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .attention.backends.base import AttentionBackend, AttentionCall
-    from .attention.install import apply_attention, attention_report, remove_attention
+    from .installer import apply_attention, attention_report, remove_attention
     from .attention.platform import Platform, current_platform, use_platform
     from .attention.registry import get_backend_class, register_backend
     from .attention.selector import BackendNotSupportedError, resolve

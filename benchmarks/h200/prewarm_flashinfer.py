@@ -1,18 +1,16 @@
 """JIT-compile FlashInfer's prefill for one head dim on a tiny input, so that several head dims compile in parallel
 processes (~90 s each on a fresh machine) before ``attention_bench.py`` times them.
 
-    python benchmarks/h200/prewarm_flashinfer.py 128 & python benchmarks/h200/prewarm_flashinfer.py 64 & wait
+    python -m benchmarks.h200.prewarm_flashinfer 128 & python -m benchmarks.h200.prewarm_flashinfer 64 & wait
 """
 
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from diffusers_omni.attention.backends.flashinfer import FlashInferBackend  # noqa: E402
+from diffusers_omni.attention.backends.flashinfer import FlashInferBackend
 
 head_dim = int(sys.argv[1])
 start = time.perf_counter()

@@ -9,20 +9,20 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 out=${OUT:-benchmarks/results}
 for job in "$@"; do
   case "$job" in
-    attention) for d in 128 64; do python3 benchmarks/h200/prewarm_flashinfer.py $d & done; wait
-               python3 benchmarks/attention_bench.py --out "$out/attention_h200" ;;
-    sage) python3 benchmarks/sage_bench.py --out "$out/sage_h200" ;;
-    offload-budget) python3 benchmarks/offload_bench.py --models flux --variants layerwise,budget \
+    attention) for d in 128 64; do python3 -m benchmarks.h200.prewarm_flashinfer $d & done; wait
+               python3 -m benchmarks.attention_bench --out "$out/attention_h200" ;;
+    sage) python3 -m benchmarks.sage_bench --out "$out/sage_h200" ;;
+    offload-budget) python3 -m benchmarks.offload_bench --models flux --variants layerwise,budget \
                       --out "$out/offload_h200_flux_budget" ;;
     offload-distributed) for m in flux wan; do
-                           python3 benchmarks/offload_bench.py --models $m --variants layerwise,distributed,mmap \
+                           python3 -m benchmarks.offload_bench --models $m --variants layerwise,distributed,mmap \
                              --skip-model-level --out "$out/offload_h200_distributed_$m"
                          done ;;
     offload-multigpu) python3 -m torch.distributed.run --nproc-per-node "$(python3 -c 'import torch;print(torch.cuda.device_count())')" \
-                        benchmarks/distributed_offload_bench.py --models flux,wan --out "$out/offload_multigpu_h200" ;;
-    alignment) python3 benchmarks/alignment_gpu.py --out "$out/alignment_h200" ;;
-    quant-offload) python3 benchmarks/quant_offload_check.py --out "$out/quant_offload_h200_check"
-                   python3 benchmarks/quant_offload_bench.py --warmup 1 --repeats 2 --out "$out/quant_offload_h200" ;;
+                        -m benchmarks.distributed_offload_bench --models flux,wan --out "$out/offload_multigpu_h200" ;;
+    alignment) python3 -m benchmarks.alignment_gpu --out "$out/alignment_h200" ;;
+    quant-offload) python3 -m benchmarks.quant_offload_check --out "$out/quant_offload_h200_check"
+                   python3 -m benchmarks.quant_offload_bench --warmup 1 --repeats 2 --out "$out/quant_offload_h200" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done

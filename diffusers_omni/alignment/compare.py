@@ -19,6 +19,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..config.attention import AttentionConfig
+from ..installer import applied_attention_config, apply_attention, remove_attention
+from ..models.base import blocks_attrs_for
+from ..utils.modules import model_dtype
+from ..utils.text import table
 from .fingerprint import FingerprintComparison, compare_fingerprints, kernel_fingerprint
 from .record import RecordedInputs, map_tensors
 
@@ -56,8 +61,6 @@ class AlignmentSide:
         if isinstance(attention, str) and attention.strip().lower() in (STOCK, "diffusers"):
             object.__setattr__(self, "attention", STOCK)
         elif attention is not None:
-            from ..config.attention import AttentionConfig
-
             object.__setattr__(self, "attention", AttentionConfig.parse(attention))
 
     @classmethod
@@ -115,8 +118,6 @@ class LayerOutputs:
 
 
 def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from ..models.base import blocks_attrs_for
-
     blocks = []
     for attr in blocks_attrs_for(model):
         container = getattr(model, attr, None)
@@ -129,13 +130,6 @@ def _block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-def _model_dtype(model: nn.Module) -> torch.dtype | None:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return None
-
-
 def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -145,12 +139,10 @@ def _model_device(model: nn.Module) -> torch.device:
 @contextlib.contextmanager
 def _attention_as(model: nn.Module, attention: Any):
     """Install ``attention`` on ``model`` for the duration, then put back what was there."""
-    from ..attention.install import _STATE_ATTR, apply_attention, remove_attention
-
     if attention is None:
         yield
         return
-    previous = getattr(model, _STATE_ATTR, None)
+    previous = applied_attention_config(model)
     if attention == STOCK:
         remove_attention(model)
     else:
@@ -159,7 +151,7 @@ def _attention_as(model: nn.Module, attention: Any):
         yield
     finally:
         if previous is not None:
-            apply_attention(model, previous.config)
+            apply_attention(model, previous)
         else:
             remove_attention(model)
 
@@ -177,7 +169,7 @@ def capture_layers(model: nn.Module, inputs: RecordedInputs, side: Any = None) -
     """
     side = AlignmentSide.parse(side)
     work = model
-    if side.dtype is not None and side.dtype != _model_dtype(model):
+    if side.dtype is not None and side.dtype != model_dtype(model):
         work = copy.deepcopy(model).to(side.dtype)
     device = _model_device(work)
     run_inputs = inputs.to(device, side.dtype or None)
@@ -309,8 +301,6 @@ class AlignmentReport:
         return path
 
     def table(self) -> str:
-        from ..cli.common import table
-
         rows = [
             {
                 "layer": row.layer,

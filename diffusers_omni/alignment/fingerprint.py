@@ -17,6 +17,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..utils.text import table
+from ..utils.versions import omni_version
+
 FORMAT = "diffusers-omni.kernel-fingerprint/1"
 
 # Per-role fields that only say where a choice came from or how often it is used; they never make two kernels
@@ -28,7 +31,6 @@ def environment() -> dict[str, Any]:
     """Versions and device of this process: everything outside the backend that decides which kernel runs."""
     import diffusers
 
-    from .. import __version__
     from ..attention.platform import current_platform
 
     plat = current_platform()
@@ -38,7 +40,7 @@ def environment() -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "diffusers": diffusers.__version__,
-        "diffusers_omni": __version__,
+        "diffusers_omni": omni_version(),
         "device_type": plat.device_type,
         "device_name": plat.device_name,
         "compute_capability": list(plat.compute_capability) if plat.compute_capability else None,
@@ -206,8 +208,6 @@ class FingerprintComparison:
         }
 
     def table(self) -> str:
-        from ..cli.common import table
-
         rows = []
         for row in self.roles:
             detail = "; ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in row.differences.items())

@@ -1,19 +1,30 @@
-"""Shape-aware routing for platform-default roles, from a data table derived from committed benchmark results.
+"""Routing policy: which backend serves a platform-default role.
 
-The KV length of a call is only known at call time, so a ``ShapeRouter`` holds the candidate backends that can
-run a role and picks one per call signature ``(q bucket, kv bucket, head_dim, masked, needs gradients)``: the first
-call with a signature reads ``routing_table.json`` (written by ``benchmarks/derive_routing.py``), later calls are a
-dict lookup. Signatures the table does not cover go to the first candidate (the platform route's own choice), and
-calls that need gradients only go to candidates with a backward (FlashInfer prefill and ``fa3-fwd`` have none).
+Platform routes: each platform family has an ordered list of candidate backends; a candidate may carry conditions,
+named by the predicates in ``ROUTE_CONDITIONS``. The selector walks the list and takes the first candidate whose
+conditions hold and which reports no ``not_supported_reasons`` for the call.
+
+Shape routes, from a data table derived from committed benchmark results: the KV length of a call is only known at
+call time, so a ``ShapeRouter`` holds the candidate backends that can run a role and picks one per call signature
+``(q bucket, kv bucket, head_dim, masked, needs gradients)``: the first call with a signature reads
+``routing_table.json`` (written by ``python -m benchmarks.derive_routing``), later calls are a dict lookup.
+Signatures the table does not cover go to the first candidate (the platform route's own choice), and calls that
+need gradients only go to candidates with a backward (FlashInfer prefill and ``fa3-fwd`` have none).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+from .backends.base import AttentionCall
+from .backends.flash import flash_attention_implementations
+from .platform import Platform
 
 TABLE_PATH = Path(__file__).with_name("routing_table.json")
 # Upper bounds of the sequence-length buckets (tokens); longer sequences fall in the last bucket.
@@ -120,3 +131,72 @@ class ShapeRouter:
             "deterministic": all(r.get("deterministic", False) for r in routes.values()),
             "routes": routes,
         }
+
+
+# Platform routes ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Route:
+    """One candidate in a platform's default list, taken only when every named condition holds."""
+
+    backend: str
+    when: tuple[str, ...] = ()
+    why: str = ""
+
+
+def _flash_attn_3_or_4_importable(platform: Platform, call: AttentionCall) -> bool:
+    return any(impl in ("FA3", "FA4") for impl in flash_attention_implementations())
+
+
+ROUTE_CONDITIONS: dict[str, Callable[[Platform, AttentionCall], bool]] = {
+    "model_declares_mask_free_path": lambda platform, call: call.mask_free_path and not call.has_mask,
+    "head_dim_128": lambda platform, call: call.head_dim == 128,
+    "cudnn_at_least_9_5": lambda platform, call: (platform.cudnn_version or 0) >= 90500,
+    "flash_attn_3_or_4_importable": _flash_attn_3_or_4_importable,
+}
+
+_BLACKWELL_TAIL = (
+    Route("CUDNN_ATTN", when=("cudnn_at_least_9_5",)),
+    Route("FLASHINFER_ATTN"),
+    Route("FLASH_ATTN"),
+    Route("TORCH_SDPA"),
+)
+
+# Hopper's route is TORCH_SDPA (unpinned SDPA lands on cuDNN: benchmarks/results/attention_h200.md), and no single
+# kernel wins every shape there: FlashAttention-3 leads on long unmasked self-attention, FlashInfer on short masked
+# sequences, SDPA at head_dim 64. Those per-shape choices come from routing_table.json (selector._shape_routes →
+# routing.ShapeRouter), derived from committed H200 results, not from this list.
+_HOPPER_WHY = "the reference kernel; measured shape classes are routed per routing_table.json"
+
+PLATFORM_ROUTES: dict[str, tuple[Route, ...]] = {
+    "blackwell_datacenter": (
+        Route(
+            "TRTLLM_ATTN",
+            when=("model_declares_mask_free_path", "head_dim_128"),
+            why="trtllm-gen FMHA on datacenter Blackwell for mask-free head_dim 128 paths",
+        ),
+        *_BLACKWELL_TAIL,
+    ),
+    "blackwell_workstation": _BLACKWELL_TAIL,
+    "hopper": (Route("TORCH_SDPA", why=_HOPPER_WHY),),
+    "ada": (
+        Route("FLASH_ATTN", when=("flash_attn_3_or_4_importable",)),
+        Route("TORCH_SDPA"),
+    ),
+    "ampere": (
+        Route("FLASH_ATTN", when=("flash_attn_3_or_4_importable",)),
+        Route("TORCH_SDPA"),
+    ),
+    "cuda": (Route("TORCH_SDPA"),),
+    "cpu": (Route("TORCH_SDPA"),),
+    "mps": (Route("TORCH_SDPA"),),
+}
+
+
+def platform_routes(platform: Platform) -> tuple[Route, ...]:
+    return PLATFORM_ROUTES.get(platform.family, PLATFORM_ROUTES["cpu"])
+
+
+def failed_conditions(route: Route, platform: Platform, call: AttentionCall) -> list[str]:
+    return [name for name in route.when if not ROUTE_CONDITIONS[name](platform, call)]

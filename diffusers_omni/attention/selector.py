@@ -9,15 +9,18 @@ default walks its routing table and takes the first candidate that can. Each res
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..config.attention import AttentionConfig, AttentionSpec, normalize_backend_name
 from .backends.base import AttentionCall
-from .platform import Platform, current_platform, failed_conditions, platform_routes
-from .registry import get_backend_class
+from .platform import Platform, current_platform
+from .registry import get_backend_class, is_registered, registry_generation
+from .routing import failed_conditions, load_table, platform_routes, ranked_alternatives
 
 logger = logging.getLogger("diffusers_omni.attention")
 
@@ -89,6 +92,61 @@ def select_spec(config: AttentionConfig, role: str, category: str) -> tuple[Atte
     return None, ""
 
 
+def check_per_role_keys(
+    config: AttentionConfig | None,
+    declared: Iterable[tuple[str, str]],
+    present: Iterable[tuple[str, str]],
+    owner: str,
+) -> None:
+    """Match the ``per_role`` keys of ``config`` against a model's roles, as ``select_spec`` will.
+
+    Args:
+        declared: ``(role, category)`` pairs the model's architecture declares.
+        present: ``(role, category)`` pairs of the attention calls the model makes now.
+        owner: the model(s), for messages (e.g. ``"FluxTransformer2DModel"``).
+
+    Raises ``ValueError`` for a key that names no declared or present role or category, with "did you mean" for
+    near misses and the roles and categories it could have named: such a key would otherwise be ignored. A key
+    naming only roles the architecture declares but the model does not use now (FLUX's ``"cross"`` is its IP-Adapter
+    role, present once an IP-Adapter is loaded) is accepted with a warning, once per key and owner.
+    """
+    config = AttentionConfig.parse(config)
+    if not config.per_role:
+        return
+    present = set(present)
+    known = set(declared) | present
+    roles = sorted({role for role, _ in known})
+    categories = sorted({category for _, category in known})
+    vocabulary = sorted(set(roles) | set(categories))
+    unknown = [key for key in config.per_role if key not in vocabulary]
+    if unknown:
+        described = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, vocabulary, n=3, cutoff=0.7)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+            described.append(f"{key!r}{hint}")
+        raise ValueError(
+            f"per_role key(s) {', '.join(described)} match no attention role or category of {owner}, so they would "
+            f"be ignored; roles: {', '.join(roles) or 'none'}; categories: {', '.join(categories) or 'none'}"
+        )
+    in_use = {role for role, _ in present} | {category for _, category in present}
+    for key in config.per_role:
+        if key in in_use or (key, owner) in _warned_keys:
+            continue
+        _warned_keys.add((key, owner))
+        serves = sorted(role for role, category in known if key in (role, category))
+        logger.warning(
+            "per_role[%r] matches no attention call %s makes now; it will apply to %s when such calls appear "
+            "(e.g. after loading an IP-Adapter, or during a PAG call)",
+            key,
+            owner,
+            ", ".join(serves),
+        )
+
+
+_warned_keys: set[tuple[str, str]] = set()
+
+
 def deterministic_requested(config: AttentionConfig | None) -> tuple[bool, str]:
     """Whether deterministic mode is on, and where that came from (``config`` / ``env ...`` / ``""``).
 
@@ -144,18 +202,15 @@ def _resolve_cached(
 
 
 def _shape_routes(base: str, call: AttentionCall, platform: Platform) -> tuple[str, ...]:
-    from .routing import load_table, ranked_alternatives
-
     def available(name: str) -> bool:
-        try:
-            return not get_backend_class(name).not_supported_reasons(call, platform)
-        except KeyError:  # the table names a backend this build does not register
-            return False
+        # The table may name a backend this build does not register: skip it.
+        return is_registered(name) and not get_backend_class(name).not_supported_reasons(call, platform)
 
     return ranked_alternatives(load_table(), platform.family, call.head_dim, call.has_mask, base, available)
 
 
 _logged: set[tuple[str, str, str]] = set()
+_cached_generation = registry_generation()
 
 
 def resolve(
@@ -166,6 +221,8 @@ def resolve(
     platform: Platform | None = None,
 ) -> Resolution:
     """Resolve the backend for one attention role. Logs each (role, backend, source) once at INFO."""
+    if _cached_generation != registry_generation():  # a backend was registered or reset since
+        clear_resolution_cache()
     config = AttentionConfig.parse(config)
     platform = platform or current_platform()
     spec, where = select_spec(config, role, category)
@@ -178,5 +235,8 @@ def resolve(
 
 
 def clear_resolution_cache() -> None:
+    global _cached_generation
+    _cached_generation = registry_generation()
     _resolve_cached.cache_clear()
     _logged.clear()
+    _warned_keys.clear()

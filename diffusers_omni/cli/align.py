@@ -130,7 +130,7 @@ def run(args) -> int:
     if args.fingerprint:
         print(f"wrote side a kernel fingerprint to {save_fingerprint(captures['a'].fingerprint, args.fingerprint)}")
     if "b" not in captures:
-        from .common import table
+        from ..utils.text import table
 
         roles = [{"role": role, **entry} for role, entry in captures["a"].fingerprint["roles"].items()]
         print(table(roles, ["role", "backend", "implementation", "deterministic", "call", "modules"]))

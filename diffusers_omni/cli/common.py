@@ -1,19 +1,11 @@
-"""Helpers shared by the CLI commands: tables, platform overrides and pipeline loading."""
+"""Helpers shared by the CLI commands: platform overrides, logging and pipeline loading."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any
 
 TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v")
-
-
-def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    """A plain-text table of ``rows`` restricted to ``columns``."""
-    widths = {c: max([len(c), *(len(str(r.get(c, ""))) for r in rows)]) for c in columns}
-    lines = ["  ".join(c.ljust(widths[c]) for c in columns), "  ".join("-" * widths[c] for c in columns)]
-    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns) for r in rows]
-    return "\n".join(lines)
 
 
 def parse_platform(text: str | None):
@@ -80,9 +72,9 @@ def _load_with_mmap_dits(model: str, dtype: Any):
 
     root = Path(model)
     if not root.is_dir():
-        from huggingface_hub import snapshot_download
-
-        root = Path(snapshot_download(model))
+        # Diffusers' own filtering (the pipeline's component folders, safetensors over .bin, no single-file
+        # checkpoints), as from_pretrained downloads; a bare snapshot_download would fetch the whole repository.
+        root = Path(DiffusionPipeline.download(model))
     index = DiffusionPipeline.load_config(root)
     pipeline_cls = getattr(diffusers, index["_class_name"])
     components = {}

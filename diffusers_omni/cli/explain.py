@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 
-from ..attention.install import plan_attention
+from ..installer import check_roles_of_plans, plan_attention
 from ..attention.platform import current_platform, use_platform
 from ..config.attention import AttentionConfig
 
@@ -24,12 +24,15 @@ def explain_dits(dits: dict, config=None, platform=None) -> list[dict]:
     config = AttentionConfig.parse(config)
     rows = []
     scope = use_platform(platform) if platform else contextlib.nullcontext()
+    planned = []
     with scope:
         for path, model in dits.items():
-            _, plan = plan_attention(model, config)
+            declaration, plan = plan_attention(model, config, check_roles=False)
+            planned.append((model, declaration, plan))
             for site, resolutions in plan:
                 for resolution in resolutions.values():
                     rows.append({"module": f"{path}.{site.name}", **resolution.to_dict()})
+    check_roles_of_plans(config, planned)  # the keys of one config are checked against all DiTs together
     return rows
 
 
@@ -47,7 +50,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 def run(args) -> int:
     import torch
 
-    from .common import TINY_MODELS, configure_logging, load_pipeline, parse_platform, table
+    from ..utils.text import table
+    from .common import TINY_MODELS, configure_logging, load_pipeline, parse_platform
 
     configure_logging(args.verbose)
     platform = parse_platform(args.platform)

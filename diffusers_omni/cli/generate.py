@@ -10,7 +10,8 @@ def run(args) -> int:
     import torch
 
     from ..pipelines.registry import omnify
-    from .common import TINY_MODELS, configure_logging, load_pipeline, table
+    from ..utils.text import table
+    from .common import TINY_MODELS, configure_logging, load_pipeline
     from .explain import summarize
 
     configure_logging(args.verbose)

@@ -8,14 +8,14 @@ import torch
 
 from ..attention.backends.base import AttentionCall
 from ..attention.backends.flash import flash_attention_implementations
-from ..attention.platform import current_platform, failed_conditions, platform_routes
+from ..attention.platform import current_platform
+from ..attention.routing import failed_conditions, platform_routes
 from ..attention.registry import get_backend_class, registered_backend_names
+from ..utils.versions import omni_version
 
 
 def collect_info(platform=None) -> dict:
     import diffusers
-
-    from .. import __version__
 
     platform = platform or current_platform()
     backends = []
@@ -42,7 +42,7 @@ def collect_info(platform=None) -> dict:
         for r in platform_routes(platform)
     ]
     return {
-        "diffusers_omni": __version__,
+        "diffusers_omni": omni_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,

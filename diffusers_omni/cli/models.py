@@ -1,12 +1,101 @@
-"""``diffusers-omni models``: the supported-models table, generated from the declarations."""
+"""``diffusers-omni models``: the supported-models table, generated from the declarations so the docs never drift
+from the code.
+
+    python -m diffusers_omni.cli.models --write docs/user_guide/supported_models.md
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+from pathlib import Path
+
+from ..models.base import declarations
+from ..pipelines.registry import omni_pipelines
+
+BEGIN = "<!-- BEGIN GENERATED: supported-models (python -m diffusers_omni.cli.models --write) -->"
+END = "<!-- END GENERATED: supported-models -->"
+
+# Diffusion pipelines vLLM-Omni serves that are not Diffusers 0.42 pipelines, so omnify cannot wrap them.
+NOT_DIFFUSERS_PIPELINES = {
+    "NextStep-1.1": "autoregressive image model with its own generation loop; no Diffusers pipeline",
+    "SoulX-Singer": "singing-voice synthesis; no Diffusers pipeline",
+    "BAGEL": "unified multimodal model served by its own inference code; no Diffusers pipeline",
+}
+
+
+def supported_models() -> list[dict]:
+    """One row per transformer declaration, with the Omni pipelines that drive it."""
+    pipelines_by_family: dict[str, list[str]] = {}
+    for omni_cls in omni_pipelines().values():
+        pipelines_by_family.setdefault(omni_cls._omni_family, []).append(omni_cls.__name__)
+    rows = []
+    # Sorted: registration order depends on which model modules were imported first.
+    for declaration in sorted(declarations(), key=lambda d: (d.display_name or d.name).lower()):
+        streamable = bool(declaration.blocks_attrs)
+        rows.append(
+            {
+                "architecture": declaration.display_name or declaration.name,
+                "example_checkpoint": declaration.example_checkpoint,
+                "dit_classes": list(declaration.class_names),
+                "pipelines": sorted(pipelines_by_family.get(declaration.name, [])),
+                "roles": [
+                    f"{role.role} ({role.category}{', masked' if role.masked else ''}{', GQA' if role.gqa else ''})"
+                    for role in declaration.roles
+                ],
+                "model_level_offload": True,
+                "layerwise_offload": streamable,
+                "distributed_layerwise_offload": streamable,
+                "blocks_attrs": list(declaration.blocks_attrs),
+            }
+        )
+    return rows
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def supported_models_markdown() -> str:
+    lines = [
+        "| Architecture | Example checkpoint | DiT class | Omni pipelines | Roles (category) | Model-level | Layerwise | "
+        "Distributed | Block attributes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in supported_models():
+        lines.append(
+            f"| {row['architecture']} | `{row['example_checkpoint']}` | {', '.join(f'`{c}`' for c in row['dit_classes'])} | "
+            f"{', '.join(f'`{p}`' for p in row['pipelines'])} | {'<br>'.join(f'`{r}`' for r in row['roles'])} | "
+            f"{_yes(row['model_level_offload'])} | {_yes(row['layerwise_offload'])} | "
+            f"{_yes(row['distributed_layerwise_offload'])} | {', '.join(f'`{b}`' for b in row['blocks_attrs'])} |"
+        )
+    lines += ["", "Not Diffusers 0.42 pipelines, so `omnify` cannot wrap them:", ""]
+    lines += [f"- {name}: {why}." for name, why in NOT_DIFFUSERS_PIPELINES.items()]
+    return "\n".join(lines)
+
+
+def embed(document: str) -> str:
+    """``document`` with the text between the generated-table markers replaced by the current table."""
+    start, end = document.find(BEGIN), document.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"the document has no '{BEGIN}' … '{END}' section")
+    return document[: start + len(BEGIN)] + "\n" + supported_models_markdown() + "\n" + document[end:]
 
 
 def run(args) -> int:
-    from ..models.table import supported_models, supported_models_markdown
-
     print(json.dumps(supported_models(), indent=2) if args.json else supported_models_markdown())
     return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="print or embed the supported-models table")
+    parser.add_argument("--write", type=Path, help="markdown file whose generated section is rewritten")
+    args = parser.parse_args()
+    if args.write:
+        args.write.write_text(embed(args.write.read_text()))
+    else:
+        print(supported_models_markdown())
+
+
+if __name__ == "__main__":
+    main()

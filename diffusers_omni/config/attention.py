@@ -9,23 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+from ._values import keys_text, show
 
 AUTO = "auto"
-
-BACKEND_NAMES: tuple[str, ...] = (
-    "TORCH_SDPA",
-    "FLASH_ATTN",
-    "CUDNN_ATTN",
-    "FLASHINFER_ATTN",
-    "TRTLLM_ATTN",
-    "SAGE_ATTN",
-    "SAGE_ATTN_3",
-    "FLASH_ATTN_HUB",
-    "FLASH_ATTN_3_HUB",
-    "RAINFUSION_ATTN",
-)
 
 BLOCK_SPARSE_BACKENDS: frozenset[str] = frozenset({"RAINFUSION_ATTN"})
 
@@ -33,19 +24,36 @@ _TRTLLM_QK_DTYPES = ("int8", "fp8_e4m3")
 _FLASHINFER_QK_DTYPES = ("float16", "bfloat16")
 _FLASHINFER_VO_DTYPES = ("float16", "bfloat16", "fp8_e4m3")
 _QUANT_BLOCK_SIZES = (1, 4, 16)
+# Layer indices above this are refused rather than expanded: no DiT comes near 10,000 blocks, and a selector such as
+# "0-1000000000000" would otherwise be expanded into a tuple that exhausts host memory.
+MAX_LAYER_INDEX = 9_999
+# Nested ``per_role`` dicts flatten to dotted roles (``{"ltx2": {"video": {"self": ...}}}``); real roles have two or
+# three components, and deeper nesting is refused before it can exhaust the interpreter's recursion limit.
+MAX_ROLE_DEPTH = 8
+
+
+# The backend names a spec may name. The attention layer's registry installs itself here when it is imported (the
+# package root imports it), so backends registered at run time are valid names too, and this layer imports nothing
+# above itself.
+_backend_names: Callable[[], tuple[str, ...]] | None = None
+
+
+def use_backend_names(source: Callable[[], tuple[str, ...]]) -> None:
+    """Validate backend names against ``source()`` (``attention.registry.registered_backend_names``)."""
+    global _backend_names
+    _backend_names = source
 
 
 def _known_backend_names() -> tuple[str, ...]:
-    # Backends registered at run time are valid names too.
-    from ..attention.registry import registered_backend_names
-
-    return registered_backend_names()
+    if _backend_names is None:
+        raise RuntimeError("no backend registry is installed; import diffusers_omni (the package root) first")
+    return _backend_names()
 
 
 def normalize_backend_name(value: Any, field_name: str = "backend") -> str:
     """Return the canonical backend name (upper case, or ``"auto"``) or raise naming the valid ones."""
     if not isinstance(value, str):
-        raise TypeError(f"{field_name} must be a backend name (str), got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{field_name} must be a backend name (str), got {type(value).__name__}: {show(value)}")
     name = value.strip()
     if name.lower() == AUTO:
         return AUTO
@@ -63,19 +71,29 @@ def _check_type(owner: str, name: str, value: Any, types: tuple[type, ...], allo
     if isinstance(value, bool) and bool not in types:
         raise TypeError(f"{owner}.{name} must be {allowed}, got bool: {value!r}")
     if not isinstance(value, types):
-        raise TypeError(f"{owner}.{name} must be {allowed}, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{owner}.{name} must be {allowed}, got {type(value).__name__}: {show(value)}")
+
+
+def _is_finite(value: int | float) -> bool:
+    """Finite as the float the kernels receive. ``math.isfinite`` itself raises OverflowError for an int above
+    ~1.8e308, so such ints are compared, not converted."""
+    if isinstance(value, int):
+        return abs(value) <= sys.float_info.max
+    return math.isfinite(value)
 
 
 def _check_unit_interval(owner: str, name: str, value: Any) -> None:
     _check_type(owner, name, value, (int, float), "a finite number in [0, 1]")
-    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{owner}.{name}={value!r} is out of range; allowed: a finite number in [0, 1]")
+    if not _is_finite(value) or not 0 <= value <= 1:
+        raise ValueError(f"{owner}.{name}={show(value)} is out of range; allowed: a finite number in [0, 1]")
 
 
 def _check_choice(owner: str, name: str, value: Any, allowed: tuple, context: str = "") -> None:
     if value not in allowed:
         suffix = f" {context}" if context else ""
-        raise ValueError(f"{owner}.{name}={value!r} is not allowed{suffix}; allowed: {', '.join(map(repr, allowed))}")
+        raise ValueError(
+            f"{owner}.{name}={show(value)} is not allowed{suffix}; allowed: {', '.join(map(repr, allowed))}"
+        )
 
 
 @dataclass(frozen=True)
@@ -103,7 +121,7 @@ class AttnQuantSpec:
             value = getattr(self, name)
             _check_type("quant", name, value, (int,), f"an int in {_QUANT_BLOCK_SIZES}")
             if value <= 0:
-                raise ValueError(f"quant.{name}={value!r} must be a positive int")
+                raise ValueError(f"quant.{name}={show(value)} must be a positive int")
 
     def validate_for(self, backend: str) -> None:
         """Check the values this spec holds against what ``backend`` accepts."""
@@ -152,49 +170,65 @@ class SkipSoftmaxSpec:
             _check_unit_interval("skip_softmax", "target_sparsity", self.target_sparsity)
         if self.threshold is not None:
             _check_type("skip_softmax", "threshold", self.threshold, (int, float), "a finite number >= 0")
-            if not math.isfinite(self.threshold) or self.threshold < 0:
+            if not _is_finite(self.threshold) or self.threshold < 0:
                 raise ValueError(
-                    f"skip_softmax.threshold={self.threshold!r} is out of range; allowed: a finite number >= 0"
+                    f"skip_softmax.threshold={show(self.threshold)} is out of range; allowed: a finite number >= 0"
                 )
         if self.target_sparsity is not None and self.threshold is not None:
             raise ValueError(
-                f"skip_softmax.target_sparsity={self.target_sparsity!r} and skip_softmax.threshold="
-                f"{self.threshold!r} are mutually exclusive; set one of them"
+                f"skip_softmax.target_sparsity={show(self.target_sparsity)} and skip_softmax.threshold="
+                f"{show(self.threshold)} are mutually exclusive; set one of them"
             )
         _check_unit_interval("skip_softmax", "disabled_until_timestep", self.disabled_until_timestep)
 
 
+_LAYER_ITEM = re.compile(r"^\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?$", re.ASCII)
+_LAYER_ALLOWED = f"layer indices >= 0 and <= {MAX_LAYER_INDEX}, as a string like '0-3,38' or a list of ints"
+
+
 def parse_layer_selector(value: Any, field_name: str = "block_sparse.skip_layers") -> tuple[int, ...]:
-    """Parse ``"0-3,38"`` or a list of ints into a sorted tuple of layer indices."""
+    """Parse ``"0-3,38"`` or a list of ints into a sorted tuple of layer indices (each at most
+    ``MAX_LAYER_INDEX``)."""
     if isinstance(value, str):
-        indices: list[int] = []
+        bounds: list[tuple[int, int]] = []
         for part in value.split(","):
             token = part.strip()
             if not token:
-                raise ValueError(f"{field_name}={value!r} has an empty item; allowed: e.g. '0-3,38'")
-            lo_text, sep, hi_text = token.partition("-")
-            try:
-                lo = int(lo_text)
-                hi = int(hi_text) if sep else lo
-            except ValueError:
+                raise ValueError(f"{field_name}={show(value)} has an empty item; allowed: {_LAYER_ALLOWED}")
+            match = _LAYER_ITEM.match(token)
+            if match is None:
                 raise ValueError(
-                    f"{field_name}={value!r}: {token!r} is not an int or an ascending range 'a-b'"
-                ) from None
-            if lo < 0 or hi < 0:
-                raise ValueError(f"{field_name}={value!r}: layer indices must be >= 0")
+                    f"{field_name}={show(value)}: {show(token)} is not an int >= 0 or an ascending range 'a-b'; "
+                    f"allowed: {_LAYER_ALLOWED}"
+                )
+            # Compared as digit strings first: int() refuses more than 4300 digits with its own ValueError.
+            lo_text, hi_text = (text.lstrip("0") or "0" if text is not None else None for text in match.groups())
+            if len(lo_text) > 6 or (hi_text is not None and len(hi_text) > 6):
+                raise ValueError(f"{field_name}={show(value)}: {show(token)} is out of range; allowed: {_LAYER_ALLOWED}")
+            lo = int(lo_text)
+            hi = int(hi_text) if hi_text is not None else lo
             if hi < lo:
-                raise ValueError(f"{field_name}={value!r}: range {token!r} must be ascending")
-            indices.extend(range(lo, hi + 1))
-        return tuple(sorted(set(indices)))
+                raise ValueError(f"{field_name}={show(value)}: range {token!r} must be ascending")
+            if hi > MAX_LAYER_INDEX:
+                raise ValueError(f"{field_name}={show(value)}: {token!r} is out of range; allowed: {_LAYER_ALLOWED}")
+            bounds.append((lo, hi))
+        # Bounded above, so expanding is at most MAX_LAYER_INDEX + 1 indices.
+        return tuple(sorted({i for lo, hi in bounds for i in range(lo, hi + 1)}))
     if isinstance(value, (list, tuple)):
         for item in value:
             if isinstance(item, bool) or not isinstance(item, int):
-                raise TypeError(f"{field_name} items must be ints >= 0, got {type(item).__name__}: {item!r}")
-            if item < 0:
-                raise ValueError(f"{field_name} item {item!r} must be >= 0")
+                raise TypeError(
+                    f"{field_name} items must be ints >= 0, got {type(item).__name__}: {show(item)} in {show(value)}"
+                )
+            if not 0 <= item <= MAX_LAYER_INDEX:
+                raise ValueError(
+                    f"{field_name} item {show(item)} is out of range; allowed: ints >= 0 and <= {MAX_LAYER_INDEX} "
+                    f"(in {show(value)})"
+                )
         return tuple(sorted(set(value)))
     raise TypeError(
-        f"{field_name} must be a selector string like '0-3,38' or a list of ints, got {type(value).__name__}"
+        f"{field_name} must be a selector string like '0-3,38' or a list of ints, got {type(value).__name__}: "
+        f"{show(value)}"
     )
 
 
@@ -216,7 +250,7 @@ class BlockSparseSpec:
         _check_unit_interval("block_sparse", "sparsity", self.sparsity)
         _check_type("block_sparse", "start_step", self.start_step, (int,), "an int >= 0")
         if self.start_step < 0:
-            raise ValueError(f"block_sparse.start_step={self.start_step!r} must be an int >= 0")
+            raise ValueError(f"block_sparse.start_step={show(self.start_step)} must be an int >= 0")
         if self.skip_layers is not None:
             object.__setattr__(self, "skip_layers", parse_layer_selector(self.skip_layers))
 
@@ -228,11 +262,11 @@ def _from_mapping(cls: type, value: Any, where: str) -> Any:
     if value is None or isinstance(value, cls):
         return value
     if not isinstance(value, Mapping):
-        raise TypeError(f"{where} must be a {cls.__name__} or a dict, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{where} must be a {cls.__name__} or a dict, got {type(value).__name__}: {show(value)}")
     allowed = [f.name for f in fields(cls)]
-    unknown = sorted(set(value) - set(allowed))
+    unknown = [key for key in value if key not in allowed]
     if unknown:
-        raise ValueError(f"{where} has unknown key(s) {unknown}; allowed: {allowed}")
+        raise ValueError(f"{where} has unknown key(s) {keys_text(unknown)}; allowed: {allowed}")
     return cls(**value)
 
 
@@ -280,13 +314,15 @@ class AttentionSpec:
             return cls(backend=value)
         if isinstance(value, Mapping):
             if "backend" not in value:
-                raise ValueError(f"{where} needs a 'backend' key; got keys {sorted(value)}")
+                raise ValueError(f"{where} needs a 'backend' key; got keys {keys_text(value)}")
             allowed = [f.name for f in fields(cls)]
-            unknown = sorted(set(value) - set(allowed))
+            unknown = [key for key in value if key not in allowed]
             if unknown:
-                raise ValueError(f"{where} has unknown key(s) {unknown}; allowed: {allowed}")
+                raise ValueError(f"{where} has unknown key(s) {keys_text(unknown)}; allowed: {allowed}")
             return cls(**value)
-        raise TypeError(f"{where} must be an AttentionSpec, a backend name or a dict, got {type(value).__name__}")
+        raise TypeError(
+            f"{where} must be an AttentionSpec, a backend name or a dict, got {type(value).__name__}: {show(value)}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"backend": self.backend}
@@ -301,21 +337,57 @@ def _looks_like_spec(value: Mapping) -> bool:
     return "backend" in value
 
 
-def _flatten_roles(value: Mapping, prefix: str, out: dict[str, AttentionSpec]) -> None:
-    for key, item in value.items():
-        if not isinstance(key, str) or not key:
-            raise TypeError(f"per_role keys must be non-empty role names (str), got {key!r}")
-        role = f"{prefix}.{key}" if prefix else key
-        if isinstance(item, Mapping) and not _looks_like_spec(item):
-            spec_keys = sorted(set(item) & set(_SUB_SPECS))
-            if spec_keys or not item:
-                raise ValueError(
-                    f"per_role[{role!r}] needs a 'backend' key; got keys {sorted(item)} (nested dicts without "
-                    "'backend' are read as dotted roles)"
+def _spelling(path: tuple[str, ...]) -> str:
+    return "per_role" + "".join(f"[{key!r}]" for key in path)
+
+
+def _flatten_roles(per_role: Mapping) -> dict[str, AttentionSpec]:
+    """Flatten nested role dicts to dotted roles; refuse two spellings of one role and malformed keys.
+
+    Iterative (an explicit stack), so hostile nesting raises ``ValueError`` at ``MAX_ROLE_DEPTH`` instead of
+    ``RecursionError``.
+    """
+    out: dict[str, AttentionSpec] = {}
+    spelled: dict[str, str] = {}
+    stack: list[tuple[tuple[str, ...], Mapping]] = [((), per_role)]
+    while stack:
+        path, mapping = stack.pop()
+        nested = []
+        for key, item in mapping.items():
+            if not isinstance(key, str) or not key:
+                raise TypeError(
+                    f"{_spelling(path)} keys must be non-empty role names (str), got {type(key).__name__}: "
+                    f"{show(key)}"
                 )
-            _flatten_roles(item, role, out)
-        else:
+            if any(not part.strip() for part in key.split(".")):
+                raise ValueError(
+                    f"{_spelling(path)} key {key!r} has an empty role component; allowed: a role such as "
+                    "'flux.joint' or a category such as 'cross'"
+                )
+            where = path + (key,)
+            role = ".".join(where)
+            if len(role.split(".")) > MAX_ROLE_DEPTH:
+                raise ValueError(
+                    f"{_spelling(where[:MAX_ROLE_DEPTH])}... nests deeper than {MAX_ROLE_DEPTH} role components; "
+                    "allowed: a role such as 'flux.joint' (or nested {'flux': {'joint': ...}})"
+                )
+            if isinstance(item, Mapping) and not _looks_like_spec(item):
+                spec_keys = [k for k in item if k in _SUB_SPECS]
+                if spec_keys or not item:
+                    raise ValueError(
+                        f"per_role[{role!r}] needs a 'backend' key; got keys {keys_text(item)} (nested dicts without "
+                        "'backend' are read as dotted roles)"
+                    )
+                nested.append((where, item))
+                continue
+            if role in spelled:
+                raise ValueError(
+                    f"{spelled[role]} and {_spelling(where)} both configure role {role!r}; keep one of them"
+                )
+            spelled[role] = _spelling(where)
             out[role] = AttentionSpec.parse(item, where=f"per_role[{role!r}]")
+        stack.extend(reversed(nested))
+    return out
 
 
 @dataclass(frozen=True)
@@ -348,15 +420,16 @@ class AttentionConfig:
         if self.deterministic is not None and not isinstance(self.deterministic, bool):
             raise TypeError(
                 f"deterministic must be True, False or None, got {type(self.deterministic).__name__}: "
-                f"{self.deterministic!r}"
+                f"{show(self.deterministic)}"
             )
         if self.default is not None:
             object.__setattr__(self, "default", AttentionSpec.parse(self.default, where="default"))
-        if not isinstance(self.per_role, Mapping):
-            raise TypeError(f"per_role must be a dict of role -> spec, got {type(self.per_role).__name__}")
-        flat: dict[str, AttentionSpec] = {}
-        _flatten_roles(self.per_role, "", flat)
-        object.__setattr__(self, "per_role", flat)
+        per_role = {} if self.per_role is None else self.per_role
+        if not isinstance(per_role, Mapping):
+            raise TypeError(
+                f"per_role must be a dict of role -> spec, got {type(per_role).__name__}: {show(per_role)}"
+            )
+        object.__setattr__(self, "per_role", _flatten_roles(per_role))
 
     @classmethod
     def parse(cls, value: Any) -> "AttentionConfig":
@@ -377,25 +450,32 @@ class AttentionConfig:
                 try:
                     decoded = json.loads(text)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"attention config is not valid JSON ({exc.msg} at char {exc.pos}): {value!r}") from None
+                    raise ValueError(
+                        f"attention config is not valid JSON ({exc.msg} at char {exc.pos}): {show(value)}"
+                    ) from None
+                except (ValueError, RecursionError) as exc:  # e.g. a 5000-digit number, or nesting ~1000 deep
+                    reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+                    raise ValueError(f"attention config is not valid JSON ({reason}): {show(value)}") from None
                 return cls.parse(decoded)
             return cls(default=AttentionSpec(backend=text))
         if isinstance(value, Mapping):
             if _looks_like_spec(value):
                 return cls(default=AttentionSpec.parse(value, where="default"))
-            unknown = sorted(set(value) - {"default", "per_role", "deterministic"})
+            unknown = [key for key in value if key not in ("default", "per_role", "deterministic")]
             if unknown:
                 raise ValueError(
-                    f"attention config has unknown key(s) {unknown}; allowed: ['default', 'per_role', 'deterministic']"
+                    f"attention config has unknown key(s) {keys_text(unknown)}; allowed: ['default', 'per_role', "
+                    "'deterministic']"
                 )
+            # A falsy per_role that is not a dict ([], 0, "") is refused by the constructor, not read as empty.
             return cls(
                 default=value.get("default"),
-                per_role=value.get("per_role") or {},
+                per_role=value.get("per_role"),
                 deterministic=value.get("deterministic"),
             )
         raise TypeError(
             "attention config must be an AttentionConfig, an AttentionSpec, a backend name, a dict or a JSON "
-            f"string, got {type(value).__name__}"
+            f"string, got {type(value).__name__}: {show(value)}"
         )
 
     def to_dict(self) -> dict[str, Any]:

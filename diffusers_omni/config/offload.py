@@ -7,13 +7,14 @@ of the wrong type) naming the field, the value found and what is allowed.
 from __future__ import annotations
 
 import enum
-import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from ._values import show
 
 
 class OffloadStrategy(str, enum.Enum):
@@ -34,12 +35,16 @@ class OffloadStrategy(str, enum.Enum):
         if isinstance(value, cls):
             return value
         if not isinstance(value, str):
-            raise TypeError(f"{field_name} must be an OffloadStrategy or str, got {type(value).__name__}: {value!r}")
+            raise TypeError(
+                f"{field_name} must be an OffloadStrategy or str, got {type(value).__name__}: {show(value)}"
+            )
         key = value.strip().lower().replace("-", "_")
         for member in cls:
             if key in (member.value, member.name.lower()):
                 return member
-        raise ValueError(f"{field_name}={value!r} is not an offload strategy; allowed: {', '.join(_ALLOWED_NAMES)}")
+        raise ValueError(
+            f"{field_name}={show(value)} is not an offload strategy; allowed: {', '.join(_ALLOWED_NAMES)}"
+        )
 
 
 _ALLOWED_NAMES = tuple(member.value for member in OffloadStrategy)
@@ -64,29 +69,32 @@ _BYTE_UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_BYTES_RE = re.compile(r"^\s*([0-9]*)(?:\.([0-9]+))?\s*([a-zA-Z]*)\s*$", re.ASCII)
 _BYTES_ALLOWED = 'a non-negative int of bytes or a string such as "12GiB", "500MB", "1.5 GB"'
 
 
 def parse_bytes(value: Any, field_name: str) -> int:
     """``12`` → 12, ``"12GiB"`` → 12·2³⁰, ``"500MB"`` → 5·10⁸ (decimal and binary units, case-insensitive)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{field_name} must be {_BYTES_ALLOWED}, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"{field_name} must be {_BYTES_ALLOWED}, got {type(value).__name__}: {show(value)}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"{field_name}={value!r} is negative; allowed: {_BYTES_ALLOWED}")
+            raise ValueError(f"{field_name}={show(value)} is negative; allowed: {_BYTES_ALLOWED}")
         return value
     match = _BYTES_RE.match(value)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _BYTE_UNITS:
+    whole, fraction, unit = match.groups() if match else ("", None, None)
+    unit = unit.lower() if unit is not None else None
+    if match is None or not (whole or fraction) or unit not in _BYTE_UNITS:
         raise ValueError(
-            f"{field_name}={value!r} is not a byte size; allowed: {_BYTES_ALLOWED} "
+            f"{field_name}={show(value)} is not a byte size; allowed: {_BYTES_ALLOWED} "
             f"(units: {', '.join(u for u in _BYTE_UNITS if u)})"
         )
-    number = float(match.group(1))
-    if not math.isfinite(number):
-        raise ValueError(f"{field_name}={value!r} is not finite; allowed: {_BYTES_ALLOWED}")
-    return int(number * _BYTE_UNITS[unit])
+    if len(whole.lstrip("0")) > 30:  # beyond any memory (10^30 bytes); int() also refuses > 4300 digits
+        raise ValueError(f"{field_name}={show(value)} is out of range; allowed: {_BYTES_ALLOWED}")
+    # Exact integer arithmetic: a float would overflow to inf (OverflowError in int()) for long digit strings.
+    fraction = (fraction or "")[:30]
+    scaled = int(whole or "0") * 10 ** len(fraction) + int(fraction or "0")
+    return scaled * _BYTE_UNITS[unit] // 10 ** len(fraction)
 
 
 def format_bytes(nbytes: int | float) -> str:
@@ -100,12 +108,16 @@ def format_bytes(nbytes: int | float) -> str:
 
 
 def _normalize_paths(owner: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, Iterable):
-        raise TypeError(f"{owner} must be a sequence of dotted paths (str), got {type(value).__name__}: {value!r}")
+    if isinstance(value, (str, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{owner} must be a sequence of dotted paths (str), got {type(value).__name__}: {show(value)}"
+        )
     paths = tuple(value)
     for path in paths:
-        if not isinstance(path, str) or not path.strip():
-            raise TypeError(f"{owner} must hold non-empty dotted paths (str), got {path!r}")
+        if not isinstance(path, str):
+            raise TypeError(f"{owner} must hold dotted paths (str), got {type(path).__name__}: {show(path)}")
+        if not path.strip():
+            raise ValueError(f"{owner} must hold non-empty dotted paths, got {show(path)}")
     return paths
 
 
@@ -130,11 +142,16 @@ class OffloadPlan:
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, Mapping):
-            raise TypeError(f"OffloadPlan.blocks must be a mapping of DiT path to block attributes, got {self.blocks!r}")
+            raise TypeError(
+                "OffloadPlan.blocks must be a mapping of DiT path to block attributes, got "
+                f"{type(self.blocks).__name__}: {show(self.blocks)}"
+            )
         blocks = {}
         for dit_path, attrs in self.blocks.items():
             if not isinstance(dit_path, str):
-                raise TypeError(f"OffloadPlan.blocks keys must be DiT paths (str), got {dit_path!r}")
+                raise TypeError(
+                    f"OffloadPlan.blocks keys must be DiT paths (str), got {type(dit_path).__name__}: {show(dit_path)}"
+                )
             blocks[dit_path] = _normalize_paths(f"OffloadPlan.blocks[{dit_path!r}]", attrs)
         object.__setattr__(self, "blocks", blocks)
         object.__setattr__(self, "extra_streamed", _normalize_paths("OffloadPlan.extra_streamed", self.extra_streamed))
@@ -144,13 +161,14 @@ class OffloadPlan:
 def _normalize_strategies(value: Any) -> tuple[OffloadStrategy, ...]:
     if isinstance(value, (str, OffloadStrategy)):
         requested = {OffloadStrategy.parse(value)}
-    elif isinstance(value, Iterable):
+    elif isinstance(value, Iterable) and not isinstance(value, Mapping):
         requested = {OffloadStrategy.parse(item) for item in value}
         if not requested:
-            raise ValueError(f"strategy={value!r} is empty; allowed: one or more of {', '.join(_ALLOWED_NAMES)}")
+            raise ValueError(f"strategy={show(value)} is empty; allowed: one or more of {', '.join(_ALLOWED_NAMES)}")
     else:
         raise TypeError(
-            f"strategy must be an OffloadStrategy, a str or a collection of them, got {type(value).__name__}: {value!r}"
+            "strategy must be an OffloadStrategy, a str or a collection of them, got "
+            f"{type(value).__name__}: {show(value)}"
         )
     if len(requested) > 1:
         requested.discard(OffloadStrategy.NONE)
@@ -163,10 +181,12 @@ def _normalize_device(value: Any) -> torch.device:
     elif isinstance(value, str):
         try:
             device = torch.device(value)
-        except RuntimeError as error:
-            raise ValueError(f"device={value!r} is not a torch device; allowed: e.g. 'cuda', 'cuda:1', 'cpu'") from error
+        except (RuntimeError, ValueError) as error:
+            raise ValueError(
+                f"device={show(value)} is not a torch device; allowed: e.g. 'cuda', 'cuda:1', 'cpu'"
+            ) from error
     else:
-        raise TypeError(f"device must be a str or torch.device, got {type(value).__name__}: {value!r}")
+        raise TypeError(f"device must be a str or torch.device, got {type(value).__name__}: {show(value)}")
     if device.type == "meta":
         raise ValueError("device='meta' cannot run a model; allowed: an accelerator such as 'cuda', or 'cpu' for tests")
     return device
@@ -229,37 +249,44 @@ class OffloadConfig:
         object.__setattr__(self, "strategy", requested[0])
         object.__setattr__(self, "device", _normalize_device(self.device))
         if not isinstance(self.pin_memory, bool):
-            raise TypeError(f"pin_memory must be a bool, got {type(self.pin_memory).__name__}: {self.pin_memory!r}")
+            raise TypeError(f"pin_memory must be a bool, got {type(self.pin_memory).__name__}: {show(self.pin_memory)}")
         if self.max_device_memory is not None:
             object.__setattr__(self, "max_device_memory", parse_bytes(self.max_device_memory, "max_device_memory"))
             if self.strategy is not OffloadStrategy.LAYERWISE:
                 raise ValueError(
-                    f"max_device_memory={self.max_device_memory!r} applies only to the layerwise strategy, got "
+                    f"max_device_memory={show(self.max_device_memory)} applies only to the layerwise strategy, got "
                     f"strategy={self.strategy.value!r}; allowed: None, or use strategy='layerwise'"
                 )
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int):
-            raise TypeError(f"prefetch_depth must be an int >= 1, got {self.prefetch_depth!r}")
+            raise TypeError(
+                f"prefetch_depth must be an int >= 1, got {type(self.prefetch_depth).__name__}: "
+                f"{show(self.prefetch_depth)}"
+            )
         if self.prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth={self.prefetch_depth!r} is out of range; allowed: an int >= 1")
+            raise ValueError(f"prefetch_depth={show(self.prefetch_depth)} is out of range; allowed: an int >= 1")
         if self.plan is not None and not isinstance(self.plan, OffloadPlan):
-            raise TypeError(f"plan must be an OffloadPlan or None, got {type(self.plan).__name__}: {self.plan!r}")
+            raise TypeError(f"plan must be an OffloadPlan or None, got {type(self.plan).__name__}: {show(self.plan)}")
         if self.show_progress is not None and not isinstance(self.show_progress, bool):
-            raise TypeError(f"show_progress must be a bool or None, got {self.show_progress!r}")
+            raise TypeError(
+                f"show_progress must be a bool or None, got {type(self.show_progress).__name__}: "
+                f"{show(self.show_progress)}"
+            )
         self._validate_distributed()
 
     def _validate_distributed(self) -> None:
         for name in ("use_allgather", "hsdp"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}: {show(value)}")
         for name, low in (("resident_layers", 0), ("tensor_parallel_size", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int >= {low}, got {value!r}")
+                raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__}: {show(value)}")
             if value < low:
-                raise ValueError(f"{name}={value!r} is out of range; allowed: an int >= {low}")
+                raise ValueError(f"{name}={show(value)} is out of range; allowed: an int >= {low}")
         if self.strategy is not OffloadStrategy.DISTRIBUTED_LAYERWISE:
             changed = [
-                f"{n}={getattr(self, n)!r}"
+                f"{n}={show(getattr(self, n))}"
                 for n, default in (("use_allgather", True), ("resident_layers", 0), ("process_group", None))
                 if getattr(self, n) != default
             ]

@@ -26,12 +26,17 @@ class AttentionRole:
 
 @dataclass(frozen=True)
 class AttentionSite:
-    """An attention module found in a model, with the roles of the calls its processor makes."""
+    """An attention module found in a model, with the roles of the calls its processor makes.
+
+    ``model_name`` is the name of the declaration that found it (``"flux"``), filled in by ``plan_attention`` so
+    that a backend binding to the site (``bind_site``) knows the architecture without asking the model layer.
+    """
 
     name: str
     module: nn.Module
     roles: tuple[AttentionRole, ...]
     head_dim: int
+    model_name: str = ""
 
 
 ProcessorFactory = Callable[[Any, dict[str, RoleAttention]], OmniAttnProcessor]

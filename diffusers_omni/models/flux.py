@@ -32,13 +32,18 @@ def _unbound_error(processor: Any) -> RuntimeError:
     )
 
 
-def joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, projections=_get_qkv_projections):
+def joint_qkv(
+    attn, hidden_states, encoder_hidden_states, image_rotary_emb, projections=_get_qkv_projections,
+    with_image_query: bool = False,
+):
     """Q, K, V of the joint ``[text | image]`` sequence, ``[B, S, H, D]``, with q/k norms and rotary embeddings
-    applied in the order of Diffusers' FLUX processors (FLUX.2 passes its own ``projections``)."""
+    applied in the order of Diffusers' FLUX processors (FLUX.2 passes its own ``projections``). With
+    ``with_image_query``, the normed image query before concatenation and rotary comes fourth (IP-Adapter)."""
     query, key, value, text_query, text_key, text_value = projections(attn, hidden_states, encoder_hidden_states)
     query = attn.norm_q(query.unflatten(-1, (-1, attn.head_dim)))
     key = attn.norm_k(key.unflatten(-1, (-1, attn.head_dim)))
     value = value.unflatten(-1, (-1, attn.head_dim))
+    image_query = query
 
     if attn.added_kv_proj_dim is not None:
         text_query = attn.norm_added_q(text_query.unflatten(-1, (-1, attn.head_dim)))
@@ -51,7 +56,7 @@ def joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb, proj
     if image_rotary_emb is not None:
         query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
         key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-    return query, key, value
+    return (query, key, value, image_query) if with_image_query else (query, key, value)
 
 
 class OmniFluxAttnProcessor(OmniAttnProcessor):
@@ -143,26 +148,9 @@ class OmniFluxIPAdapterAttnProcessor(OmniAttnProcessor, nn.Module):
         if self._attention is None:
             raise _unbound_error(self)
         batch_size = hidden_states.shape[0]
-        query, key, value, text_query, text_key, text_value = _get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
+        query, key, value, ip_query = joint_qkv(
+            attn, hidden_states, encoder_hidden_states, image_rotary_emb, with_image_query=True
         )
-        query = attn.norm_q(query.unflatten(-1, (attn.heads, -1)))
-        key = attn.norm_k(key.unflatten(-1, (attn.heads, -1)))
-        value = value.unflatten(-1, (attn.heads, -1))
-        ip_query = query
-
-        if encoder_hidden_states is not None:
-            text_query = attn.norm_added_q(text_query.unflatten(-1, (attn.heads, -1)))
-            text_key = attn.norm_added_k(text_key.unflatten(-1, (attn.heads, -1)))
-            text_value = text_value.unflatten(-1, (attn.heads, -1))
-            query = torch.cat([text_query, query], dim=1)
-            key = torch.cat([text_key, key], dim=1)
-            value = torch.cat([text_value, value], dim=1)
-
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-
         out = self._attention(query, key, value, attn_mask=attention_mask)
         out = out.flatten(2, 3).to(query.dtype)
 

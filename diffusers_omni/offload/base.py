@@ -76,6 +76,11 @@ class OffloadBackend(ABC):
         self.device = resolve_device(config.device)
         self._enabled = False
 
+    @classmethod
+    def for_config(cls, config: OffloadConfig) -> "OffloadBackend":
+        """The backend serving ``config`` (a strategy with variants returns the variant's class)."""
+        return cls(config)
+
     def enable(self, target: Any) -> "OffloadBackend":
         """Apply this strategy to ``target`` (a pipeline or a bare ``nn.Module``)."""
         if self._enabled:

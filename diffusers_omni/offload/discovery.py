@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from ..config.offload import OffloadPlan
 from ..models.base import blocks_attrs_for
-from ..pipelines.mixin import get_submodule_path
+from ..utils.modules import get_submodule_path
 from .hooks import DIFFUSERS_OFFLOAD_HOOKS, OMNI_OFFLOAD_HOOKS, hook_names
 
 logger = logging.getLogger("diffusers_omni")

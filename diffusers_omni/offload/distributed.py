@@ -26,16 +26,17 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from ..config.offload import OffloadStrategy, format_bytes
+from ..utils.progress import byte_progress
 from .base import Journal
 from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
-from .layerwise import LayerwiseOffloadBackend, LayerwiseStats, _bind, _State
+from .layerwise import LayerwiseOffloadBackend, LayerwiseState, LayerwiseStats
 from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
 
 logger = logging.getLogger("diffusers_omni")
@@ -229,20 +230,32 @@ class _GatherStreamer:
 
 
 class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
-    """Layerwise offload on every rank of a process group, with 1/N host shards gathered per block (AllGather
-    mode) or a full copy per rank (no-AllGather mode). Enable and disable are collective: call them on every rank.
+    """Layerwise offload on every rank of a process group. This class is the no-AllGather mode (a full host copy
+    per rank, streamed as in single-process layerwise offload); ``AllGatherLayerwiseOffloadBackend`` keeps 1/N host
+    shards per rank and gathers each block. ``for_config`` picks by ``config.use_allgather``. Enable and disable are
+    collective: call them on every rank.
     """
 
     strategy = OffloadStrategy.DISTRIBUTED_LAYERWISE
     stages = ("discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_step_check",
               "prime")
+    use_allgather: bool = False
+
+    @classmethod
+    def for_config(cls, config) -> "DistributedLayerwiseOffloadBackend":
+        variant = AllGatherLayerwiseOffloadBackend if config.use_allgather else DistributedLayerwiseOffloadBackend
+        return variant(config)
 
     def __init__(self, config) -> None:
+        if config.use_allgather != self.use_allgather:
+            raise ValueError(
+                f"{type(self).__name__} serves use_allgather={self.use_allgather}, got use_allgather="
+                f"{config.use_allgather}; build it with DistributedLayerwiseOffloadBackend.for_config(config)"
+            )
         super().__init__(config)
         self.group = require_process_group(config.process_group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.use_allgather = config.use_allgather
         backend = str(dist.get_backend(self.group)).lower()
         if self.device.type == "cpu" and backend == "nccl":
             raise ValueError("device='cpu' cannot use an NCCL process group; allowed: a gloo group for CPU runs")
@@ -251,14 +264,14 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
     def stats(self) -> DistributedStats:
         return super().stats
 
-    def _new_state(self, target: Any) -> _State:
+    def _new_state(self, target: Any) -> LayerwiseState:
         state = super()._new_state(target)
         state.stats = DistributedStats(rank=self.rank, world_size=self.world_size, use_allgather=self.use_allgather)
         return state
 
     # Discover: local checks, then every rank agrees (so one rank's error never leaves the others in a collective).
 
-    def _stage_discover(self, state: _State, journal: Journal) -> None:
+    def _stage_discover(self, state: LayerwiseState, journal: Journal) -> None:
         error: BaseException | None = None
         digest = ""
         try:
@@ -284,7 +297,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                 f"{[d[:8] for _, d in answers]}); every rank must load the same model and pipeline"
             )
 
-    def _check_and_place_residents(self, state: _State) -> None:
+    def _check_and_place_residents(self, state: LayerwiseState) -> None:
         layers = self.config.resident_layers
         if layers:
             main = state.weights[0]
@@ -301,24 +314,47 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         stats.resident_blocks = sum(1 for w, r in flat if r and not w.empty)
         stats.streamed_bytes_per_pass = sum(w.nbytes for w, r in flat if not r)
 
-    # AllGather stages ------------------------------------------------------------------------------------
+    def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
+        super()._stage_pack_blocks(state, journal)
+        state.stats.host_bytes_per_dtype = {
+            str(d): n * torch.empty(0, dtype=d).element_size()
+            for d, n in _sum_numel(w for ws in state.weights for w in ws if not w.empty).items()
+        }
 
-    def _stage_pack_blocks(self, state: _State, journal: Journal) -> None:
-        if not self.use_allgather:
-            super()._stage_pack_blocks(state, journal)
-            state.stats.host_bytes_per_dtype = {
-                str(d): n * torch.empty(0, dtype=d).element_size()
-                for d, n in _sum_numel(w for ws in state.weights for w in ws if not w.empty).items()
-            }
-            return
+    def _stage_install_step_check(self, state: LayerwiseState, journal: Journal) -> None:
+        from .dataparallel import install_step_check
+
+        remove = install_step_check(state.target, self.group)
+        if remove is not None:
+            journal.record("remove step check", remove)
+            self._remove_step_check = remove
+
+    # Disable ---------------------------------------------------------------------------------------------
+
+    def _disable(self) -> None:
+        self._remove_step_check_hook()
+        super()._disable()
+
+    def _remove_step_check_hook(self) -> None:
+        remove = self.__dict__.pop("_remove_step_check", None)
+        if remove is not None:
+            remove()
+
+
+class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
+    """Distributed layerwise offload in AllGather mode: each rank pins 1/N of every block, and a block is rebuilt
+    on the device by an all-gather of the shards before it runs."""
+
+    use_allgather = True
+
+    def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
         total = sum(w.nbytes for ws in state.weights for w in ws)
-        show = self.config.show_progress if self.config.show_progress is not None else total >= 2**30
         per_dtype: dict[str, int] = {}
         desc = f"distributed offload rank {self.rank}/{self.world_size}: packing shards"
-        with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not show) as bar:
+        with byte_progress(total, desc, self.config.show_progress) as bar:
             for stack_weights, stack_resident in zip(state.weights, state.resident):
                 row: list[_ShardedBlock | None] = []
                 for weights, resident in zip(stack_weights, stack_resident):
@@ -330,7 +366,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                     block = _ShardedBlock(weights, self.world_size, self.rank, self.device)
                     block.pack(host_memory)
                     originals = weights.tensors.current()
-                    journal.record(f"restore {weights.path}", _bind(weights.park, originals))
+                    journal.record(f"restore {weights.path}", partial(weights.park, originals))
                     weights.park(block.placeholders)  # the originals are freed once enable commits
                     for d, t in block.host.items():
                         per_dtype[str(d)] = per_dtype.get(str(d), 0) + t.numel() * t.element_size()
@@ -343,10 +379,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         logger.info("distributed offload rank %d/%d: host shards %s (of %s)", self.rank, self.world_size,
                     format_bytes(state.stats.host_bytes), format_bytes(total))
 
-    def _stage_allocate_slots(self, state: _State, journal: Journal) -> None:
-        if not self.use_allgather:
-            super()._stage_allocate_slots(state, journal)
-            return
+    def _stage_allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:
         blocks = [b for row in state.streamed for b in row if b is not None]
         state.transfers = transfers = _GatherTransfers(self.device, self.group)
         shards: dict[torch.dtype, int] = {}
@@ -366,55 +399,34 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                     format_bytes(state.stats.slot_bytes),
                     format_bytes(sum(n * torch.empty(0, dtype=d).element_size() for d, n in shards.items())))
 
-    def _stage_install_hooks(self, state: _State, journal: Journal) -> None:
-        if not self.use_allgather:
-            super()._stage_install_hooks(state, journal)
-            return
+    def _stage_install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         journal.record("remove hooks", state.hooks.remove_all)
         streamer = state.streamer
         for stack, row in zip(state.stacks, state.streamed):
             ring = [b for b in row if b is not None]
             if not ring:
                 continue
-            state.hooks.install(stack.owner, CallbackHook(before=_bind(streamer.enter_stack, ring)),
+            state.hooks.install(stack.owner, CallbackHook(before=partial(streamer.enter_stack, ring)),
                                 LAYERWISE_ENTRY_HOOK)
             following = {id(b): ring[(i + 1) % len(ring)] if len(ring) > 1 else None for i, b in enumerate(ring)}
             for (_, module), block in zip(stack.blocks, row):
                 if block is None:
                     continue
                 nxt = following[id(block)]
-                hook = CallbackHook(before=_bind(streamer.begin, block, nxt), after=_bind(streamer.end, block, nxt))
+                hook = CallbackHook(before=partial(streamer.begin, block, nxt), after=partial(streamer.end, block, nxt))
                 state.hooks.install(module, hook, LAYERWISE_BLOCK_HOOK)
         roots = [stack.owner for stack in state.stacks]
         refresh_registry_caches(roots)
         journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
 
-    def _stage_install_step_check(self, state: _State, journal: Journal) -> None:
-        from .dataparallel import install_step_check
-
-        remove = install_step_check(state.target, self.group)
-        if remove is not None:
-            journal.record("remove step check", remove)
-            self._remove_step_check = remove
-
-    def _stage_prime(self, state: _State, journal: Journal) -> None:
-        if not self.use_allgather:
-            super()._stage_prime(state, journal)
-            return
+    def _stage_prime(self, state: LayerwiseState, journal: Journal) -> None:
         for row in state.streamed:
             ring = [b for b in row if b is not None]
             if ring:
                 state.streamer.enter_stack(ring)
 
-    # Disable ---------------------------------------------------------------------------------------------
-
     def _disable(self) -> None:
-        remove = self.__dict__.pop("_remove_step_check", None)
-        if remove is not None:
-            remove()
-        if not self.use_allgather:
-            super()._disable()
-            return
+        self._remove_step_check_hook()
         state = self._state
         state.transfers.synchronize()
         state.hooks.remove_all()
@@ -442,7 +454,7 @@ def _sum_numel(weights) -> dict[torch.dtype, int]:
     return total
 
 
-def _layout_digest(state: _State) -> str:
+def _layout_digest(state: LayerwiseState) -> str:
     """A hash of every block's path, tensor shapes and dtypes: equal on every rank that loaded the same model."""
     h = hashlib.sha256()
     for stack_weights, resident in zip(state.weights, state.resident):
@@ -459,6 +471,7 @@ def host_bytes_per_rank(numel: dict[torch.dtype, int], world_size: int) -> dict[
 
 
 __all__ = [
+    "AllGatherLayerwiseOffloadBackend",
     "DistributedLayerwiseOffloadBackend",
     "all_gather_bytes",
     "host_bytes_per_rank",

@@ -16,13 +16,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
 
 from ..config.offload import OffloadStrategy, format_bytes
+from ..utils.progress import byte_progress
 from .base import Journal, OffloadBackend
 from .discovery import (
     DIT,
@@ -39,8 +40,6 @@ from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_f
 from .tensors import TensorSet, tensor_nbytes
 
 logger = logging.getLogger("diffusers_omni")
-
-_PROGRESS_MIN_BYTES = 2**30
 
 
 def spread_positions(count: int, total: int) -> list[int]:
@@ -222,7 +221,9 @@ class _Streamer:
 
 
 @dataclass
-class _State:
+class LayerwiseState:
+    """What one enable of layerwise offload built: discovered stacks, packed weights, slots, hooks, counters."""
+
     target: Any
     topology: Topology | None = None
     stacks: list[Stack] = field(default_factory=list)
@@ -244,7 +245,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self._state: _State | None = None
+        self._state: LayerwiseState | None = None
 
     @property
     def stats(self) -> LayerwiseStats:
@@ -253,8 +254,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
             raise RuntimeError("layerwise offload is not enabled")
         return self._state.stats
 
-    def _new_state(self, target: Any) -> _State:
-        self._state = _State(target)
+    def _new_state(self, target: Any) -> LayerwiseState:
+        self._state = LayerwiseState(target)
         return self._state
 
     def _forget(self) -> None:
@@ -262,7 +263,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
     # Enable stages ----------------------------------------------------------------------------------------
 
-    def _stage_discover(self, state: _State, journal: Journal) -> None:
+    def _stage_discover(self, state: LayerwiseState, journal: Journal) -> None:
         plan = self.config.plan
         state.topology = discover_components(state.target, plan)
         check_topology(state.topology)
@@ -296,7 +297,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
             "none" if self.config.max_device_memory is None else format_bytes(self.config.max_device_memory),
         )
 
-    def _non_block_tensors(self, state: _State) -> list[torch.Tensor]:
+    def _non_block_tensors(self, state: LayerwiseState) -> list[torch.Tensor]:
         in_blocks = {id(t) for stack in state.stacks for _, b in stack.blocks for _, t in named_tensors(b)}
         seen: set[int] = set()
         tensors = []
@@ -307,7 +308,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     tensors.append(tensor)
         return tensors
 
-    def _stage_move_residents(self, state: _State, journal: Journal) -> None:
+    def _stage_move_residents(self, state: LayerwiseState, journal: Journal) -> None:
         non_block = {id(t) for t in self._non_block_tensors(state)}
         roots = [(stack.owner, stack.name, non_block) for stack in state.stacks]
         roots += [(c.module, c.label, None) for c in state.topology.components if c.role != DIT]
@@ -318,13 +319,12 @@ class LayerwiseOffloadBackend(OffloadBackend):
             done |= tensors.ids
             journal.record(f"move {label}", tensors.move_to(self.device))
 
-    def _stage_pack_blocks(self, state: _State, journal: Journal) -> None:
+    def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
         total = sum(w.nbytes for stack in state.weights for w in stack)
-        show = self.config.show_progress if self.config.show_progress is not None else total >= _PROGRESS_MIN_BYTES
-        with tqdm(total=total, unit="B", unit_scale=True, desc="layerwise offload: packing blocks", disable=not show) as bar:
+        with byte_progress(total, "layerwise offload: packing blocks", self.config.show_progress) as bar:
             for stack_weights, stack_resident in zip(state.weights, state.resident):
                 streamed_row: list[_StreamedBlock | None] = []
                 for weights, resident in zip(stack_weights, stack_resident):
@@ -353,7 +353,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         weights.park(block.placeholders)
         return block
 
-    def _stage_allocate_slots(self, state: _State, journal: Journal) -> None:
+    def _stage_allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:
         blocks = [b for row in state.streamed for b in row if b is not None]
         state.transfers = Transfers(self.device)
         count = self.config.prefetch_depth + 1 if blocks else 0
@@ -370,7 +370,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
             self.config.prefetch_depth,
         )
 
-    def _stage_install_hooks(self, state: _State, journal: Journal) -> None:
+    def _stage_install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         journal.record("remove hooks", state.hooks.remove_all)
         depth = self.config.prefetch_depth
         capacity = state.stats.in_flight_capacity
@@ -381,21 +381,23 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 continue
             first = tuple(ring[:depth])
             state.hooks.install(
-                stack.owner, CallbackHook(before=_bind(streamer.enter_stack, ring, first)), LAYERWISE_ENTRY_HOOK
+                stack.owner, CallbackHook(before=partial(streamer.enter_stack, ring, first)), LAYERWISE_ENTRY_HOOK
             )
             for position, ((_, module), block) in enumerate(zip(stack.blocks, row)):
                 # As far ahead as the window could ever hold: each upcoming block loads as soon as room frees up
                 # (e.g. while resident blocks run), so the copy engine never idles waiting for the next one.
                 lookahead = _lookahead(row, position, capacity)
-                after = _bind(streamer.end, block) if block is not None else None
+                after = partial(streamer.end, block) if block is not None else None
                 state.hooks.install(
-                    module, CallbackHook(before=_bind(streamer.begin, block, lookahead), after=after), LAYERWISE_BLOCK_HOOK
+                    module,
+                    CallbackHook(before=partial(streamer.begin, block, lookahead), after=after),
+                    LAYERWISE_BLOCK_HOOK,
                 )
         roots = [stack.owner for stack in state.stacks]
         refresh_registry_caches(roots)
         journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
 
-    def _stage_prime(self, state: _State, journal: Journal) -> None:
+    def _stage_prime(self, state: LayerwiseState, journal: Journal) -> None:
         for row in state.streamed:
             ring = [b for b in row if b is not None]
             if ring:
@@ -433,13 +435,6 @@ def _lookahead(row: list[_StreamedBlock | None], position: int, capacity: int) -
             break
         chosen.append(block)
     return tuple(chosen)
-
-
-def _bind(function, *args):
-    def call() -> None:
-        function(*args)
-
-    return call
 
 
 def stack_modules(backend: LayerwiseOffloadBackend) -> list[nn.Module]:

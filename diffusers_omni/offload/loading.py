@@ -4,16 +4,23 @@ Every rank of a distributed layerwise run maps the same files, so the checkpoint
 instead of once per rank in anonymous memory; the AllGather backend then copies only the rank's 1/N slice of each
 block into pinned memory and drops the views. Steps:
 
-1. read and validate every safetensors header (single file or a sharded ``*.safetensors.index.json``) before
-   anything is built: a corrupt or truncated file raises ``CheckpointError`` and nothing is half-loaded;
+1. open every safetensors file with ``safetensors.safe_open`` (single file or the shards of a
+   ``*.safetensors.index.json``) and check it against the model before anything is mapped: safetensors validates
+   each header (offsets contiguous, non-overlapping and covering the file, sizes matching shapes), and names,
+   shapes and dtype kinds are compared with the model built from ``config.json``. Anything wrong raises
+   ``CheckpointError`` naming the file and tensor, and nothing is half-loaded;
 2. build the model from its config with parameters on the meta device and buffers real
    (``accelerate.init_empty_weights(include_buffers=False)``), so non-persistent buffers such as RoPE frequency
    tables are computed exactly as a normal construction computes them;
-3. map each file once (``torch.from_file``, a private mapping: pages are shared through the page cache until
-   written) and assign zero-copy views to the parameters and persistent buffers (``load_state_dict(assign=True)``);
-4. apply ``torch_dtype`` as ``from_pretrained`` does (floating tensors converted, ``_keep_in_fp32_modules`` kept in
-   float32). A tensor already in its target dtype stays a view; a converted one is a private host copy, so save the
-   checkpoint in the dtype you run to keep host RSS at model ÷ N.
+3. take each tensor with ``safe_open(...).get_tensor``: on CPU, safetensors maps the file once (a private,
+   copy-on-write ``mmap``: pages are shared through the page cache until written) and returns zero-copy views of
+   that mapping, which ``load_state_dict(assign=True)`` assigns to the parameters and persistent buffers
+   (``tests/offload/test_loading.py`` checks that every parameter lies in the file's mapping and that reading all
+   weights adds no anonymous memory);
+4. convert dtypes as ``from_pretrained`` does for the same file: with ``torch_dtype``, floating tensors become
+   ``torch_dtype`` (``_keep_in_fp32_modules`` float32; ``float8_e4m3fn`` kept); without it, floating tensors take
+   the dtype the model was built with. A tensor already in its target dtype stays a view; a converted one is a
+   private host copy, so save the checkpoint in the dtype you run to keep host RSS at model ÷ N.
 """
 
 from __future__ import annotations
@@ -23,10 +30,10 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn
+from safetensors import SafetensorError, safe_open
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -46,97 +53,92 @@ for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
     if hasattr(torch, _attr):
         SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
 
-_MAX_HEADER = 100 * 2**20
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):
+        SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
 
 
 class CheckpointError(ValueError):
     """A safetensors checkpoint that cannot be mapped (missing, truncated, corrupt, or not matching the model)."""
 
 
-def read_safetensors_header(path: str | os.PathLike) -> tuple[int, dict[str, dict[str, Any]]]:
-    """``(data_start, {name: {"dtype", "shape", "data_offsets"}})`` of one safetensors file, fully validated."""
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """``{name: (dtype, shape)}`` of one safetensors file, validated by ``safetensors.safe_open`` (no tensor data is
+    read)."""
     path = Path(path)
+    entries = {}
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length)")
-            length = int.from_bytes(prefix, "little")
-            if length > _MAX_HEADER or 8 + length > size:
-                raise CheckpointError(
-                    f"{path}: corrupt or truncated safetensors file (header of {length} bytes, file of {size})"
-                )
-            raw = handle.read(length)
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                view = handle.get_slice(name)
+                dtype_name, shape = view.get_dtype(), tuple(view.get_shape())
+                if dtype_name not in SAFETENSORS_DTYPES:
+                    raise CheckpointError(
+                        f"{path}: tensor {name!r} has dtype {dtype_name}, which this torch build cannot hold"
+                    )
+                entries[name] = (SAFETENSORS_DTYPES[dtype_name], shape)
+    except SafetensorError as error:
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({error})") from error
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read safetensors file ({error})") from error
+    return entries
+
+
+def mmap_safetensors(path: str | os.PathLike, names=None) -> dict[str, torch.Tensor]:
+    """Tensors of one safetensors file (all, or ``names``) as zero-copy views of one private mapping of the file."""
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({error})") from error
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
-    header.pop("__metadata__", None)
-    data_start = 8 + length
-    data_size = size - data_start
-    for name, info in header.items():
-        try:
-            dtype = SAFETENSORS_DTYPES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as error:
-            raise CheckpointError(f"{path}: corrupt entry for {name!r} ({info!r}): {error!r}") from error
-        expected = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        if not 0 <= begin <= end or end - begin != expected:
-            raise CheckpointError(f"{path}: corrupt entry for {name!r}: offsets {begin}..{end} for {expected} bytes")
-        if end > data_size:
+        with safe_open(str(path), framework="pt") as handle:
+            return {name: handle.get_tensor(name) for name in (handle.keys() if names is None else names)}
+    except SafetensorError as error:
+        raise CheckpointError(f"{path}: corrupt or truncated safetensors file ({error})") from error
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({error})") from error
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{index}: not a safetensors index ({error!r})") from error
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{index}: 'weight_map' must map tensor names to shard files, got {type(weight_map).__name__}"
+        )
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index}: tensor {name!r} maps to {shard!r}, not a shard file name")
+        if Path(shard).is_absolute() or ".." in Path(shard).parts or "\\" in shard:
             raise CheckpointError(
-                f"{path}: truncated safetensors file: {name!r} ends at byte {data_start + end}, file has {size}"
+                f"{index}: tensor {name!r} maps to {shard!r}; shards must be files inside {index.parent}"
             )
-    return data_start, header
-
-
-def mmap_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file as a zero-copy view of a private mapping of the file."""
-    data_start, header = read_safetensors_header(path)
-    size = Path(path).stat().st_size
-    if not header:
-        return {}
-    mapped = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-    tensors = {}
-    for name, info in header.items():
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        begin, end = info["data_offsets"]
-        raw = mapped[data_start + begin : data_start + end]
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        if (data_start + begin) % itemsize:
-            raw = raw.clone()  # misaligned for this dtype (not written by safetensors): a private copy
-        tensors[name] = raw.view(dtype).view(info["shape"])
-    return tensors
+    return weight_map
 
 
 def checkpoint_files(directory: str | os.PathLike) -> list[Path]:
     """The safetensors files of a Diffusers model folder: the shards named by an index, else the single file."""
-    directory = Path(directory)
+    return list(_checkpoint_layout(Path(directory))[0])
+
+
+def _checkpoint_layout(directory: Path) -> tuple[list[Path], dict[str, str] | None, Path | None]:
+    """``(files, weight_map or None, index path or None)``."""
     if directory.is_file():
-        return [directory]
+        return [directory], None, None
     indexes = sorted(directory.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise CheckpointError(f"{directory}: several safetensors indexes {[i.name for i in indexes]}")
     if indexes:
-        try:
-            weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        except (OSError, KeyError, json.JSONDecodeError) as error:
-            raise CheckpointError(f"{indexes[0]}: not a safetensors index ({error!r})") from error
+        weight_map = _read_index(indexes[0])
         files = [directory / name for name in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.exists()]
+        missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{indexes[0]} names shards that do not exist: {missing}")
-        return files
+        return files, weight_map, indexes[0]
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors file or *.safetensors.index.json found")
     if len(files) > 1:
         raise CheckpointError(f"{directory}: several *.safetensors files {[f.name for f in files]} and no index")
-    return files
+    return files, None, None
 
 
 def load_transformer_mmap(
@@ -166,30 +168,58 @@ def load_transformer_mmap(
     directory = Path(path) / subfolder if subfolder else Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a model folder (expected config.json and *.safetensors)")
-    files = checkpoint_files(directory)
-    for file in files:  # validate everything before building or mapping anything
-        read_safetensors_header(file)
-    config = model_cls.load_config(directory)
-    with init_empty_weights(include_buffers=False):
-        model = model_cls.from_config(config)
-    state: dict[str, torch.Tensor] = {}
+    files, weight_map, index = _checkpoint_layout(directory)
+    # 1. Every header, before building or mapping anything.
+    where: dict[str, Path] = {}
+    entries: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for file in files:
-        state.update(mmap_safetensors(file))
-    expected = set(model.state_dict().keys())
-    missing = sorted(expected - state.keys())
+        for name, entry in read_safetensors_header(file).items():
+            if name in where:
+                raise CheckpointError(f"{directory}: tensor {name!r} is in both {where[name].name} and {file.name}")
+            where[name], entries[name] = file, entry
+    if weight_map is not None:
+        wrong = [(n, shard) for n, shard in weight_map.items() if n in where and where[n].name != Path(shard).name]
+        absent = [n for n in weight_map if n not in where]
+        if wrong or absent:
+            detail = [f"{n!r} is in {where[n].name}, not {shard}" for n, shard in wrong[:3]]
+            detail += [f"{n!r} is in no shard" for n in absent[:3]]
+            raise CheckpointError(f"{index}: the index does not match its shards: {'; '.join(detail)}")
+    # 2. The model, on the meta device.
+    model = _build_on_meta(model_cls, directory, init_empty_weights)
+    expected = {name: tensor for name, tensor in model.state_dict().items()}
+    missing = sorted(expected.keys() - entries.keys())
     if missing:
         raise CheckpointError(
             f"{directory}: checkpoint lacks {len(missing)} tensors of {model_cls.__name__} (e.g. {missing[:3]})"
         )
-    unexpected = sorted(state.keys() - expected)
+    unexpected = sorted(entries.keys() - expected.keys())
     if unexpected:
         logger.warning("%s: ignoring %d checkpoint tensors %s not in %s", directory, len(unexpected),
                        unexpected[:3], model_cls.__name__)
-    for name in expected:
-        wanted = _target_dtype(model, name, state[name].dtype, torch_dtype)
+    for name, tensor in expected.items():
+        dtype, shape = entries[name]
+        if shape != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{where[name]}: tensor {name!r} has shape {list(shape)}; {model_cls.__name__} built from "
+                f"{directory / 'config.json'} expects {list(tensor.shape)}"
+            )
+        if dtype.is_floating_point != tensor.dtype.is_floating_point or (
+            not dtype.is_floating_point and dtype != tensor.dtype
+        ):
+            raise CheckpointError(
+                f"{where[name]}: tensor {name!r} is {dtype}; {model_cls.__name__} expects a "
+                f"{'floating-point' if tensor.dtype.is_floating_point else str(tensor.dtype)} tensor"
+            )
+    # 3. Zero-copy views of each file's mapping, then 4. from_pretrained's dtype conversion.
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        names = [name for name in expected if where[name] == file]
+        state.update(mmap_safetensors(file, names))
+    for name, tensor in expected.items():
+        wanted = _target_dtype(model, name, state[name].dtype, torch_dtype, built=tensor.dtype)
         if wanted != state[name].dtype:
             state[name] = state[name].to(wanted)
-    model.load_state_dict({k: state[k] for k in expected}, strict=True, assign=True)
+    model.load_state_dict(state, strict=True, assign=True)
     meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if meta:
         raise CheckpointError(f"{directory}: tensors left unloaded on the meta device: {meta[:3]}")
@@ -198,8 +228,37 @@ def load_transformer_mmap(
     return model.eval()
 
 
-def _target_dtype(model: nn.Module, name: str, dtype: torch.dtype, torch_dtype: torch.dtype | None) -> torch.dtype:
-    if torch_dtype is None or not dtype.is_floating_point or dtype.itemsize == 1:
+def _build_on_meta(model_cls: type, directory: Path, init_empty_weights) -> nn.Module:
+    """``model_cls`` from ``directory/config.json`` with parameters on the meta device; a missing, unreadable or
+    invalid config raises ``CheckpointError``."""
+    if not (isinstance(model_cls, type) and hasattr(model_cls, "load_config") and hasattr(model_cls, "from_config")):
+        raise TypeError(f"model_cls must be a Diffusers ModelMixin subclass, got {model_cls!r}")
+    config_path = directory / "config.json"
+    try:
+        config = model_cls.load_config(directory)
+    except Exception as error:  # Diffusers raises EnvironmentError/ValueError/... for a missing or bad file
+        raise CheckpointError(f"{config_path}: cannot read the model config ({error})") from error
+    try:
+        with init_empty_weights(include_buffers=False):
+            return model_cls.from_config(config)
+    except Exception as error:  # a config whose values the model's constructor refuses
+        raise CheckpointError(
+            f"{config_path}: does not build a {model_cls.__name__} ({type(error).__name__}: {error})"
+        ) from error
+
+
+def _target_dtype(
+    model: nn.Module, name: str, dtype: torch.dtype, torch_dtype: torch.dtype | None, built: torch.dtype | None = None
+) -> torch.dtype:
+    """The dtype ``from_pretrained`` gives tensor ``name`` of a checkpoint holding it as ``dtype``
+    (``diffusers.models.model_loading_utils.load_model_dict_into_meta``): with ``torch_dtype``, floating tensors
+    other than ``float8_e4m3fn`` become ``torch_dtype`` (float32 in ``_keep_in_fp32_modules``); without it, they take
+    the dtype the model was built with (``built``)."""
+    if not dtype.is_floating_point:
+        return dtype
+    if torch_dtype is None:
+        return built if built is not None and built.is_floating_point else dtype
+    if dtype == getattr(torch, "float8_e4m3fn", None):
         return dtype
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
     if any(re.search(rf"(^|\.){re.escape(k)}(\.|$)", name) for k in keep):

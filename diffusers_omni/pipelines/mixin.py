@@ -11,7 +11,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
-from ..attention.install import apply_attention, attention_report, remove_attention
+from ..installer import apply_attention_all, attention_report, remove_attention_all
+from ..utils.modules import get_submodule_path
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -24,16 +25,6 @@ class SupportsComponentDiscovery(Protocol):
     _encoder_modules: ClassVar[tuple[str, ...]]
     _vae_modules: ClassVar[tuple[str, ...]]
     _resident_modules: ClassVar[tuple[str, ...]]
-
-
-def get_submodule_path(root: Any, path: str) -> Any:
-    """Follow a dotted attribute path (``"transformer"``, ``"text_encoder.encoder"``); ``None`` if absent."""
-    obj = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
 
 
 # Set by ``omnify`` while it builds the Omni pipeline: Diffusers' ``from_pipe`` ends with ``to(dtype=float32 or the
@@ -86,30 +77,30 @@ class OmniPipelineMixin:
         Returns:
             The attention report (see ``omni_attention_report``).
 
-        All DiTs are resolved before any is changed: if one role cannot run, nothing is installed.
+        All or nothing across the DiTs: every role of every DiT is resolved and every processor built before any
+        is installed; if anything fails, every DiT is left exactly as it was. A ``per_role`` key that names no role
+        or category of the DiTs is refused (it would be ignored), with "did you mean" for near misses.
 
         Example:
         ```py
         >>> pipe.enable_omni_attention({"default": {"backend": "TORCH_SDPA"}, "per_role": {"cross": "auto"}})
         ```
         """
-        from ..attention.install import plan_attention
+        return self._enable_omni_attention(config)
 
+    def _enable_omni_attention(self, config: Any, seen_roles=()) -> list[dict]:
         dits = self.omni_dits()
         if not dits:
             raise ValueError(
                 f"{type(self).__name__} has none of its declared DiTs {list(self._dit_modules)}; nothing to enable"
             )
-        for module in dits.values():
-            plan_attention(module, config)
-        for module in dits.values():
-            apply_attention(module, config)
+        apply_attention_all(list(dits.values()), config, seen_roles=seen_roles)
         return self.omni_attention_report()
 
     def disable_omni_attention(self) -> None:
-        """Restore the exact Diffusers processors that omni attention replaced."""
-        for module in self.omni_dits().values():
-            remove_attention(module)
+        """Restore the exact Diffusers processors that omni attention replaced (on every DiT, or on none if it
+        fails)."""
+        remove_attention_all(list(self.omni_dits().values()))
 
     def omni_attention_report(self) -> list[dict]:
         """One dict per attention call site: ``module`` (dotted, from the pipeline), ``role``, ``category``,

@@ -16,8 +16,7 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 
-from ..attention import install
-from ..attention.install import apply_attention, plan_attention
+from ..installer import applied_attention_config, plan_attention, reapply_attention
 from .mixin import OmniPipelineMixin
 
 
@@ -49,20 +48,23 @@ class OmniPAGMixin:
         return super().from_pipe(pipeline, **kwargs)
 
     def enable_omni_attention(self, config: Any = None) -> list[dict]:
-        self._plan_pag_attention(config)
-        return super().enable_omni_attention(config)
+        return self._enable_omni_attention(config, seen_roles=self._plan_pag_attention(config))
 
-    def _plan_pag_attention(self, config: Any) -> None:
+    def _plan_pag_attention(self, config: Any) -> set[tuple[str, str]]:
+        """Resolve the roles PAG processors will use; returns them as ``(role, category)`` pairs."""
+        seen: set[tuple[str, str]] = set()
         if not getattr(self, "pag_applied_layers", None) or getattr(self, "_pag_attn_processors", None) is None:
-            return
+            return seen
         model = self.unet if hasattr(self, "unet") else self.transformer
         saved = model.attn_processors
         try:
             for do_classifier_free_guidance in (True, False):
                 self._set_pag_attn_processor(self.pag_applied_layers, do_classifier_free_guidance)
-                plan_attention(model, config)
+                _, plan = plan_attention(model, config, check_roles=False)
+                seen.update((r.role, r.category) for _site, resolutions in plan for r in resolutions.values())
         finally:
             model.set_attn_processor(saved)
+        return seen
 
     def __call__(self, *args, **kwargs):
         # Diffusers restores the saved processors only when the call succeeds; restore them on failure too.
@@ -72,9 +74,8 @@ class OmniPAGMixin:
         finally:
             for path, model in self.omni_dits().items():
                 model.set_attn_processor(saved[path])
-                state = getattr(model, install._STATE_ATTR, None)
-                if state is not None:
-                    apply_attention(model, state.config)
+                if applied_attention_config(model) is not None:
+                    reapply_attention(model)
 
 
 class OmniStableDiffusion3Pipeline(SD3Components, OmniPipelineMixin, StableDiffusion3Pipeline):

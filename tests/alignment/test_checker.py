@@ -13,7 +13,7 @@ from diffusers_omni.alignment import (
     check_alignment,
     compare_layer_outputs,
 )
-from diffusers_omni.attention.install import attention_report, is_attention_applied
+from diffusers_omni.installer import attention_report, is_attention_applied
 from diffusers_omni.cli.main import main
 
 from .helpers import pipeline_and_inputs

@@ -24,7 +24,8 @@ AMPERE = Platform("cuda", "A100", (8, 0), 90100)
 def _pretend_installed(monkeypatch, modules, versions=None):
     monkeypatch.setattr(flash, "package_importable", lambda name: name in modules)
     versions = versions or {}
-    monkeypatch.setattr(flash, "_distribution_version", lambda names: next((versions[n] for n in names if n in versions), None))
+    monkeypatch.setattr(flash, "installed_version", lambda *names: next((versions[n] for n in names if n in versions),
+                                                                          None))
 
 
 def test_no_implementation_lists_every_reason(monkeypatch):

@@ -5,7 +5,7 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers_omni import apply_attention, attention_report, remove_attention
 from diffusers_omni.attention.processors import is_omni_processor
 from diffusers_omni.attention.selector import BackendNotSupportedError
-from diffusers_omni.attention.install import UnsupportedModelError
+from diffusers_omni.installer import UnsupportedModelError
 from diffusers_omni.testing import tiny_flux_components
 
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from diffusers_omni.attention.backends import sage
 from diffusers_omni.attention.backends.base import AttentionCall
 from diffusers_omni.attention.backends.sage import SageAttention3Backend, SageAttentionBackend, is_short_kv
-from diffusers_omni.attention.platform import PLATFORM_ROUTES, Platform
+from diffusers_omni.attention.platform import Platform
+from diffusers_omni.attention.routing import PLATFORM_ROUTES
 from diffusers_omni.attention.selector import BackendNotSupportedError, resolve
 
 CPU = Platform("cpu", "CPU")
@@ -29,7 +30,7 @@ def call(**kw):
 def packages_installed(monkeypatch):
     """Pretend every optional package is importable (availability only; no kernel runs)."""
     monkeypatch.setattr("diffusers_omni.attention.backends.base.package_importable", lambda name: True)
-    monkeypatch.setattr(sage, "_package_version", lambda *d: "2.2.0")
+    monkeypatch.setattr(sage, "installed_version", lambda *d: "2.2.0")
 
 
 def test_explicit_sage_on_cpu_and_hopper_raises_with_reasons():
@@ -57,7 +58,7 @@ def test_explicit_sage_rules(packages_installed):
 
 
 def test_sageattention_1x_head_dims(monkeypatch, packages_installed):
-    monkeypatch.setattr(sage, "_package_version", lambda *d: "1.0.6")
+    monkeypatch.setattr(sage, "installed_version", lambda *d: "1.0.6")
     assert resolve("SAGE_ATTN", "x", "self", call(head_dim=96), HOPPER).backend == "SAGE_ATTN"
     with pytest.raises(BackendNotSupportedError, match=r"head_dim is 80; sageattention 1.0.6 requires head_dim in \(64, 96, 128\)"):
         resolve("SAGE_ATTN", "x", "self", call(head_dim=80), HOPPER)

@@ -6,7 +6,8 @@ import torch
 import diffusers_omni
 from diffusers_omni import AttentionConfig
 from diffusers_omni.attention.backends.base import AttentionBackend, AttentionCall
-from diffusers_omni.attention.platform import PLATFORM_ROUTES, Platform, ROUTE_CONDITIONS, use_platform
+from diffusers_omni.attention.platform import Platform, use_platform
+from diffusers_omni.attention.routing import PLATFORM_ROUTES, ROUTE_CONDITIONS
 from diffusers_omni.attention.registry import get_backend_class, register_backend, reset_backend
 from diffusers_omni.attention.selector import ENV_BACKEND, BackendNotSupportedError, resolve
 
@@ -197,8 +198,8 @@ def test_apply_attention_installs_a_shape_router_on_hopper(monkeypatch):
         joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(16, 56, 56),
     )
     with use_platform(HOPPER):
-        monkeypatch.setattr("diffusers_omni.attention.install._call_device_type", lambda model, platform: "cuda")
-        monkeypatch.setattr("diffusers_omni.attention.install._model_dtype", lambda model: torch.bfloat16)
+        monkeypatch.setattr("diffusers_omni.installer._call_device_type", lambda model, platform: "cuda")
+        monkeypatch.setattr("diffusers_omni.installer.model_dtype", lambda model: torch.bfloat16)
         report = apply_attention(model)
     assert {entry["shape_routed"][0] for entry in report} == {"FLASH_ATTN"}
     processor = model.transformer_blocks[0].attn.processor
@@ -209,3 +210,38 @@ def test_apply_attention_installs_a_shape_router_on_hopper(monkeypatch):
     assert router.choose(4608, 4608, 128, False, needs_grad=True) == "TORCH_SDPA"
     assert router.choose(300, 77, 128, False) == "TORCH_SDPA"  # a class the table does not cover
     assert router.describe()["backend"] == "SHAPE_ROUTED(TORCH_SDPA|FLASH_ATTN)"
+
+
+def test_routing_table_naming_an_unregistered_backend_is_skipped(monkeypatch):
+    """A routing-table entry for a backend this build does not register is passed over, not a crash."""
+    from diffusers_omni.attention import selector
+
+    _available(monkeypatch, "FLASH_ATTN")
+    table = {"tolerance": 0.03, "families": {"hopper": {
+        "q1/kv1/d128/dense": {"ranking": ["GONE_ATTN", "FLASH_ATTN", "TORCH_SDPA"],
+                              "worst_ratio": {"GONE_ATTN": 1.0, "FLASH_ATTN": 0.9, "TORCH_SDPA": 0.5}},
+    }}}
+    monkeypatch.setattr(selector, "load_table", lambda: table)
+    resolution = resolve(None, "flux.joint", "self", cuda_call(), HOPPER)
+    assert (resolution.backend, resolution.shape_routed) == ("TORCH_SDPA", ("FLASH_ATTN",))
+
+
+def test_registering_a_backend_invalidates_cached_resolutions():
+    """The selector's cache notices registry changes by itself (the registry does not call the selector)."""
+
+    class First(AttentionBackend):
+        name = "CACHE_TEST"
+        devices = frozenset({"cpu"})
+
+    class Second(AttentionBackend):
+        name = "CACHE_TEST"
+        devices = frozenset({"cuda"})
+
+    register_backend("CACHE_TEST", First)
+    try:
+        assert resolve("CACHE_TEST", "flux.joint", "self", cpu_call(), CPU).backend == "CACHE_TEST"
+        register_backend("CACHE_TEST", Second)
+        with pytest.raises(BackendNotSupportedError, match="CACHE_TEST"):
+            resolve("CACHE_TEST", "flux.joint", "self", cpu_call(), CPU)
+    finally:
+        reset_backend("CACHE_TEST")

@@ -20,7 +20,7 @@ def _free_port() -> int:
 def test_smoke_two_gloo_ranks(tmp_path):
     out = tmp_path / "bench"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(ROOT / "benchmarks" / "distributed_offload_bench.py"),
+               "--master-port", str(_free_port()), "-m", "benchmarks.distributed_offload_bench",
                "--smoke", "--models", "flux,wan", "--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt"),
                "--timeout", "60"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

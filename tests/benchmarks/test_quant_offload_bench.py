@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_smoke_run_on_cpu(tmp_path):
     out = tmp_path / "quant"
-    command = [sys.executable, str(ROOT / "benchmarks" / "quant_offload_bench.py"), "--smoke", "--device", "cpu",
+    command = [sys.executable, "-m", "benchmarks.quant_offload_bench", "--smoke", "--device", "cpu",
                "--models", "flux", "--formats", "torchao-int8,gguf-q4_k", "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())
     assert [(e["model"], e["format"]) for e in report["entries"]] == [("flux", "torchao-int8"), ("flux", "gguf-q4_k")]

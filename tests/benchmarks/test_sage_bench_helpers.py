@@ -1,24 +1,18 @@
 """CPU checks of ``benchmarks/sage_bench.py`` helpers (the benchmark itself needs CUDA and sageattention)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-from diffusers_omni.attention.install import plan_attention
+from diffusers_omni.installer import plan_attention
 from diffusers_omni.attention.platform import Platform
 from diffusers_omni.attention.selector import BackendNotSupportedError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("sage_bench", ROOT / "benchmarks" / "sage_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import sage_bench
+
+    return sage_bench
 
 
 def test_predicted_padding_error_vanishes_at_block_multiples(bench):
@@ -49,10 +43,10 @@ def test_head_dim_64_pipelines_take_sage_on_a_simulated_hopper(bench):
 def test_counting_kernel_restores_the_kernel_boundary(bench):
     from diffusers_omni.attention.backends import base, sage
 
-    saved = sage._import_sageattention, sage._package_version, base.package_importable
+    saved = sage._import_sageattention, sage.installed_version, base.package_importable
     with bench._counting_sage_kernel({}, fake=True):
         assert base.package_importable("sageattention")
-    assert (sage._import_sageattention, sage._package_version, base.package_importable) == saved
+    assert (sage._import_sageattention, sage.installed_version, base.package_importable) == saved
 
 
 def test_markdown_keeps_multiline_errors_on_one_table_row(bench):

@@ -4,7 +4,8 @@ import math
 import pytest
 
 from diffusers_omni import AttentionConfig, AttentionSpec, AttnQuantSpec, BlockSparseSpec, SkipSoftmaxSpec
-from diffusers_omni.config.attention import BACKEND_NAMES, parse_layer_selector
+from diffusers_omni.attention.registry import registered_backend_names
+from diffusers_omni.config.attention import parse_layer_selector
 
 VALID_SPECS = [
     {"backend": "TORCH_SDPA"},
@@ -81,7 +82,7 @@ def test_invalid_specs(value, error, fragments):
 
 
 def test_every_backend_name_is_accepted():
-    for name in BACKEND_NAMES:
+    for name in registered_backend_names():
         assert AttentionSpec(backend=name).backend == name
 
 

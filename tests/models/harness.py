@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from diffusers_omni import omnify
 from diffusers_omni.attention.processors import is_omni_processor
-from diffusers_omni.models.base import blocks_attrs_for
+from diffusers_omni.models.base import blocks_attrs_for, declaration_for
 from diffusers_omni.pipelines.mixin import SupportsComponentDiscovery
 
 
@@ -73,7 +73,15 @@ def check_bitwise_parity(case: ModelCase) -> None:
 
 
 def check_role_override(case: ModelCase) -> None:
-    pipe = omnify(case.factory(), {"default": {"backend": "TORCH_SDPA"}, "per_role": {"cross": {"backend": "auto"}}})
+    config = {"default": {"backend": "TORCH_SDPA"}, "per_role": {"cross": {"backend": "auto"}}}
+    stock = case.factory()
+    declared = {role.category for dit in case.dits for role in declaration_for(getattr(stock, dit)).roles}
+    if "cross" not in declared | set(case.roles.values()):
+        # A key naming no role or category of the model would be ignored: it is refused instead.
+        with pytest.raises(ValueError, match=r"per_role key\(s\) 'cross' match no attention role or category"):
+            omnify(stock, config)
+        config = {"default": {"backend": "TORCH_SDPA"}}
+    pipe = omnify(case.factory(), config)
     for entry in pipe.omni_attention_report():
         if entry["category"] == "cross":
             assert entry["source"].startswith("per_role['cross'] auto → platform default"), entry

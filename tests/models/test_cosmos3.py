@@ -9,7 +9,7 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 from diffusers_omni import omnify
 from diffusers_omni.attention.processors import is_omni_processor
 from diffusers_omni.pipelines.cosmos3 import OmniCosmos3OmniPipeline
-from diffusers_omni.pipelines.mixin import get_submodule_path
+from diffusers_omni.utils.modules import get_submodule_path
 from diffusers_omni.testing.tiny_cosmos3 import tiny_cosmos3_pipeline
 
 from .harness import ModelCase, standard_tests

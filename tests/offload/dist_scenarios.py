@@ -19,6 +19,8 @@ from diffusers_omni.offload.loading import load_transformer_mmap
 from offload_helpers import (
     assert_same_snapshot,
     block_bytes,
+    file_mappings,
+    mapped_file,
     flux_pipe,
     generate,
     pipeline_modules,
@@ -216,7 +218,8 @@ def mmap_loading(rank: int, world: int, single: str, sharded: str) -> dict[str, 
     results = {}
     for name, folder in (("single", single), ("sharded", sharded)):
         first = load_transformer_mmap(WanTransformer3DModel, folder)
-        mapped = sum(1 for p in first.parameters() if p.untyped_storage().nbytes() > p.numel() * p.element_size())
+        mappings = file_mappings()
+        mapped = sum(1 for p in first.parameters() if (mapped_file(p, mappings) or "").endswith(".safetensors"))
         buffers_equal = all(torch.equal(b, original_buffers[n]) for n, b in first.named_buffers())
         pipe.transformer = first
         pipe.register_modules(transformer=first)

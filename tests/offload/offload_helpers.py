@@ -107,3 +107,25 @@ def assert_same_snapshot(before: dict[str, Any], after: dict[str, Any]) -> None:
 
 def pipeline_modules(pipe: Any) -> list[nn.Module]:
     return [m for m in pipe.components.values() if isinstance(m, nn.Module)]
+
+
+def file_mappings() -> list[tuple[int, int, str]]:
+    """``(start, end, path)`` of every file-backed mapping of this process (Linux ``/proc/self/maps``)."""
+    mappings = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                mappings.append((start, end, fields[5].strip()))
+    return mappings
+
+
+def mapped_file(tensor: torch.Tensor, mappings=None) -> str | None:
+    """The file whose mapping holds ``tensor``'s bytes (a zero-copy view of it), or ``None`` (anonymous memory)."""
+    begin = tensor.data_ptr()
+    end = begin + tensor.numel() * tensor.element_size()
+    for start, stop, path in mappings if mappings is not None else file_mappings():
+        if start <= begin and end <= stop:
+            return path
+    return None

@@ -15,7 +15,6 @@ mask raises for an explicit selection and goes to ``TORCH_SDPA`` (one warning) f
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import logging
 from dataclasses import dataclass
 from typing import Callable, ClassVar
@@ -23,8 +22,9 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
+from ...utils.versions import installed_version, version_at_least
 from .base import AttentionBackend, package_importable
-from .sdpa import sdpa_bshd
+from .sdpa import SDPAFallback, sdpa_bshd
 
 logger = logging.getLogger(__name__)
 
@@ -65,34 +65,16 @@ IMPLEMENTATIONS: tuple[FlashImplementation, ...] = (
 _BY_LABEL = {impl.label: impl for impl in IMPLEMENTATIONS}
 
 
-def _distribution_version(names: tuple[str, ...]) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _version_tuple(text: str) -> tuple:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(text).release
-    except InvalidVersion:
-        return ()
-
-
 def implementation_reasons(impl: FlashImplementation) -> list[str]:
     """Why ``impl`` cannot be used here (package missing, version too old); empty when it can."""
     if not package_importable(impl.module):
         return [f"{impl.label}: module {impl.module!r} is not importable; to install: {impl.install}"]
     if impl.min_version is not None:
-        found = _distribution_version(impl.distributions)
+        found = installed_version(*impl.distributions)
         if found is None:
             return [f"{impl.label}: cannot read the installed version of {impl.distributions[0]}; "
                     f"{impl.min_version} or newer is required"]
-        if _version_tuple(found) < _version_tuple(impl.min_version):
+        if not version_at_least(found, impl.min_version):
             return [f"{impl.label}: {impl.distributions[0]} {found} is installed; {impl.min_version} or newer is "
                     f"required ({impl.install})"]
     return []
@@ -208,7 +190,7 @@ def load_kernels(impl: FlashImplementation) -> FlashKernels:
     return FlashKernels(func=module.flash_attn_func, varlen_func=varlen, label=impl.label)
 
 
-class FlashAttentionBackend(AttentionBackend):
+class FlashAttentionBackend(SDPAFallback, AttentionBackend):
     """FlashAttention through the best implementation installed (FA4 → FA3 → fa3-fwd → FA2)."""
 
     name: ClassVar[str] = "FLASH_ATTN"
@@ -231,7 +213,6 @@ class FlashAttentionBackend(AttentionBackend):
             self._impl = impl
             self.supports_backward = impl.supports_backward if impl else True
         self._kernels = kernels
-        self._warned: set[tuple] = set()
 
     @classmethod
     def determinism_reasons(cls, platform) -> list[str]:
@@ -273,12 +254,6 @@ class FlashAttentionBackend(AttentionBackend):
             self._kernels = load_kernels(self._impl)
         return self._kernels
 
-    def _fallback(self, signature: tuple, why: str, args: tuple) -> torch.Tensor:
-        if signature not in self._warned:
-            self._warned.add(signature)
-            logger.warning("%s: %s; this call and its like run on TORCH_SDPA", self.name, why)
-        return sdpa_bshd(*args)
-
     def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if query.dtype not in _HALF:
@@ -319,7 +294,7 @@ class FlashAttentionBackend(AttentionBackend):
         return {
             **super().describe(),
             "implementation": f"{impl.module}.flash_attn_func ({impl.label})" if impl else None,
-            "version": _distribution_version(impl.distributions) if impl else None,
+            "version": installed_version(*impl.distributions) if impl else None,
             "supports_backward": self.supports_backward,
             "torch_flash_attention_impls": torch_flash_attention_impls(),
         }

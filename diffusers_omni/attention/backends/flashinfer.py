@@ -14,22 +14,23 @@ output; it needs FlashInfer ``MIXED_DTYPE_MIN_VERSION`` or newer, checked when t
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from collections import OrderedDict
 from typing import Callable, ClassVar
 
 import torch
 
+from ...utils.versions import installed_version, version_at_least
 from .base import AttentionBackend
-from .flash import _version_tuple, key_padding_mask
-from .sdpa import sdpa_bshd
+from .flash import key_padding_mask
+from .sdpa import SDPAFallback
 
 logger = logging.getLogger(__name__)
 
 # The oldest release this backend was run with (H200, see ../shared/BASELINE.md): 0.6.4.
 FLASHINFER_MIN_VERSION = "0.6.4"
 # Prefill with Q/K in 16 bit and V in fp8 (QK16/V8), per the vLLM-Omni contract; not verified against a release here.
+FLASHINFER_DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
 MIXED_DTYPE_MIN_VERSION = "0.6.16rc1"
 WORKSPACE_BYTES = 128 * 1024 * 1024
 PLAN_CACHE_SIZE = 16
@@ -40,26 +41,8 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "fp8_e4m3": get
 
 
 def flashinfer_version() -> str | None:
-    try:
-        return importlib.metadata.version("flashinfer-python")
-    except importlib.metadata.PackageNotFoundError:
-        try:
-            return importlib.metadata.version("flashinfer")
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-
-def version_at_least(found: str | None, required: str) -> bool:
-    return found is not None and _version_at_least(found, required)
-
-
-def _version_at_least(found: str, required: str) -> bool:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(found) >= Version(required)
-    except InvalidVersion:
-        return _version_tuple(found) >= _version_tuple(required)
+    """The installed FlashInfer (its wheel was ``flashinfer`` before ``flashinfer-python``); ``None`` if absent."""
+    return installed_version(*FLASHINFER_DISTRIBUTIONS)
 
 
 def _plan_takes_v_dtype() -> bool:
@@ -83,7 +66,7 @@ def _default_wrapper_factory(variant: str, device: torch.device):
     return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(_workspaces[device], kv_layout="NHD", backend=variant)
 
 
-class FlashInferBackend(AttentionBackend):
+class FlashInferBackend(SDPAFallback, AttentionBackend):
     """FlashInfer ragged batch prefill; FA3 variant on sm_90; QK16/V8 through ``AttnQuantSpec``."""
 
     name: ClassVar[str] = "FLASHINFER_ATTN"
@@ -103,7 +86,6 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(spec)
         self._factory = wrapper_factory or _default_wrapper_factory
         self._plans: OrderedDict[tuple, object] = OrderedDict()
-        self._warned: set[tuple] = set()
         self.plan_count = 0
         quant = spec.quant if spec is not None else None
         self.dtype_qk = _DTYPES[quant.dtype_qk] if quant is not None and quant.dtype_qk else None
@@ -125,7 +107,7 @@ class FlashInferBackend(AttentionBackend):
     @classmethod
     def extra_availability_reasons(cls, platform) -> list[str]:
         found = flashinfer_version()
-        if found is not None and not _version_at_least(found, FLASHINFER_MIN_VERSION):
+        if found is not None and not version_at_least(found, FLASHINFER_MIN_VERSION):
             return [f"flashinfer-python {found} is installed; {cls.name} requires {FLASHINFER_MIN_VERSION} or newer"]
         return []
 
@@ -134,12 +116,6 @@ class FlashInferBackend(AttentionBackend):
         if custom_mask or device.type != "cuda":
             return "fa2"
         return "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
-
-    def _fallback(self, signature: tuple, why: str, args: tuple) -> torch.Tensor:
-        if signature not in self._warned:
-            self._warned.add(signature)
-            logger.warning("%s: %s; this call and its like run on TORCH_SDPA", self.name, why)
-        return sdpa_bshd(*args)
 
     def _mask_key(self, attn_mask):
         if attn_mask is None:

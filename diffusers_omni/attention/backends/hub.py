@@ -17,13 +17,13 @@ below sm_90 runs ``FLASH_ATTN_HUB`` instead (which itself falls back to ``FLASH_
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import re
 from pathlib import Path
 from typing import ClassVar
 
+from ...utils.versions import installed_version
 from .base import package_importable
 from .flash import FlashAttentionBackend, FlashKernels
 
@@ -44,13 +44,6 @@ def _warn_once(backend: str, message: str) -> None:
 def _env(name: str, generic: str) -> str | None:
     value = os.environ.get(name, "").strip() or os.environ.get(generic, "").strip()
     return value or None
-
-
-def _kernels_version() -> str | None:
-    try:
-        return importlib.metadata.version("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _snapshot_commit(module) -> str | None:
@@ -146,7 +139,7 @@ class FlashAttentionHubBackend(FlashAttentionBackend):
         return {
             "backend": self.name,
             "implementation": f"{self.kernel_repo}:flash_attn_func",
-            "version": _kernels_version(),
+            "version": installed_version("kernels"),
             "kernel_repo": self.kernel_repo,
             "kernel_revision": self.resolved_revision,
             "requested_revision": self.revision,

@@ -37,6 +37,7 @@ from typing import ClassVar
 
 import torch
 
+from ...utils.versions import installed_version
 from .base import AttentionBackend
 from .sdpa import TorchSDPABackend
 
@@ -45,17 +46,6 @@ logger = logging.getLogger("diffusers_omni.attention")
 K_BLOCK = 64
 SHORT_KV_TOKENS = 1024
 _SAGE_DTYPES = frozenset({torch.float16, torch.bfloat16})
-
-
-def _package_version(*dists: str) -> str | None:
-    from importlib import metadata
-
-    for dist in dists:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def is_short_kv(kv_len: int) -> bool:
@@ -105,7 +95,7 @@ class SageAttentionBackend(AttentionBackend):
 
     @classmethod
     def extra_call_reasons(cls, call, platform) -> list[str]:
-        version = _package_version("sageattention")
+        version = installed_version("sageattention")
         if version and version.startswith("1.") and call.head_dim not in (None, 64, 96, 128):
             return [f"head_dim is {call.head_dim}; sageattention {version} requires head_dim in (64, 96, 128)"]
         return []
@@ -147,7 +137,7 @@ class SageAttentionBackend(AttentionBackend):
         return {
             **super().describe(),
             "implementation": "sageattention.sageattn",
-            "version": _package_version("sageattention"),
+            "version": installed_version("sageattention"),
             "short_kv_guard": self.dense is not None,
         }
 
@@ -203,4 +193,8 @@ class SageAttention3Backend(AttentionBackend):
         return out.transpose(1, 2)
 
     def describe(self) -> dict:
-        return {**super().describe(), "implementation": "sageattn3.sageattn3_blackwell", "version": _package_version("sageattn3")}
+        return {
+            **super().describe(),
+            "implementation": "sageattn3.sageattn3_blackwell",
+            "version": installed_version("sageattn3"),
+        }

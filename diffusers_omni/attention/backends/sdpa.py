@@ -65,6 +65,22 @@ def _needs_grad(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> 
     return torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
 
 
+class SDPAFallback:
+    """For kernels that leave some calls to ``TORCH_SDPA`` (a dtype or feature they lack): ``_fallback`` runs the
+    call there and warns once per kind of call (``signature``)."""
+
+    name: ClassVar[str]
+
+    def _fallback(self, signature: tuple, why: str, args: tuple) -> torch.Tensor:
+        warned = self.__dict__.setdefault("_warned", set())
+        if signature not in warned:
+            warned.add(signature)
+            logging.getLogger(type(self).__module__).warning(
+                "%s: %s; this call and its like run on TORCH_SDPA", self.name, why
+            )
+        return sdpa_bshd(*args)
+
+
 class TorchSDPABackend(AttentionBackend):
     """PyTorch SDPA with PyTorch's own kernel choice: always available, the correctness reference.
 

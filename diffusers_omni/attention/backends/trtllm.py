@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ...utils.versions import parse_version, version_at_least
 from .base import AttentionBackend, package_importable
+from .flashinfer import flashinfer_version
 
 if TYPE_CHECKING:
     from ...config.attention import AttentionSpec
@@ -39,34 +41,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FLASHINFER_MIN_VERSION = "0.6.16rc1"
-FLASHINFER_DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
 HEAD_DIM = 128
 WORKSPACE_BYTES = 256 * 1024 * 1024
 _QK_DTYPE_ARCHS = {"fp8_e4m3": ((10, 0), (10, 3)), "int8": ((10, 0),)}
-
-
-def flashinfer_version() -> str | None:
-    from importlib import metadata
-
-    for dist in FLASHINFER_DISTRIBUTIONS:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def version_reasons(found: str | None, required: str = FLASHINFER_MIN_VERSION) -> list[str]:
     """Reasons the installed FlashInfer version is too old (empty: new enough, or not installed at all)."""
     if found is None:
         return []
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        ok = Version(found) >= Version(required)
-    except InvalidVersion:
+    if parse_version(found) is None:
         return [f"FlashInfer version is {found!r} (unparsable); TRTLLM_ATTN requires flashinfer >= {required}"]
-    return [] if ok else [f"FlashInfer version is {found}; TRTLLM_ATTN requires flashinfer >= {required}"]
+    if not version_at_least(found, required):
+        return [f"FlashInfer version is {found}; TRTLLM_ATTN requires flashinfer >= {required}"]
+    return []
 
 
 def quant_reasons(spec: "AttentionSpec | None", platform: "Platform") -> list[str]:
@@ -151,11 +139,10 @@ class TrtllmAttentionBackend(AttentionBackend):
                 )
             bound.threshold = calibration.threshold(site.name, self.skip.target_sparsity)
         if bound.threshold is not None and self.skip.disabled_until_timestep > 0:
-            from ...models.base import declaration_for
             from ..timestep_gate import timestep_state
 
-            declaration = declaration_for(model)
-            bound.gate = timestep_state(model, declaration.name if declaration else "")
+            # ``site.model_name``: the declaration that found the site (sites made by hand may not say).
+            bound.gate = timestep_state(model, getattr(site, "model_name", ""))
         return bound
 
     def scale_factor(self, kv_len: int) -> float | None:

@@ -1,13 +1,13 @@
 from pathlib import Path
 
-from diffusers_omni.models.table import embed, supported_models
+from diffusers_omni.cli.models import embed, supported_models
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "user_guide" / "supported_models.md"
 
 
 def test_docs_page_embeds_the_current_generated_table():
     text = PAGE.read_text()
-    assert embed(text) == text, "regenerate: python -m diffusers_omni.models.table --write " + str(PAGE)
+    assert embed(text) == text, "regenerate: python -m diffusers_omni.cli.models --write " + str(PAGE)
 
 
 def test_every_declaration_has_pipelines_roles_and_blocks():

@@ -1,0 +1,369 @@
+"""Install omni attention processors on a model and take them off again.
+
+This sits above both the attention layer (which resolves a backend per role) and the model declarations (which say
+where a model's attention sites and roles are): see docs/design/layers.md.
+
+Installing is all or nothing across every model of one call (the DiTs of a pipeline): every role is resolved and
+every backend, site binding and processor built before any processor changes; each module is journaled before its
+first change, and any failure restores all of them exactly (processors, hooks, attributes).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .attention.backends.base import AttentionBackend, AttentionCall
+from .attention.model_state import remove_states
+from .attention.platform import Platform, current_platform
+from .attention.processors import MaskPolicy, RoleAttention, is_omni_processor
+from .attention.registry import get_backend_class
+from .attention.routing import ShapeRouter
+from .attention.selector import Resolution, check_per_role_keys, deterministic_requested, resolve
+from .config.attention import AttentionConfig
+from .models.base import declaration_for, supported_transformers
+from .utils.modules import model_dtype
+
+logger = logging.getLogger("diffusers_omni.attention")
+
+_STATE_ATTR = "_omni_attention"
+
+
+class UnsupportedModelError(TypeError):
+    """The model has no diffusers-omni declaration."""
+
+
+@dataclass
+class _InstalledAttention:
+    config: AttentionConfig
+    originals: dict[str, Any]
+    report: list[dict]
+    installed: list[tuple[nn.Module, Any]]
+    guard: Any = None
+
+
+def _call_device_type(model: nn.Module, platform: Platform) -> str:
+    for tensor in model.parameters():
+        if tensor.device.type not in ("cpu", "meta"):
+            return tensor.device.type
+        break
+    # Models are usually built or loaded on the host and moved to the accelerator afterwards.
+    return platform.device_type
+
+
+def _declaration(model: nn.Module):
+    declaration = declaration_for(model)
+    if declaration is None:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no diffusers-omni attention declaration; supported transformers: "
+            f"{', '.join(supported_transformers())}"
+        )
+    return declaration
+
+
+def plan_attention(
+    model: nn.Module, config: Any = None, platform: Platform | None = None, *, check_roles: bool = True
+):
+    """Resolve every attention role of ``model`` without changing it.
+
+    Returns ``(declaration, [(site, {role: Resolution})])``. Raises when an explicit backend cannot run a role, and
+    (with ``check_roles``) when a ``per_role`` key names no role or category of the model.
+    """
+    declaration = _declaration(model)
+    config = AttentionConfig.parse(config)
+    platform = platform or current_platform()
+    device_type = _call_device_type(model, platform)
+    dtype = model_dtype(model)
+    deterministic, _ = deterministic_requested(config)
+    plan = []
+    for site in declaration.find_sites(model):
+        site = dataclasses.replace(site, model_name=declaration.name)
+        resolutions = {}
+        for role in site.roles:
+            call = AttentionCall(
+                device_type=device_type,
+                dtype=dtype,
+                head_dim=site.head_dim,
+                has_mask=role.masked,
+                gqa=role.gqa,
+                mask_free_path=declaration.mask_free,
+                deterministic=deterministic,
+            )
+            resolutions[role.role] = resolve(config, role.role, role.category, call, platform)
+        plan.append((site, resolutions))
+    if check_roles:
+        check_roles_of_plans(config, [(model, declaration, plan)])
+    return declaration, plan
+
+
+def check_roles_of_plans(config: Any, planned: list[tuple[nn.Module, Any, list]], seen_roles=()) -> None:
+    """Check the ``per_role`` keys of ``config`` against the roles and categories of the planned models together
+    (declared by their architectures, or met in their plans or in ``seen_roles``: ``(role, category)`` pairs a
+    pipeline plans beyond the installed processors, e.g. PAG's)."""
+    declared, present = set(), set(seen_roles)
+    for _model, declaration, plan in planned:
+        declared.update((role.role, role.category) for role in declaration.roles)
+        present.update((r.role, r.category) for _site, resolutions in plan for r in resolutions.values())
+    owner = " and ".join(dict.fromkeys(type(model).__name__ for model, _, _ in planned))
+    check_per_role_keys(config, declared, present, owner)
+
+
+class _Journal:
+    """Each module as it was before its first change by an install or removal; ``rollback`` restores them exactly.
+
+    A module's state is its ``__dict__``: attributes, ``_modules`` (where an ``nn.Module`` processor lives) and its
+    hook dicts. The dict is copied, and one level of the containers in it (dicts, sets, lists), so hooks registered
+    and attributes set or removed after the record are undone in place; containers keep their identity, which hook
+    handles rely on.
+    """
+
+    def __init__(self) -> None:
+        self._records: dict[int, tuple[nn.Module, dict, dict]] = {}
+
+    def record(self, module: nn.Module) -> None:
+        if id(module) in self._records:
+            return
+        attrs = dict(module.__dict__)
+        contents = {key: _copy(value) for key, value in attrs.items() if type(value) in _CONTAINERS}
+        self._records[id(module)] = (module, attrs, contents)
+
+    def rollback(self) -> None:
+        for module, attrs, contents in reversed(list(self._records.values())):
+            for key, saved in contents.items():
+                container = attrs[key]
+                container.clear()
+                if isinstance(container, list):
+                    container.extend(saved)
+                else:
+                    container.update(saved)
+            module.__dict__.clear()
+            module.__dict__.update(attrs)
+        self._records.clear()
+
+
+# Exact types only: subclasses such as Diffusers' FrozenDict (a model's config) refuse clear()/update() and are
+# replaced, never mutated, by anything an install does.
+_CONTAINERS = (dict, collections.OrderedDict, set, list)
+
+
+def _copy(container):
+    return list(container) if isinstance(container, list) else type(container).copy(container)
+
+
+def _transaction(journal: _Journal, steps):
+    """Run ``steps()``; on any failure (KeyboardInterrupt included) restore every journaled module and re-raise."""
+    try:
+        return steps()
+    except BaseException:
+        journal.rollback()
+        raise
+
+
+def apply_attention(model: nn.Module, config: Any = None) -> list[dict]:
+    """Route every attention call of ``model`` through the backend resolved for its role.
+
+    Args:
+        model (`torch.nn.Module`): a supported Diffusers transformer (e.g. ``FluxTransformer2DModel``).
+        config: anything ``AttentionConfig.parse`` accepts; ``None`` resolves every role through the
+            environment variable or the platform default.
+
+    Returns:
+        The attention report: one dict per attention call site with ``module``, ``role``, ``category``,
+        ``backend`` and ``source``.
+
+    All or nothing: every role is resolved, every backend built and bound to its site and every processor made
+    before any processor changes; if anything fails, the model is restored exactly (processors, hooks,
+    attributes). Applying again replaces the previous omni processors.
+
+    Example:
+    ```py
+    >>> from diffusers_omni import apply_attention
+    >>> apply_attention(pipe.transformer, {"default": {"backend": "TORCH_SDPA"}})
+    ```
+    """
+    return apply_attention_all([model], config)[0]
+
+
+def apply_attention_all(models, config: Any = None, *, seen_roles=(), check_roles: bool = True) -> list[list[dict]]:
+    """``apply_attention`` for several models (the DiTs of one pipeline, e.g. Wan 2.2's two experts) as one
+    all-or-nothing step: if any model fails at any stage, every model is left exactly as it was.
+
+    ``per_role`` keys are checked against the roles and categories of all models together (see
+    ``check_roles_of_plans``). Returns one report per model.
+    """
+    config = AttentionConfig.parse(config)
+    models = list(models)
+    unique = list({id(model): model for model in models}.values())
+    planned = [(model, *plan_attention(model, config, check_roles=False)) for model in unique]
+    if check_roles:
+        check_roles_of_plans(config, planned, seen_roles)
+    journal = _Journal()
+
+    def steps() -> dict[int, list[dict]]:
+        # Stage every model (backends, bind_site, make_processor) before installing on any.
+        staged = [(model, _stage(model, declaration, plan, journal)) for model, declaration, plan in planned]
+        return {id(model): _commit(model, config, processors, journal) for model, processors in staged}
+
+    reports = _transaction(journal, steps)
+    return [[dict(entry) for entry in reports[id(model)]] for model in models]
+
+
+def _stage(model: nn.Module, declaration, plan, journal: _Journal) -> dict[str, tuple]:
+    """Build the processors of ``model`` without installing them. ``bind_site`` may attach state to the model
+    (attributes, forward pre-hooks): the model and each site module are journaled before it runs."""
+    journal.record(model)
+    backends: dict[tuple, AttentionBackend] = {}
+    mask_policy = MaskPolicy()
+    processors = {}
+    for site, resolutions in plan:
+        journal.record(site.module)
+        attend = {}
+        for role, resolution in resolutions.items():
+            backend = _instance(backends, resolution.backend, resolution.spec, resolution.call.deterministic)
+            if resolution.shape_routed:
+                names = (resolution.backend, *resolution.shape_routed)
+                backend = ShapeRouter(
+                    current_platform().family,
+                    {n: _instance(backends, n, resolution.spec, resolution.call.deterministic) for n in names},
+                )
+            # Optional enable-time hook: a backend may specialise itself per site and role (calibration, layer
+            # exemptions, per-role guards) or raise.
+            bind_site = getattr(backend, "bind_site", None)
+            if bind_site is not None:
+                backend = bind_site(model, site, resolution)
+            attend[role] = RoleAttention(resolution, backend, mask_policy)
+        current = site.module.processor
+        original = current.original if is_omni_processor(current) else current
+        processors[site.name] = (site, declaration.make_processor(site, original, attend), original)
+    return processors
+
+
+def _commit(model: nn.Module, config: AttentionConfig, processors: dict[str, tuple], journal: _Journal) -> list[dict]:
+    previous = getattr(model, _STATE_ATTR, None)
+    report, installed, originals = [], [], {}
+    for name, (site, processor, original) in processors.items():
+        journal.record(site.module)
+        originals[name] = original
+        site.module.set_processor(processor)
+        installed.append((site.module, processor))
+        for role in site.roles:
+            report.append(_report_entry(name, role, processor.attend[role.role].resolution))
+    journal.record(model)
+    if previous is not None and previous.guard is not None:
+        previous.guard.remove()
+    state = _InstalledAttention(config, originals, report, installed)
+    state.guard = model.register_forward_pre_hook(_keep_applied)
+    setattr(model, _STATE_ATTR, state)
+    return report
+
+
+def _instance(backends: dict, name: str, spec, deterministic: bool) -> AttentionBackend:
+    """One backend object per (name, spec, deterministic) for the whole model, shared by its roles."""
+    key = (name, spec, deterministic)
+    if key not in backends:
+        backends[key] = get_backend_class(name)(spec)
+        if deterministic:
+            backends[key].enable_deterministic()
+    return backends[key]
+
+
+def _keep_applied(model: nn.Module, args) -> None:
+    """Re-apply omni attention when Diffusers swapped processors since the last call (IP-adapter or LoRA
+    loading, PAG, …); raises naming the module when the new processor cannot be replaced."""
+    if torch.compiler.is_compiling():
+        return
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return
+    for module, processor in state.installed:
+        if module.processor is not processor:
+            break
+    else:
+        return
+    swapped = [
+        f"{name}: {type(module.processor).__name__}"
+        for name, module in model.named_modules()
+        if name in state.originals and not is_omni_processor(getattr(module, "processor", None))
+    ]
+    logger.info("Diffusers replaced attention processors (%s); re-applying omni attention", ", ".join(swapped[:3]))
+    reapply_attention(model)
+
+
+def reapply_attention(model: nn.Module) -> list[dict]:
+    """Install the config already applied to ``model`` again (after Diffusers swapped processors), all or nothing.
+    Its ``per_role`` keys were checked when it was applied and are not checked again. Returns the report."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} has no omni attention to re-apply; call apply_attention() first")
+    return apply_attention_all([model], state.config, check_roles=False)[0]
+
+
+def _report_entry(module: str, role, resolution: Resolution) -> dict:
+    return {
+        "module": module,
+        "role": role.role,
+        "category": role.category,
+        "backend": resolution.backend,
+        "shape_routed": list(resolution.shape_routed),
+        "source": resolution.source,
+    }
+
+
+def remove_attention(model: nn.Module) -> bool:
+    """Put back the exact processor objects omni attention replaced. Returns False when none was installed."""
+    return remove_attention_all([model])[0]
+
+
+def remove_attention_all(models) -> list[bool]:
+    """``remove_attention`` for several models as one step: if removal fails on any, all stay as they were."""
+    journal = _Journal()
+    return _transaction(journal, lambda: [_remove(model, journal) for model in models])
+
+
+def _remove(model: nn.Module, journal: _Journal) -> bool:
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return False
+    journal.record(model)
+    if state.guard is not None:
+        state.guard.remove()
+    remove_states(model)
+    modules = dict(model.named_modules())
+    for name, original in state.originals.items():
+        module = modules.get(name)
+        if module is not None and is_omni_processor(getattr(module, "processor", None)):
+            journal.record(module)
+            module.set_processor(original)
+    delattr(model, _STATE_ATTR)
+    return True
+
+
+def attention_report(model: nn.Module) -> list[dict]:
+    """The report of the processors currently installed on ``model`` (empty when none)."""
+    state = getattr(model, _STATE_ATTR, None)
+    return [dict(entry) for entry in state.report] if state else []
+
+
+def is_attention_applied(model: nn.Module) -> bool:
+    return getattr(model, _STATE_ATTR, None) is not None
+
+
+def applied_attention_config(model: nn.Module) -> AttentionConfig | None:
+    """The config omni attention was last applied to ``model`` with (``None`` when it is not applied).
+
+    Example:
+    ```py
+    >>> config = applied_attention_config(pipe.transformer)
+    >>> ...  # something that swaps processors
+    >>> if config is not None:
+    ...     apply_attention(pipe.transformer, config)
+    ```
+    """
+    state = getattr(model, _STATE_ATTR, None)
+    return state.config if state is not None else None

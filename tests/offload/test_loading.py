@@ -1,0 +1,216 @@
+"""``load_transformer_mmap`` (issue 13 item 8, issue 16): dtypes as ``from_pretrained`` gives them, every broken
+checkpoint a ``CheckpointError`` naming the file and tensor, and weights that are views of the file's mapping."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from diffusers_omni.offload.loading import CheckpointError, load_transformer_mmap, mmap_safetensors
+
+from offload_helpers import bare_wan, file_mappings, mapped_file
+
+FILE = "diffusion_pytorch_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = bare_wan()
+    folder = tmp_path_factory.mktemp("wan")
+    model.save_pretrained(folder)
+    return type(model), folder
+
+
+@pytest.fixture
+def folder(saved, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(saved[1], copy)
+    return copy
+
+
+def rewrite(folder, change):
+    """Rewrite the checkpoint with ``change(state_dict)`` applied (a valid safetensors file)."""
+    state = load_file(folder / FILE)
+    change(state)
+    save_file(state, folder / FILE, metadata={"format": "pt"})
+
+
+def write_raw(path, header: dict, data: bytes) -> None:
+    """A safetensors file with a hand-written header (what safetensors' writer would refuse to produce)."""
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def params(model):
+    return dict(list(model.named_parameters()) + list(model.named_buffers()))
+
+
+def assert_same_as_from_pretrained(cls, folder, torch_dtype):
+    reference = cls.from_pretrained(folder, torch_dtype=torch_dtype)
+    loaded = load_transformer_mmap(cls, folder, torch_dtype=torch_dtype)
+    ref, got = params(reference), params(loaded)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert ref[name].dtype == got[name].dtype and torch.equal(ref[name], got[name]), name
+    return loaded
+
+
+@pytest.mark.parametrize("torch_dtype", [None, torch.bfloat16, torch.float16])
+def test_a_tensor_of_another_dtype_is_cast_as_from_pretrained_casts_it(saved, folder, torch_dtype):
+    # Before the fix (torch_dtype=None): the bf16 tensor stayed bf16 in a float32 model, which failed at its first
+    # forward with a dtype mismatch.
+    cls, _ = saved
+    rewrite(folder, lambda s: s.update({k: s[k].to(torch.bfloat16) for k in list(s)[::3]}))
+    loaded = assert_same_as_from_pretrained(cls, folder, torch_dtype)
+    floating = {p.dtype for p in loaded.parameters() if p.is_floating_point()}
+    assert floating <= {torch_dtype or torch.float32, torch.float32}
+    inputs = {
+        "hidden_states": torch.randn(1, loaded.config.in_channels, 1, 4, 4),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 8, loaded.config.text_dim),
+    }
+    inputs = {k: v.to(torch_dtype) if v.is_floating_point() and torch_dtype else v for k, v in inputs.items()}
+    with torch.no_grad():
+        assert torch.isfinite(loaded(**inputs, return_dict=False)[0].float()).all()
+
+
+def test_views_of_the_file_without_anonymous_copies(saved):
+    cls, folder = saved
+    model = load_transformer_mmap(cls, folder)
+    mappings = file_mappings()
+    assert {mapped_file(p, mappings) for p in model.parameters()} == {str(folder / FILE)}
+
+
+def test_reading_every_mapped_tensor_adds_no_anonymous_memory(tmp_path):
+    # safe_open's CPU tensors are views of one private file mapping: reading them grows file-backed RSS (shared
+    # through the page cache), not anonymous RSS.
+    path = tmp_path / "big.safetensors"
+    save_file({f"t{i}": torch.full((1024, 1024), float(i)) for i in range(32)}, path)  # 128 MiB
+
+    def rss(kind):
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith(kind))
+
+    anon = rss("RssAnon:")
+    tensors = mmap_safetensors(path)
+    total = sum(float(t[::64, ::64].sum()) + float(t[-1, -1]) for t in tensors.values())
+    assert sum(float(t.sum()) for t in tensors.values()) == 1024 * 1024 * sum(range(32))
+    assert total > 0
+    assert rss("RssAnon:") - anon < 16 * 2**20
+    mappings = file_mappings()
+    assert {mapped_file(t, mappings) for t in tensors.values()} == {str(path)}
+
+
+@pytest.mark.parametrize(
+    "change, fragments",
+    [
+        (lambda s: s.update({"proj_out.bias": torch.zeros(3)}), ["'proj_out.bias'", "shape [3]", "expects"]),
+        (lambda s: s.update({"proj_out.bias": s["proj_out.bias"].to(torch.int32)}), ["'proj_out.bias'", "int32"]),
+        (lambda s: s.update({"proj_out.bias": s["proj_out.bias"].bool()}), ["'proj_out.bias'", "torch.bool"]),
+        (lambda s: s.pop("proj_out.bias"), ["lacks 1 tensors", "proj_out.bias"]),
+    ],
+)
+def test_tensors_not_matching_the_model_are_checkpoint_errors(saved, folder, change, fragments):
+    cls, _ = saved
+    rewrite(folder, change)
+    with pytest.raises(CheckpointError) as info:
+        load_transformer_mmap(cls, folder)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "header, data, fragment",
+    [
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8), "-2"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12), "invalid offset for tensor `b`"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), "invalid shape"),
+        ({"a": {"dtype": "F32", "shape": [2**62, 4], "data_offsets": [0, 8]}}, bytes(8), "overflow"),
+        ({"a": {"dtype": "X32", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), "X32"),
+        ([1, 2], b"", "invalid"),
+    ],
+)
+def test_corrupt_headers_are_checkpoint_errors_naming_the_file(folder, header, data, fragment):
+    write_raw(folder / FILE, header, data)
+    with pytest.raises(CheckpointError) as info:
+        load_transformer_mmap(type(bare_wan()), folder)
+    assert str(folder / FILE) in str(info.value) and fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        ("{not json", "cannot read the model config"),
+        (None, "cannot read the model config"),
+        ('{"num_layers": "two", "_class_name": "WanTransformer3DModel"}', "does not build a WanTransformer3DModel"),
+        ('{"num_attention_heads": -2, "_class_name": "WanTransformer3DModel"}', "does not build"),
+    ],
+)
+def test_a_bad_config_is_a_checkpoint_error(saved, folder, config, fragment):
+    cls, _ = saved
+    if config is None:
+        (folder / "config.json").unlink()
+    else:
+        (folder / "config.json").write_text(config)
+    with pytest.raises(CheckpointError) as info:
+        load_transformer_mmap(cls, folder)
+    assert "config.json" in str(info.value) and fragment in str(info.value)
+
+
+@pytest.fixture
+def sharded(saved, tmp_path):
+    cls, _ = saved
+    folder = tmp_path / "sharded"
+    bare_wan().save_pretrained(folder, max_shard_size="30KB")
+    index = next(folder.glob("*.index.json"))
+    assert len(list(folder.glob("*.safetensors"))) > 1
+    return cls, folder, index
+
+
+@pytest.mark.parametrize(
+    "edit, fragment",
+    [
+        (lambda i: "{not json", "not a safetensors index"),
+        (lambda i: json.dumps({"metadata": {}}), "not a safetensors index"),
+        (lambda i: json.dumps({"weight_map": ["a"]}), "'weight_map' must map"),
+        (lambda i: json.dumps({"weight_map": {"x": 3}}), "maps to 3"),
+        (lambda i: json.dumps({"weight_map": {**i["weight_map"], "x": "../outside.safetensors"}}), "inside"),
+        (lambda i: json.dumps({"weight_map": {**i["weight_map"], "x": "/etc/passwd"}}), "inside"),
+        (lambda i: json.dumps({"weight_map": {**i["weight_map"], "x": "missing.safetensors"}}), "do not exist"),
+        (lambda i: json.dumps({"weight_map": {**i["weight_map"], "not.a.tensor": next(iter(i["weight_map"].values()))}}),
+         "'not.a.tensor' is in no shard"),
+        (lambda i: json.dumps({"weight_map": {k: sorted(set(i["weight_map"].values()))[0] for k in i["weight_map"]}}),
+         "the index does not match its shards"),
+        (lambda i: "[" * 100000, "not a safetensors index"),
+    ],
+)
+def test_a_malformed_index_is_a_checkpoint_error(sharded, edit, fragment):
+    cls, folder, index = sharded
+    index.write_text(edit(json.loads(index.read_text())))
+    with pytest.raises(CheckpointError) as info:
+        load_transformer_mmap(cls, folder)
+    assert fragment in str(info.value), str(info.value)
+
+
+def test_a_tensor_in_two_shards_is_a_checkpoint_error(sharded):
+    cls, folder, index = sharded
+    shards = sorted(folder.glob("*.safetensors"))
+    first = load_file(shards[0])
+    second = load_file(shards[1])
+    name = next(iter(first))
+    second[name] = first[name]
+    save_file(second, shards[1], metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"'{name}' is in both"):
+        load_transformer_mmap(cls, folder)
+
+
+def test_sharded_checkpoints_load_as_from_pretrained_does(sharded):
+    cls, folder, _ = sharded
+    assert_same_as_from_pretrained(cls, folder, torch.bfloat16)
