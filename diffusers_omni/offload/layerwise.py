@@ -413,22 +413,30 @@ class LayerwiseOffloadBackend(OffloadBackend):
     def _stage_install_guards(self, state: LayerwiseState, journal: Journal) -> None:
         super()._stage_install_guards(state, journal)
         # state_dict() (save_pretrained, LoRA and PEFT helpers) reads streamed blocks from their host copies: their
-        # own tensors are empty placeholders between uses.
+        # own tensors are empty placeholders between uses. The block is bound to its host views for the duration of
+        # its state_dict() (quantized weights included: wrapper subclasses are rebuilt around the host views,
+        # bitsandbytes' quant_state tensors rebound), then put back exactly as it was.
         for stack, row in zip(state.stacks, state.streamed):
             for (_, module), block in zip(stack.blocks, row):
                 if block is not None:
-                    handle = module.register_state_dict_post_hook(self._state_dict_hook(block.weights))
-                    self._guards.on_remove(handle.remove)
+                    before, after = self._state_dict_hooks(block.weights)
+                    for handle in (module.register_state_dict_pre_hook(before),
+                                   module.register_state_dict_post_hook(after)):
+                        self._guards.on_remove(handle.remove)
 
-    def _state_dict_hook(self, weights: PackedWeights):
-        host = {id(slot.tensor): view for slot, view in zip(weights.slots, weights.host_views)}
+    @staticmethod
+    def _state_dict_hooks(weights: PackedWeights):
+        saved: list[list[torch.Tensor]] = []
 
-        def from_host_copies(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-            for name, tensor in named_tensors(module):
-                if id(tensor) in host and prefix + name in state_dict:
-                    state_dict[prefix + name] = host[id(tensor)].detach()
+        def bind_host_copies(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            saved.append(weights.tensors.current())
+            weights.bind(weights.host_views)
 
-        return from_host_copies
+        def put_back(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+            if saved:
+                weights.park(saved.pop())
+
+        return bind_host_copies, put_back
 
     def _stage_prime(self, state: LayerwiseState, journal: Journal) -> None:
         for row in state.streamed:

@@ -204,3 +204,25 @@ def test_distributed_layerwise_quantized(world, tmp_path):
         expected = "UnsupportedTensorError" if rank == world - 1 else "rank 1 could not enable"
         assert value["refusal"] is not None and expected in value["refusal"], value["refusal"]
         assert "OpaqueTensor" in value["refusal"]
+
+
+def _state(model) -> dict:
+    return {k: (type(v), v.dequantize() if hasattr(v, "dequantize") else v.clone()) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("fmt", qh.FORMATS)
+def test_state_dict_under_layerwise_reads_quantized_host_copies(fmt, gguf_folder):
+    """save_pretrained / state_dict() while layerwise offload is on: streamed quantized blocks are read from their
+    host copies (wrapper subclasses rebuilt around them, bitsandbytes' quant_state included), then left as they were."""
+    model = qh.quantized("flux", fmt, gguf_folder / f"state-{fmt}")
+    before = _state(model)
+    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu"))
+    try:
+        during = _state(model)
+        assert during.keys() == before.keys()
+        for key, (kind, value) in before.items():
+            assert during[key][0] is kind, key
+            assert torch.equal(during[key][1], value), key
+        assert _state(model).keys() == before.keys()  # a second call finds the blocks parked again
+    finally:
+        backend.disable()
