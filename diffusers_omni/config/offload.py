@@ -235,8 +235,9 @@ class OffloadConfig:
         prefetch_depth (`int`, defaults to `1`): layerwise only. Blocks copied ahead of the running one; each costs
             one device slot the size of the largest streamed block.
         plan (`OffloadPlan`, *optional*): explicit topology overriding declarations.
-        show_progress (`bool`, *optional*): progress bar while building host copies; ``None`` shows it for models
-            of 1 GiB or more.
+        show_progress (`bool`, *optional*): byte progress bars while building host copies (and while distributed
+            ``disable()`` gathers them back); ``None`` shows them for 1 GiB or more. Never shown when the pipeline's
+            ``set_progress_bar_config(disable=True)`` is set, nor on ranks other than 0.
         use_allgather (`bool`, defaults to `True`): distributed layerwise only. Each rank pins 1/N of every block
             and blocks are rebuilt per layer by all-gather; ``False`` streams a full host copy per rank.
         resident_layers (`int`, defaults to `0`): distributed layerwise only, with ``use_allgather=False``: the
