@@ -470,6 +470,49 @@ def hopper_latents() -> str:
     return table(["Tiny pipeline", "Mode", "latent rel err vs TORCH_SDPA", "PSNR dB"], rows)
 
 
+def _short_error(error: str) -> str:
+    kind, _, message = error.partition(": ")
+    for needle, short in (("is_pinned", "aten.is_pinned not implemented"),
+                          ("set the storage", "cannot move the subclass's storage"),
+                          ("quant_state", "quant_state not moved")):
+        if needle in message:
+            return f"{kind}: {short}"
+    return kind
+
+
+# The quantized offload run the docs show: the full-size run once it exists, else the full-width 1-block run.
+QUANT_OFFLOAD_RUN = "quant_offload_h200" if (RESULTS / "quant_offload_h200.json").exists() else "quant_offload_h200_1block"
+
+
+def quant_offload() -> str:
+    report = result(QUANT_OFFLOAD_RUN)
+    rows = []
+    for entry in report["entries"]:
+        variants = {v["variant"]: v for v in entry["variants"]}
+        resident, omni, diffusers = (variants[n] for n in ("resident", "omni layerwise", "diffusers group_offload"))
+        diffusers_step = f"{diffusers['step_s']:.3f}" if "step_s" in diffusers else _short_error(diffusers["error"])
+        meets = [omni.get(k) for k in ("meets_step_target", "meets_peak_target", "meets_setup_target")]
+        missed = [k for k, m in zip(("step", "peak", "setup"), meets) if m is False]
+        rows.append([
+            entry["model"], entry["format"], gib(entry["packed_bytes"]), f"{resident['step_s']:.3f}", diffusers_step,
+            f"{omni['step_s']:.3f}", f"{omni['target_step_s']:.3f}", "NO: " + ", ".join(missed) if missed else "yes",
+            f"{gib(omni['peak_device_bytes'])} / " + (gib(diffusers["peak_device_bytes"]) if "step_s" in diffusers
+                                                      else "—"),
+            f"{omni['setup_s']:.1f}", "yes" if omni["bitwise_equal_to_resident"] else "NO",
+        ])
+    env, versions = report["environment"], report["versions"]
+    return table(["Model", "Format", "Packed", "Resident step (s)", "Diffusers group offload (s)",
+                  "omni layerwise (s)", "Target (s)", "Meets", "Peak omni / Diffusers", "Setup (s)",
+                  "Bitwise = resident"], rows) + (
+        f"\n{env['device_name']}, torch {env['torch']}, torchao {versions['torchao']}, bitsandbytes "
+        f"{versions['bitsandbytes']}, gguf {versions['gguf']}; pinned host→device "
+        f"{report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s in the same run; median of {report['args']['repeats']} "
+        f"steps after {report['args']['warmup']} warm-up. Target = 1.05 × max(resident step, streamed bytes ÷ "
+        "bandwidth); peak ≤ Diffusers' (where it runs); setup ≤ 10 s for FLUX size. Run: "
+        f"`{QUANT_OFFLOAD_RUN}.md`" + (f" ({report['args']['layers']} block(s) per stack at full width, not the full "
+                                      "model)" if report["args"].get("layers") else "") + ".\n")
+
+
 RENDERERS = {
     "gpu-backends": gpu_backends,
     "diffusers-names": diffusers_names,
@@ -493,6 +536,7 @@ RENDERERS = {
     "hopper-latents": hopper_latents,
     "fp8-targets": fp8_targets,
     "sparse-targets": sparse_targets,
+    "quant-offload": quant_offload,
 }
 
 

@@ -34,7 +34,10 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 # Hardware detection imports nothing of the package: routing policy lives in attention/routing.py.
 LEAF_MODULES = {"diffusers_omni.attention.platform"}
-TESTING_THIRD_PARTY = {"diffusers", "transformers", "tokenizers", "torch", "numpy", "PIL"}
+# testing/quantized.py builds quantized tiny models with the quantization libraries Diffusers integrates (optional
+# extras, imported inside its functions).
+TESTING_THIRD_PARTY = {"diffusers", "transformers", "tokenizers", "torch", "numpy", "PIL", "gguf", "bitsandbytes",
+                       "torchao"}
 
 
 def _module_name(path: Path, base: Path = ROOT) -> str:

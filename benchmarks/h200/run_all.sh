@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that installs the carried wheels and runs every pending H200 measurement, writing under $OUT.
 # Budget: FlashInfer JIT-compiles ~90 s per kernel variant on a fresh machine; the offload runs take ~4 min per model.
-#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|offload-lifecycle|alignment|hopper
+#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|offload-lifecycle|alignment|hopper|quant-offload
 # offload-lifecycle: 20 delete-and-rebuild cycles per strategy + 100 denoising steps, < 5 min.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -25,6 +25,8 @@ for job in "$@"; do
     alignment) python3 -m benchmarks.alignment_gpu --out "$out/alignment_h200" ;;
     hopper) python3 -m benchmarks.h200.prewarm_block_sparse  # FlashInfer paged FA3 bf16 d128 (~90 s on a fresh machine)
             python3 -m benchmarks.hopper_bench --out "$out/hopper_fp8_sparse_h200" --e2e "$out/e2e_attention_h200.json" ;;
+    quant-offload) python3 -m benchmarks.quant_offload_check --out "$out/quant_offload_h200_check"
+                   python3 -m benchmarks.quant_offload_bench --warmup 1 --repeats 2 --out "$out/quant_offload_h200" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done

@@ -83,24 +83,6 @@ def require_process_group(group: Any = None) -> Any:
     return group if group is not None else dist.group.WORLD
 
 
-def quantization_reasons(module: torch.nn.Module, label: str) -> list[str]:
-    """Why ``module`` looks quantised online (its weights are not plain checkpoint tensors)."""
-    reasons = []
-    config = getattr(module, "config", None)
-    quant_config = getattr(module, "quantization_config", None) or (
-        config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
-    )
-    if quant_config is not None:
-        reasons.append(f"{label!r} has a quantization_config ({type(quant_config).__name__})")
-    if getattr(module, "hf_quantizer", None) is not None or getattr(module, "is_quantized", False):
-        reasons.append(f"{label!r} was quantised by a Diffusers quantizer")
-    for name, tensor in named_tensors(module):
-        if type(tensor.data) is not torch.Tensor:
-            reasons.append(f"{label}.{name} is a {type(tensor.data).__name__} tensor subclass (e.g. torchao)")
-            break
-    return reasons
-
-
 class _GatherTransfers(Transfers):
     """H2D copies on the copy stream, all-gathers on a communication stream; synchronous with ``device='cpu'``."""
 
@@ -177,7 +159,7 @@ class _ShardedBlock:
             numel = slot.shape.numel()
             lo, hi = max(slot.offset, start), min(slot.offset + numel, end)
             if lo < hi:
-                source = slot.tensor.data.reshape(-1)[lo - slot.offset : hi - slot.offset]
+                source = slot.flat_source()[lo - slot.offset : hi - slot.offset]
                 self.host[slot.dtype][lo - start : hi - start].copy_(source)
         for buffer in self.host.values():
             host_memory.pin(buffer)
@@ -237,7 +219,7 @@ class _GatherStreamer:
     @torch.compiler.disable(reason=EAGER_ONLY)
     def end(self, block: _ShardedBlock, following: _ShardedBlock | None) -> None:
         self.transfers.record_on_compute(block.slot.released)
-        block.weights.bind(block.placeholders)
+        block.weights.park(block.placeholders)
         block.running = False
         if following is not None and following.slot is block.slot:
             self.load(following)  # odd ring: the wrap-around shares the last block's slot
@@ -377,15 +359,6 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
 
     use_allgather = True
 
-    def _check_and_place_residents(self, state: LayerwiseState) -> None:
-        reasons = [r for c in state.topology.dits for r in quantization_reasons(c.module, c.label)]
-        if reasons:
-            raise ValueError(
-                "use_allgather=True cannot shard online-quantised weights (" + "; ".join(reasons) + "); allowed: "
-                "use_allgather=False, or a checkpoint saved already quantised and loaded as plain tensors"
-            )
-        super()._check_and_place_residents(state)
-
     def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
         state.stats.host_memory_mode = host_memory.mode
@@ -399,15 +372,14 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
                 for weights, resident in zip(stack_weights, stack_resident):
                     if weights.empty or resident:
                         if resident:  # plan-declared residents: a full device copy (no sharding)
-                            for slot in weights.slots:
-                                journal.move_tensor(slot.tensor, self.device)
+                            journal.record(f"move {weights.path}", weights.tensors.move_to(self.device))
                         row.append(None)
                         continue
                     block = _ShardedBlock(weights, self.world_size, self.rank, self.device)
                     block.pack(host_memory)
-                    originals = [s.tensor.data for s in weights.slots]
-                    journal.record(f"restore {weights.path}", partial(weights.bind, originals))
-                    weights.bind(block.placeholders)  # the originals are freed once enable commits
+                    originals = weights.tensors.current()
+                    journal.record(f"restore {weights.path}", partial(weights.park, originals))
+                    weights.park(block.placeholders)  # the originals are freed once enable commits
                     for d, t in block.host.items():
                         per_dtype[str(d)] = per_dtype.get(str(d), 0) + t.numel() * t.element_size()
                     row.append(block)
@@ -503,7 +475,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
                 state.transfers.gather(block.h2d, block.gathers, wait_for=block.slot.released,
                                        staged=block.slot.staged, done=block.slot.ready)
                 state.transfers.synchronize()
-                block.weights.bind([view.to("cpu", copy=True) for view in block.views])
+                block.weights.park([view.to("cpu", copy=True) for view in block.views], final=True)
                 block.host = {}
                 bar.update(block.weights.nbytes)
         state.host_memory.release(self.device)

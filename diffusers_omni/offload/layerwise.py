@@ -44,6 +44,7 @@ from .hooks import (
     refresh_registry_caches,
 )
 from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
+from .tensors import TensorSet, tensor_nbytes
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -210,7 +211,7 @@ class _Streamer:
 
     @torch.compiler.disable(reason=EAGER_ONLY)
     def end(self, block: _StreamedBlock) -> None:
-        block.weights.bind(block.placeholders)
+        block.weights.park(block.placeholders)
         block.running = False
         if block.slot is not None:
             self.free(block.slot)
@@ -284,7 +285,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.weights = [[PackedWeights(path, block) for path, block in stack.blocks] for stack in state.stacks]
         flat = [w for stack in state.weights for w in stack]
         forced = [w.path in forced_paths or w.empty for w in flat]
-        fixed_bytes = sum(t.numel() * t.element_size() for t in self._non_block_tensors(state))
+        fixed_bytes = sum(tensor_nbytes(t) for t in self._non_block_tensors(state))
         resident = plan_residency(
             [w.nbytes for w in flat], forced, fixed_bytes, self.config.max_device_memory, self.config.prefetch_depth + 1
         )
@@ -320,12 +321,15 @@ class LayerwiseOffloadBackend(OffloadBackend):
         return tensors
 
     def _stage_move_residents(self, state: LayerwiseState, journal: Journal) -> None:
-        tensors = self._non_block_tensors(state)
-        for component in state.topology.components:
-            if component.role != DIT:
-                tensors.extend(t for _, t in named_tensors(component.module))
-        for tensor in tensors:
-            journal.move_tensor(tensor, self.device)
+        non_block = {id(t) for t in self._non_block_tensors(state)}
+        roots = [(stack.owner, stack.name, non_block) for stack in state.stacks]
+        roots += [(c.module, c.label, None) for c in state.topology.components if c.role != DIT]
+        done: set[int] = set()
+        for root, label, select in roots:  # subclass-aware moves (see tensors.py), each tensor once
+            ids = {id(t) for _, t in named_tensors(root)} if select is None else select
+            tensors = TensorSet(root, label, ids - done)
+            done |= tensors.ids
+            journal.record(f"move {label}", tensors.move_to(self.device))
 
     def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
@@ -359,7 +363,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
             weights.bind(views)
             return None
         block = _StreamedBlock(weights, self.device)
-        weights.bind(block.placeholders)
+        weights.park(block.placeholders)
         return block
 
     def _stage_allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:

@@ -2,6 +2,7 @@
 
 A ``PackedWeights`` holds every parameter and buffer of a module in one contiguous host buffer per dtype. The
 tensors keep their identity; only their ``.data`` is rebound (to host views, device views or empty placeholders).
+Quantized tensor subclasses stream their packed storage: see :mod:`.tensors`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn as nn
 
-from .discovery import named_tensors
+from .tensors import Leaf, TensorSet
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -34,30 +35,49 @@ def _aligned(numel: int, dtype: torch.dtype) -> int:
 
 @dataclass
 class TensorSlot:
-    """Where one tensor lives inside its dtype's flat buffer."""
+    """Where one leaf (a plain tensor holding a weight's bytes, see ``tensors.Leaf``) lives in its dtype's buffer."""
 
     tensor: torch.Tensor
     dtype: torch.dtype
     offset: int
     shape: torch.Size
     original_device: torch.device
+    stride: tuple[int, ...] | None = None  # a permuted dense layout kept as is; None: contiguous
+    leaf: Leaf | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def view_of(self, buffer: torch.Tensor) -> torch.Tensor:
+        flat = buffer.narrow(0, self.offset, self.shape.numel())
+        return flat.view(self.shape) if self.stride is None else flat.as_strided(self.shape, self.stride)
+
+    def flat_source(self) -> torch.Tensor:
+        """The leaf's current bytes in buffer order, 1-D."""
+        return self.leaf.flat()
 
 
 class PackedWeights:
-    """The layout of a module's tensors in flat per-dtype buffers, and its host copy once ``pack`` has run."""
+    """The layout of a module's tensors in flat per-dtype buffers, and its host copy once ``pack`` has run.
+
+    Tensor subclasses are reduced to the plain tensors holding their bytes (``tensors.TensorSet``): quantized
+    weights stream their packed storage. ``bind`` makes the module compute on given views (wrapper subclasses are
+    rebuilt around them); ``park`` rebinds to views that are only held (host copies, placeholders), with wrapper
+    subclasses back to their original objects. Raises ``UnsupportedTensorError`` for weights that cannot stream.
+    """
 
     def __init__(self, path: str, module: nn.Module) -> None:
         self.path = path
+        self.tensors = TensorSet(module, path)
         self.slots: list[TensorSlot] = []
         self.numel: dict[torch.dtype, int] = {}
-        seen: set[int] = set()
-        for _, tensor in named_tensors(module):
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            offset = self.numel.get(tensor.dtype, 0)
-            self.slots.append(TensorSlot(tensor, tensor.dtype, offset, tensor.shape, tensor.device))
-            self.numel[tensor.dtype] = offset + _aligned(tensor.numel(), tensor.dtype)
+        for leaf in self.tensors.leaves:
+            offset = self.numel.get(leaf.dtype, 0)
+            self.slots.append(
+                TensorSlot(leaf.targets[0], leaf.dtype, offset, leaf.shape, leaf.device, leaf.stride, leaf)
+            )
+            self.numel[leaf.dtype] = offset + _aligned(leaf.shape.numel(), leaf.dtype)
         self.host: dict[torch.dtype, torch.Tensor] = {}
         self.host_views: list[torch.Tensor] = []
         # How many slots (in order) ``pack`` has rebound to host views: what ``restore`` undoes, also after a
@@ -74,10 +94,8 @@ class PackedWeights:
 
     def views_into(self, buffers: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
         """Views of ``buffers`` (one flat tensor per dtype, at least as long as this layout) shaped like each
-        tensor, in ``slots`` order."""
-        return [
-            buffers[s.dtype].narrow(0, s.offset, s.shape.numel()).view(s.shape) for s in self.slots
-        ]
+        leaf, in ``slots`` order."""
+        return [s.view_of(buffers[s.dtype]) for s in self.slots]
 
     def pack(self, host_memory: "HostMemory") -> None:
         """Copy every tensor into fresh host buffers and rebind it to its host view, tensor by tensor, so the
@@ -87,24 +105,38 @@ class PackedWeights:
         self.host = {dtype: host_memory.allocate(numel, dtype) for dtype, numel in self.numel.items()}
         self.host_views = self.views_into(self.host)
         for slot, view in zip(self.slots, self.host_views):
-            view.copy_(slot.tensor.data)
-            slot.tensor.data = view
+            view.copy_(slot.leaf.data())
+            with torch._C.DisableTorchFunctionSubclass():
+                for target in slot.leaf.targets:
+                    target.data = view
             self.rebound += 1
+        self.tensors.park(self.host_views)
         for buffer in self.host.values():
             host_memory.pin(buffer)
 
     def bind(self, views: list[torch.Tensor]) -> None:
-        for slot, view in zip(self.slots, views):
-            slot.tensor.data = view
+        """Compute on ``views`` (device views): tensors are rebound, wrapper subclasses rebuilt around them."""
+        self.tensors.bind(views)
+
+    def park(self, views: list[torch.Tensor], final: bool = False) -> None:
+        """Hold ``views`` (host views, placeholders): tensors are rebound, wrapper subclasses are their original
+        objects (see ``TensorSet.park`` for ``final``)."""
+        self.tensors.park(views, final)
 
     def restore(self, clone: bool, to_original_device: bool) -> None:
         """Rebind every tensor to its host view (a private copy of it with ``clone``); with ``to_original_device``
         move it back to the device it had before packing."""
-        for slot, view in zip(self.slots[: self.rebound], self.host_views):
+        views = []
+        current = self.tensors.current()
+        for index, (slot, view) in enumerate(zip(self.slots, self.host_views)):
+            if index >= self.rebound:  # ``pack`` failed before this leaf: it still holds its own data
+                views.append(current[index])
+                continue
             if to_original_device and slot.original_device.type != "cpu":
-                slot.tensor.data = view.to(slot.original_device)
+                views.append(view.to(slot.original_device))
             else:
-                slot.tensor.data = view.clone() if clone else view
+                views.append(view.clone() if clone else view)
+        self.tensors.park(views, final=not to_original_device)
         self.host = {}
         self.host_views = []
         self.rebound = 0

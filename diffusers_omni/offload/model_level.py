@@ -33,6 +33,7 @@ from .discovery import (
 )
 from .hooks import EAGER_ONLY, MODEL_LEVEL_HOOK, CallbackHook, InstalledHooks, refresh_registry_caches
 from .memory import HostMemory, PackedWeights, release_freed_host_memory
+from .tensors import move_tensors
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -63,7 +64,7 @@ class _Exclusive:
 
     @torch.compiler.disable(reason=EAGER_ONLY)
     def offload(self) -> None:
-        self.weights.bind(self.weights.host_views)
+        self.weights.park(self.weights.host_views)
         self._device_buffers = {}
         self.onloaded = False
 
@@ -151,8 +152,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
 
     def _stage_move_residents(self, state: _State, journal: Journal) -> None:
         for component in state.topology.vaes + state.topology.residents:
-            for _, tensor in named_tensors(component.module):
-                journal.move_tensor(tensor, self.device)
+            journal.record(f"move {component.label}", move_tensors(component.module, self.device))
 
     def _stage_pack_components(self, state: _State, journal: Journal) -> None:
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)

@@ -187,17 +187,20 @@ def rejections(rank: int, world: int) -> dict[str, Any]:
             pipe.disable_omni_offload()
         except (ValueError, RuntimeError) as error:
             errors[name] = f"{type(error).__name__}: {error}"
-    # Online quantisation: on every rank, then on rank 1 only (rank 0 must learn of it and refuse too).
-    for name, ranks in (("quantised", range(world)), ("quantised on rank 1", (1,))):
-        if rank in ranks:
-            pipe.transformer.quantization_config = {"quant_method": "fp8-online"}
-        try:
-            pipe.enable_distributed_layerwise_offload(device="cpu")
-            errors[name] = None
-            pipe.disable_omni_offload()
-        except (ValueError, RuntimeError) as error:
-            errors[name] = f"{type(error).__name__}: {error}"
-        pipe.transformer.__dict__.pop("quantization_config", None)
+    # A quantized (tensor subclass) weight that cannot stream, on rank 1 only: rank 0 must learn of it and refuse.
+    from quant_helpers import OpaqueTensor
+
+    module = pipe.transformer.single_transformer_blocks[0].proj_out
+    plain = module.weight
+    if rank == 1:
+        module._parameters["weight"] = OpaqueTensor(plain.detach().clone())
+    try:
+        pipe.enable_distributed_layerwise_offload(device="cpu")
+        errors["unstreamable on rank 1"] = None
+        pipe.disable_omni_offload()
+    except (ValueError, RuntimeError) as error:
+        errors["unstreamable on rank 1"] = f"{type(error).__name__}: {error}"
+    module._parameters["weight"] = plain
     try:
         assert_same_snapshot(before, snapshot(*pipeline_modules(pipe)))
         unchanged = True

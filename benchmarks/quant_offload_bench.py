@@ -1,0 +1,399 @@
+#!/usr/bin/env python
+"""Quantized offload benchmark: resident quantized step, Diffusers' group offload and omni layerwise offload.
+
+For each model (FLUX.1-dev size at 1024², Wan-14B size at 480p/33 frames) and each weight format, one process
+builds the full-size transformer with random bf16 weights directly on the device, quantizes it there, and
+measures side by side:
+
+* resident quantized step (the whole quantized model on the device);
+* omni layerwise offload (packed bytes streamed from pinned host memory), enabled from the device-resident model;
+* Diffusers ``enable_group_offload(block_level, num_blocks_per_group=1, use_stream=True, record_stream=True)``
+  where it runs (the error is recorded where it does not);
+* pinned host→device bandwidth (4 GiB copy, same process), so streamed bytes ÷ bandwidth is the copy floor.
+
+Formats: torchao ``Float8WeightOnlyConfig`` and ``Int8WeightOnlyConfig`` (``quantize_``), GGUF ``Q8_0`` (quantized
+exactly as gguf-py does, in torch on the GPU) and ``Q4_K`` (random *valid* blocks: gguf-py has no Q4_K quantizer) as
+Diffusers ``GGUFLinear``/``GGUFParameter`` layers, and bitsandbytes NF4 with double quantization (``Linear4bit``).
+Linear layers of Diffusers' ``_keep_in_fp32_modules`` stay unquantized, as Diffusers' quantizers leave them.
+
+Every offloaded output is compared bit for bit with the resident quantized output of the same inputs.
+Targets (issue 14): step ≤ 1.05 × max(resident quantized step, streamed bytes ÷ bandwidth); peak device memory ≤
+Diffusers' for the same format; setup ≤ 10 s for the FLUX size.
+
+Usage (results go to ``<out>.json``, ``<out>.md`` and ``<out>.png``)::
+
+    python -m benchmarks.quant_offload_bench --out benchmarks/results/quant_offload_h200
+    python -m benchmarks.quant_offload_bench --smoke --device cpu   # tiny models, checks the script's logic
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from benchmarks.offload_bench import (
+    _fmt,
+    _gib,
+    environment,
+    free_memory,
+    make_inputs,
+    measure_bandwidth,
+    parameters_on_meta,
+    peak_bytes,
+    remove_group_offload,
+    reset_peak,
+    synchronize,
+)
+
+GiB = 2**30
+TARGET_FACTOR = 1.05
+SETUP_TARGET_S = 10.0
+FORMATS = ("torchao-float8", "torchao-int8", "gguf-q8_0", "gguf-q4_k", "bnb-nf4")
+
+
+# Models -----------------------------------------------------------------------------------------------------------
+
+
+def build_model(name: str, device: torch.device, smoke: bool, seed: int = 0, layers: int | None = None) -> nn.Module:
+    """The transformer with random bf16 weights (std 0.02) allocated directly on ``device`` (``layers``: fewer
+    blocks at full width, for quick checks)."""
+    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+
+    if name == "flux":
+        cls, kwargs = FluxTransformer2DModel, {"guidance_embeds": True}
+        if smoke:  # widths that every format accepts (GGUF Q4_K needs 256 columns, bnb on CPU multiples of 64)
+            kwargs.update(num_layers=2, num_single_layers=3, attention_head_dim=64, num_attention_heads=2,
+                          joint_attention_dim=64, pooled_projection_dim=64, axes_dims_rope=(16, 24, 24))
+    else:
+        cls, kwargs = WanTransformer3DModel, {}
+        if smoke:
+            kwargs.update(num_layers=3, num_attention_heads=2, attention_head_dim=64, ffn_dim=256, text_dim=64,
+                          freq_dim=64)
+    if layers is not None:
+        kwargs.update(num_layers=layers, **({"num_single_layers": 2 * layers} if name == "flux" else {}))
+    with parameters_on_meta():
+        model = cls(**kwargs)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                data = torch.empty(param.shape, dtype=torch.bfloat16, device=device)
+                data.normal_(0, 0.02, generator=generator)
+                module._parameters[key] = nn.Parameter(data, requires_grad=False)
+    return model.to(device).eval()  # buffers (rotary tables) were built on the host
+
+
+def quantize(model: nn.Module, fmt: str, device: torch.device) -> dict[str, Any]:
+    """Quantize ``model`` in place on its device; returns what was done."""
+    from diffusers_omni.testing.quantized import bnb_quantize_, gguf_quantize_
+
+    if fmt.startswith("torchao"):
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+        config = Float8WeightOnlyConfig() if fmt == "torchao-float8" else Int8WeightOnlyConfig()
+        keep = getattr(model, "_keep_in_fp32_modules", None) or []
+
+        def wanted(module: nn.Module, name: str) -> bool:
+            return isinstance(module, nn.Linear) and not any(part in keep for part in name.split("."))
+
+        quantize_(model, config, filter_fn=wanted)
+        detail = type(config).__name__
+    elif fmt.startswith("gguf"):
+        chosen = gguf_quantize_(model, prefer="Q8_0" if fmt == "gguf-q8_0" else "Q4_K", compute_dtype=torch.bfloat16)
+        counts: dict[str, int] = {}
+        for quant in chosen.values():
+            counts[quant] = counts.get(quant, 0) + 1
+        detail = ", ".join(f"{n} × {q}" for q, n in sorted(counts.items()))
+    elif fmt == "bnb-nf4":
+        skip = (lambda name, layer: bool(layer.in_features % 64 or layer.out_features % 64)) \
+            if device.type == "cpu" else (lambda name, layer: False)
+        count = bnb_quantize_(model, bits=4, quant_type="nf4", double_quant=True, compute_dtype=torch.bfloat16,
+                              skip=skip)
+        detail = f"{count} × Linear4bit nf4, double quant"
+    else:
+        raise ValueError(f"format {fmt!r}; allowed: {', '.join(FORMATS)}")
+    kinds: dict[str, int] = {}
+    for param in model.parameters():
+        kinds[type(param).__name__] = kinds.get(type(param).__name__, 0) + 1
+    return {"detail": detail, "parameter_types": kinds}
+
+
+# Measurements -----------------------------------------------------------------------------------------------------
+
+
+def time_steps(model: nn.Module, inputs: dict, device: torch.device, warmup: int, repeats: int) -> tuple[dict, Any]:
+    times, first = [], None
+    with torch.inference_mode():
+        for index in range(warmup + repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            out = model(**inputs)[0]
+            synchronize(device)
+            if index >= warmup:
+                times.append(time.perf_counter() - start)
+            if first is None:
+                first = out.clone()
+            del out
+    return {"step_s": statistics.median(times), "step_all_s": times}, first
+
+
+def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], None], model: nn.Module,
+                inputs: dict, device: torch.device, args: argparse.Namespace,
+                reference: torch.Tensor | None) -> tuple[torch.Tensor | None, dict]:
+    print(f"  [{label}] setting up", flush=True)
+    gc.collect()
+    reset_peak(device)
+    result: dict[str, Any] = {"variant": label}
+    start = time.perf_counter()
+    try:
+        handle = setup()
+        synchronize(device)
+    except Exception as error:  # noqa: BLE001 - recorded: the variant does not run for this format
+        result["error"] = f"{type(error).__name__}: {error}"[:400]
+        print(f"  [{label}] setup failed: {result['error']}", flush=True)
+        return None, result
+    result["setup_s"] = time.perf_counter() - start
+    reset_peak(device)
+    try:
+        timing, first = time_steps(model, inputs, device, args.warmup, args.repeats)
+    except Exception as error:  # noqa: BLE001 - recorded
+        result["error"] = f"{type(error).__name__}: {error}"[:400]
+        print(f"  [{label}] step failed: {result['error']}", flush=True)
+        first = None
+    else:
+        result.update(timing)
+        result["peak_device_bytes"] = peak_bytes(device)
+        result["bitwise_equal_to_resident"] = None if reference is None else bool(torch.equal(first, reference))
+    stats = getattr(handle, "stats", None)
+    if stats is not None and hasattr(stats, "streamed_bytes_per_pass"):
+        result.update({"streamed_bytes": stats.streamed_bytes_per_pass, "streamed_blocks": stats.streamed_blocks,
+                       "slot_bytes": stats.slot_bytes, "on_demand_loads": stats.on_demand_loads,
+                       "host_memory_mode": stats.host_memory_mode})
+    start = time.perf_counter()
+    try:
+        teardown(handle)
+        synchronize(device)
+        result["teardown_s"] = time.perf_counter() - start
+    except Exception as error:  # noqa: BLE001 - recorded
+        result["teardown_error"] = f"{type(error).__name__}: {error}"[:400]
+    if "step_s" in result:
+        print(f"  [{label}] step {result['step_s']:.4f} s, setup {result['setup_s']:.2f} s, peak "
+              f"{_gib(result['peak_device_bytes'])}, bitwise {result['bitwise_equal_to_resident']}", flush=True)
+    return first if label == "resident" else None, result
+
+
+def _bnb_quant_state_on(model: nn.Module, device: torch.device) -> bool:
+    states = [p.quant_state for p in model.parameters() if getattr(p, "quant_state", None) is not None]
+    return all(s.absmax.device == device for s in states)
+
+
+def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torch.device, bandwidth: float) -> dict:
+    from diffusers_omni import OffloadConfig, apply_offload
+    from diffusers_omni.offload.tensors import storage_nbytes
+
+    print(f"== {name} / {fmt}", flush=True)
+    free_memory(device)
+    start = time.perf_counter()
+    model = build_model(name, device, args.smoke, layers=args.layers)
+    bf16_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    info = quantize(model, fmt, device)
+    synchronize(device)
+    build_s = time.perf_counter() - start
+    free_memory(device)
+    packed = storage_nbytes(model)
+    inputs = make_inputs(name, model, device, args.smoke)
+    print(f"  {_gib(bf16_bytes)} bf16 → {_gib(packed)} packed ({info['detail']}) in {build_s:.1f} s", flush=True)
+    entry: dict[str, Any] = {"model": name, "format": fmt, "bf16_bytes": bf16_bytes, "packed_bytes": packed,
+                             "build_s": build_s, **info, "variants": []}
+
+    reference, resident = run_variant("resident", lambda: None, lambda _: None, model, inputs, device, args, None)
+    entry["variants"].append(resident)
+
+    def omni_setup():
+        return apply_offload(model, OffloadConfig("layerwise", device=device))
+
+    _, omni = run_variant("omni layerwise", omni_setup, lambda backend: backend.disable(), model, inputs, device,
+                          args, reference)
+    entry["variants"].append(omni)
+
+    use_stream = device.type == "cuda"
+
+    def diffusers_setup():
+        if fmt.startswith("bnb"):  # Diffusers moves .data to the host but not quant_state: start on the device
+            model.to(device)
+        model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
+                                   offload_type="block_level", num_blocks_per_group=1, use_stream=use_stream,
+                                   record_stream=use_stream)
+        if fmt.startswith("bnb") and not _bnb_quant_state_on(model, device):
+            raise RuntimeError("group offload left the bitsandbytes quant_state off the onload device")
+        return None
+
+    _, diffusers = run_variant("diffusers group_offload", diffusers_setup, lambda _: remove_group_offload(model),
+                               model, inputs, device, args, reference)
+    entry["variants"].append(diffusers)
+
+    if "step_s" in omni and "step_s" in resident:
+        floor = omni["streamed_bytes"] / bandwidth
+        target = TARGET_FACTOR * max(resident["step_s"], floor)
+        omni.update({
+            "stream_floor_s": floor,
+            "target_step_s": target,
+            "meets_step_target": omni["step_s"] <= target,
+            "meets_peak_target": None if "peak_device_bytes" not in diffusers or omni["peak_device_bytes"] is None
+            else omni["peak_device_bytes"] <= diffusers["peak_device_bytes"],
+            "meets_setup_target": None if name != "flux" else omni["setup_s"] <= SETUP_TARGET_S,
+        })
+    del model, inputs, reference
+    free_memory(device)
+    return entry
+
+
+# Reports ----------------------------------------------------------------------------------------------------------
+
+
+def _variant(entry: dict, label: str) -> dict:
+    return next(v for v in entry["variants"] if v["variant"] == label)
+
+
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [
+        "# Quantized offload benchmark",
+        "",
+        f"{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}, torchao {report['versions']['torchao']}, "
+        f"gguf {report['versions']['gguf']}, bitsandbytes {report['versions']['bitsandbytes']}; pinned host→device "
+        f"{report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (same process). Median of {report['args']['repeats']} "
+        f"steps after {report['args']['warmup']} warm-up, one transformer forward under inference_mode. Random "
+        "weights; GGUF Q4_K blocks are random valid blocks. Targets: step ≤ 1.05 × max(resident quantized step, "
+        "streamed bytes ÷ bandwidth); peak ≤ Diffusers'; setup ≤ 10 s (FLUX size).",
+        "",
+        "| Model | Format | Packed | Resident step | Diffusers group offload | omni layerwise | Target | Peak omni / "
+        "Diffusers | Setup omni | Bitwise omni / Diffusers | Meets |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in report["entries"]:
+        resident, omni, diff = (_variant(entry, n) for n in ("resident", "omni layerwise", "diffusers group_offload"))
+        diff_step = f"{diff['step_s']:.3f}" if "step_s" in diff else f"error: {diff.get('error', '')[:90]}"
+        meets = [omni.get(k) for k in ("meets_step_target", "meets_peak_target", "meets_setup_target")]
+        verdict = "yes" if all(m is not False for m in meets) and meets[0] is not None else "NO: " + ", ".join(
+            k for k, m in zip(("step", "peak", "setup"), meets) if m is False)
+        lines.append(
+            f"| {entry['model']} | {entry['format']} | {_gib(entry['packed_bytes'])} | {_fmt(resident.get('step_s'))} | "
+            f"{diff_step} | {_fmt(omni.get('step_s'))} | {_fmt(omni.get('target_step_s'))} | "
+            f"{_gib(omni.get('peak_device_bytes'))} / {_gib(diff.get('peak_device_bytes'))} | "
+            f"{_fmt(omni.get('setup_s'), '.1f')} | {_fmt(omni.get('bitwise_equal_to_resident'))} / "
+            f"{_fmt(diff.get('bitwise_equal_to_resident'))} | {verdict} |")
+    lines += ["", "Errors:", ""]
+    for entry in report["entries"]:
+        for v in entry["variants"]:
+            if "error" in v:
+                lines.append(f"- {entry['model']} / {entry['format']} / {v['variant']}: `{v['error']}`")
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed; no chart", flush=True)
+        return
+    models = sorted({e["model"] for e in report["entries"]}, key=["flux", "wan"].index)
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        entries = [e for e in report["entries"] if e["model"] == model]
+        width = 0.27
+        for k, (label, color) in enumerate((("resident", "tab:blue"), ("diffusers group_offload", "tab:gray"),
+                                            ("omni layerwise", "tab:green"))):
+            steps = [_variant(e, label).get("step_s", 0.0) for e in entries]
+            ax.bar([i + (k - 1) * width for i in range(len(entries))], steps, width, color=color, label=label)
+        for i, e in enumerate(entries):
+            target = _variant(e, "omni layerwise").get("target_step_s")
+            if target:
+                ax.hlines(target, i + 0.5 * width, i + 1.5 * width, colors="tab:red", linestyles="--")
+        ax.set_xticks(range(len(entries)), [e["format"] for e in entries], fontsize=8)
+        ax.set_ylabel("seconds per transformer forward")
+        ax.set_title(f"{model}: quantized step (red: omni target; no bar: did not run)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in ("torchao", "gguf", "bitsandbytes"):
+        try:
+            from importlib.metadata import version
+
+            out[name] = version(name)
+        except Exception:  # noqa: BLE001 - not installed
+            out[name] = "not installed"
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="flux,wan", help="comma-separated: flux, wan")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {FORMATS}")
+    parser.add_argument("--device", default="cuda", help="cuda (measurements) or cpu (with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="tiny models (checks the script, not speed)")
+    parser.add_argument("--out", default=None, help="output prefix (default benchmarks/results/quant_offload_h200)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bandwidth-bytes", type=int, default=4 * GiB)
+    parser.add_argument("--layers", type=int, default=None, help="fewer blocks at full width (quick checks)")
+    args = parser.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for field, values, allowed in (("--models", args.models, ("flux", "wan")), ("--formats", args.formats, FORMATS)):
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            parser.error(f"{field}: unknown {unknown}; allowed: {', '.join(allowed)}")
+    if args.device not in ("cuda", "cpu"):
+        parser.error(f"--device {args.device!r}; allowed: cuda, cpu")
+    if args.device == "cpu" and not args.smoke:
+        parser.error("--device cpu measures nothing useful; allowed only with --smoke")
+    if args.smoke:
+        args.warmup, args.repeats = 1, 2
+        args.bandwidth_bytes = min(args.bandwidth_bytes, 64 * 2**20)
+        if args.device == "cpu":  # bitsandbytes' CPU backend needs it installed; skip quietly otherwise
+            args.formats = [f for f in args.formats if not f.startswith("bnb") or versions()["bitsandbytes"] !=
+                            "not installed"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    out = Path(args.out or f"benchmarks/results/quant_offload_{'smoke' if args.smoke else 'h200'}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
+    print(f"bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+    report = {"environment": environment(device), "versions": versions(), "args": vars(args),
+              "bandwidth_bytes_per_s": bandwidth, "entries": []}
+    for name in args.models:
+        for fmt in args.formats:
+            report["entries"].append(benchmark_format(name, fmt, args, device, bandwidth))
+            # Written after every format, so a later failure keeps what was measured.
+            out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+            out.with_suffix(".md").write_text(markdown(report))
+    chart(report, out.with_suffix(".png"))
+    print(markdown(report))
+    print(f"wrote {out.with_suffix('.json')}, .md, .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""``benchmarks/quant_offload_bench.py --smoke --device cpu``: tiny quantized models through every variant, so the
+H200 script's logic (building, quantizing, bitwise checks, targets, reports) runs in CI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_on_cpu(tmp_path):
+    out = tmp_path / "quant"
+    command = [sys.executable, "-m", "benchmarks.quant_offload_bench", "--smoke", "--device", "cpu",
+               "--models", "flux", "--formats", "torchao-int8,gguf-q4_k", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert [(e["model"], e["format"]) for e in report["entries"]] == [("flux", "torchao-int8"), ("flux", "gguf-q4_k")]
+    for entry in report["entries"]:
+        variants = {v["variant"]: v for v in entry["variants"]}
+        assert set(variants) == {"resident", "omni layerwise", "diffusers group_offload"}
+        omni = variants["omni layerwise"]
+        assert omni["bitwise_equal_to_resident"] is True and omni["on_demand_loads"] == 0
+        # Packed bytes stream, not a dequantized copy.
+        assert entry["packed_bytes"] < 0.6 * entry["bf16_bytes"]
+        assert 0 < omni["streamed_bytes"] <= entry["packed_bytes"] + 512 * 1000
+        assert omni["target_step_s"] >= 1.05 * variants["resident"]["step_s"] * 0.999
+        assert isinstance(omni["meets_step_target"], bool)
+    q4 = next(e for e in report["entries"] if e["format"] == "gguf-q4_k")
+    assert "Q4_K" in q4["detail"]
+    table = out.with_suffix(".md").read_text()
+    assert "| flux | torchao-int8 |" in table and "| flux | gguf-q4_k |" in table

@@ -1,0 +1,206 @@
+"""Offload of quantized transformers on CPU: torchao int8/float8 weight-only, GGUF (Q8_0 + Q4_K, read back
+through ``from_single_file``) and bitsandbytes NF4 (double quant) / int8 under every strategy, bitwise equal to the resident quantized model; packed bytes
+streamed; the same weight objects after disable; unstreamable subclasses refused with nothing changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusers_omni import OffloadConfig, apply_offload
+from diffusers_omni.offload.hooks import hook_names
+from diffusers_omni.offload.memory import ALIGN_BYTES, PackedWeights
+from diffusers_omni.offload.tensors import TensorSet, UnsupportedTensorError, storage_nbytes, tensor_nbytes
+
+import quant_helpers as qh
+from dist_harness import launch
+from offload_helpers import flux_pipe, generate, pipeline_modules
+
+STRATEGIES = ("model_level", "layerwise", "layerwise_budget")
+
+
+def _blocks(model):
+    if hasattr(model, "single_transformer_blocks"):
+        return [(f"transformer_blocks.{i}", b) for i, b in enumerate(model.transformer_blocks)] + [
+            (f"single_transformer_blocks.{i}", b) for i, b in enumerate(model.single_transformer_blocks)
+        ]
+    return [(f"blocks.{i}", b) for i, b in enumerate(model.blocks)]
+
+
+def _hooks(model) -> dict[str, list[str]]:
+    return {name: hook_names(m) for name, m in model.named_modules()}
+
+
+def _logical_numel(weight) -> int:
+    """Elements of the weight as the model sees it (GGUF and bitsandbytes 4-bit bytes hold more values)."""
+    state = getattr(weight, "quant_state", None)
+    return torch.Size(getattr(weight, "quant_shape", state.shape if state is not None else weight.shape)).numel()
+
+
+def _config(strategy: str, model) -> OffloadConfig:
+    if strategy != "layerwise_budget":
+        return OffloadConfig(strategy, device="cpu")
+    sizes = [PackedWeights(p, b).nbytes for p, b in _blocks(model)]
+    block_ids = {id(t) for _, b in _blocks(model) for t in list(b.parameters()) + list(b.buffers())}
+    fixed = sum(tensor_nbytes(t) for t in list(model.parameters()) + list(model.buffers()) if id(t) not in block_ids)
+    # Room for the two streaming slots and one more block: some blocks stay resident, the others stream.
+    return OffloadConfig("layerwise", device="cpu", max_device_memory=fixed + 3 * max(sizes) + 4096)
+
+
+@pytest.fixture(scope="module")
+def gguf_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("gguf")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("model_name", qh.MODELS)
+@pytest.mark.parametrize("fmt", qh.FORMATS)
+def test_quantized_dit_streams_packed_bytes_bitwise_equal(fmt, model_name, strategy, gguf_folder):
+    model = qh.quantized(model_name, fmt, gguf_folder / f"{model_name}-{strategy}")
+    kinds = qh.weight_kinds(model)
+    assert kinds == {"torchao-int8": {"Int8Tensor"}, "torchao-float8": {"Float8Tensor"}, "gguf": {"GGUFParameter"},
+                     "bnb-nf4": {"Params4bit"}, "bnb-int8": {"Int8Params"}}[fmt]
+    if fmt == "bnb-nf4":
+        assert all(p.quant_state.nested and p.quant_type == "nf4" for p in model.parameters() if hasattr(p, "quant_state"))
+    if fmt == "gguf":
+        types = {p.quant_type.name for p in model.parameters() if hasattr(p, "quant_type")}
+        assert types == {"Q8_0", "Q4_K"}
+    reference = qh.run(model, model_name)
+    linears = [n for n, _ in qh.quantized_linears(model) if n.startswith(("transformer_blocks.1", "blocks.1"))]
+    marked = model.get_submodule(linears[0]).weight
+    marked.marker = "kept"  # a user attribute on a quantized weight must survive
+    before = qh.weights_state(model)
+    packed_total = storage_nbytes(model)
+    dequantized_total = sum(_logical_numel(p) * 4 for p in model.parameters())
+    dequantized_blocks = sum(_logical_numel(p) * 4 for _, b in _blocks(model) for p in b.parameters())
+    assert packed_total < 0.5 * dequantized_total
+
+    backend = apply_offload(model, _config(strategy, model))
+    seen, remove = qh.capture_during_forward(model, linears)
+    outputs = qh.run(model, model_name)
+    remove()
+    assert all(torch.equal(a, b) for a, b in zip(reference, outputs)), "offload must be bitwise equal step after step"
+    stats = backend.stats
+    if strategy == "model_level":
+        leaves = len(TensorSet(model).leaves)  # packed bytes (+ alignment of each leaf), not a dequantized copy
+        assert packed_total <= stats.onloaded_bytes <= packed_total + ALIGN_BYTES * leaves
+    else:
+        assert stats.streamed_blocks > 0 and stats.on_demand_loads == 0
+        if strategy == "layerwise_budget":
+            assert stats.resident_blocks > 0
+        assert stats.streamed_bytes_per_pass < 0.5 * dequantized_blocks
+    for name, calls in seen.items():
+        original, _, _, _, values = before[f"{name}.weight"]
+        assert len(calls) == len(reference)
+        for weight_id, cls, nbytes, marker in calls:
+            assert cls is type(original) and nbytes == sum(v.numel() * v.element_size() for v in values)
+            if name == linears[0]:
+                assert marker == "kept"
+            if fmt.startswith("torchao") and strategy != "layerwise_budget":
+                assert weight_id != id(original), "a wrapper subclass computes on an object rebuilt around device views"
+    backend.disable()
+    qh.assert_same_weights(before, model)
+    assert all(torch.equal(a, b) for a, b in zip(reference, qh.run(model, model_name)))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_unstreamable_subclass_is_refused_by_name_with_nothing_changed(strategy):
+    model = qh.quantized("flux", "torchao-int8")
+    qh.make_opaque(model, "single_transformer_blocks.1.proj_out")
+    before, hooks = qh.weights_state(model), _hooks(model)
+    with pytest.raises(UnsupportedTensorError) as raised:
+        apply_offload(model, _config(strategy if strategy != "layerwise_budget" else "layerwise", model))
+    message = str(raised.value)
+    assert "parameter 'weight' of module" in message and "single_transformer_blocks.1.proj_out" in message
+    assert "quant_helpers.OpaqueTensor" in message and "__tensor_flatten__" in message
+    assert "GGUFParameter" in message and "Float8Tensor" in message  # what is supported
+    qh.assert_same_weights(before, model)
+    assert _hooks(model) == hooks
+
+
+def test_unstreamable_resident_weight_rolls_back_everything():
+    """A refused weight outside the blocks (moved, not packed) is found after earlier moves: rollback undoes them."""
+    model = qh.quantized("wan", "torchao-float8")
+    qh.make_opaque(model, "proj_out")
+    before, hooks = qh.weights_state(model), _hooks(model)
+    for strategy in ("layerwise", "model_level"):
+        with pytest.raises(UnsupportedTensorError, match="proj_out'.*OpaqueTensor"):
+            apply_offload(model, OffloadConfig(strategy, device="cpu"))
+        qh.assert_same_weights(before, model)
+        assert _hooks(model) == hooks
+
+
+def test_packed_layout_keeps_strides_and_shares_aliased_bytes():
+    module = torch.nn.Linear(8, 4)
+    module.weight = torch.nn.Parameter(torch.randn(8, 4).t())  # a transposed (column-major) weight
+    module.register_buffer("alias", module.bias.data)  # the same bytes under another name
+    tensors = TensorSet(module)
+    assert len(tensors.leaves) == 2 and tensors.leaves[0].stride == (1, 4)
+    assert {id(t) for t in tensors.leaves[1].targets} == {id(module.bias), id(module.alias)}
+    x = torch.randn(3, 8)
+    reference = module(x)
+    backend = apply_offload(torch.nn.Sequential(module), OffloadConfig("model_level", device="cpu"))
+    assert torch.equal(module(x), reference) and module.weight.stride() == (1, 4)
+    assert module.alias.data_ptr() == module.bias.data_ptr()
+    backend.disable()
+
+
+def test_pipeline_quantization_config_just_works(tmp_path):
+    from diffusers import PipelineQuantizationConfig, TorchAoConfig
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
+    from transformers import TorchAoConfig as TransformersTorchAoConfig
+
+    from diffusers_omni.pipelines.flux import OmniFluxPipeline
+
+    flux_pipe().save_pretrained(tmp_path)
+    config = PipelineQuantizationConfig(quant_mapping={
+        "transformer": TorchAoConfig(Int8WeightOnlyConfig()),
+        "text_encoder_2": TransformersTorchAoConfig(Float8WeightOnlyConfig()),
+    })
+    pipe = OmniFluxPipeline.from_pretrained(tmp_path, quantization_config=config)
+    for module in pipeline_modules(pipe):
+        module.eval()
+    assert qh.weight_kinds(pipe.transformer) == {"Int8Tensor"}
+    assert qh.weight_kinds(pipe.text_encoder_2) == {"Float8Tensor"}
+    reference = generate(pipe, steps=2)
+    before = {name: qh.weights_state(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    for enable in (pipe.enable_layerwise_offload, pipe.enable_model_level_offload):
+        enable(device="cpu")
+        assert torch.equal(generate(pipe, steps=2), reference)
+        pipe.disable_omni_offload()
+        for name, state in before.items():
+            qh.assert_same_weights(state, getattr(pipe, name))
+
+
+def test_gguf_transformer_in_a_pipeline(tmp_path):
+    pipe = flux_pipe()
+    gguf = qh.quantized("flux", "gguf", tmp_path)
+    config = {**pipe.transformer.config}
+    assert gguf.config.in_channels == config["in_channels"] and gguf.config.joint_attention_dim == 32
+    pipe.register_modules(transformer=gguf)
+    reference = generate(pipe, steps=2)
+    pipe.enable_layerwise_offload(device="cpu")
+    assert torch.equal(generate(pipe, steps=2), reference)
+    pipe.disable_omni_offload()
+    pipe.enable_model_level_offload(device="cpu")
+    assert torch.equal(generate(pipe, steps=2), reference)
+    pipe.disable_omni_offload()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_distributed_layerwise_quantized(world, tmp_path):
+    results = launch(qh.distributed_parity, world, str(tmp_path), deadline=300)
+    for rank, result in enumerate(results):
+        assert result["ok"], (rank, result)
+        value = result["value"]
+        for key, r in value.items():
+            if key.startswith("refusal"):
+                continue
+            assert r["equal"] and r["equal_after"] and r["same_weights"], (rank, key, r)
+            assert r["on_demand"] == 0, (rank, key, r)
+            if key.endswith("/True"):  # AllGather: each rank holds 1/N of the packed bytes
+                assert r["host_bytes"] * world - r["streamed"] < world * 512 * 16, (rank, key, r)
+        assert value["refusal_unchanged"]
+        expected = "UnsupportedTensorError" if rank == world - 1 else "rank 1 could not enable"
+        assert value["refusal"] is not None and expected in value["refusal"], value["refusal"]
+        assert "OpaqueTensor" in value["refusal"]
