@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from accelerate.utils import convert_file_size_to_int
 
 from ._values import show
 
@@ -57,24 +58,48 @@ STRATEGY_PRIORITY: tuple[OffloadStrategy, ...] = (
     OffloadStrategy.NONE,
 )
 
+def _accelerate_unit(unit: str) -> int:
+    """Bytes in one ``unit`` as ``accelerate.utils.convert_file_size_to_int`` counts them (``"1GiB"`` → 2³⁰)."""
+    return convert_file_size_to_int(f"1{unit}")
+
+
+# Unit factors come from accelerate (the parser the Hugging Face stack uses for ``max_memory``); accelerate has no
+# bare bytes, "B", "TB" or "TiB", which are derived from its factors. Keys are lower case: units are matched
+# case-insensitively and always count bytes (accelerate reads a lower-case "b", as in "5Gb", as bits).
 _BYTE_UNITS = {
     "": 1,
     "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+    "kb": _accelerate_unit("KB"),
+    "mb": _accelerate_unit("MB"),
+    "gb": _accelerate_unit("GB"),
+    "tb": _accelerate_unit("GB") * 1000,
+    "kib": _accelerate_unit("KiB"),
+    "mib": _accelerate_unit("MiB"),
+    "gib": _accelerate_unit("GiB"),
+    "tib": _accelerate_unit("GiB") * 1024,
 }
 _BYTES_RE = re.compile(r"^\s*([0-9]*)(?:\.([0-9]+))?\s*([a-zA-Z]*)\s*$", re.ASCII)
 _BYTES_ALLOWED = 'a non-negative int of bytes or a string such as "12GiB", "500MB", "1.5 GB"'
 
 
 def parse_bytes(value: Any, field_name: str) -> int:
-    """``12`` → 12, ``"12GiB"`` → 12·2³⁰, ``"500MB"`` → 5·10⁸ (decimal and binary units, case-insensitive)."""
+    """``12`` → 12, ``"12GiB"`` → 12·2³⁰, ``"500MB"`` → 5·10⁸ (decimal and binary units, case-insensitive).
+
+    The unit factors are accelerate's (``accelerate.utils.convert_file_size_to_int``: ``GB`` = 10⁹, ``GiB`` = 2³⁰),
+    extended by ``B``, ``TB``, ``TiB`` and bare byte counts. The number is scaled with exact integer arithmetic
+    rather than through accelerate's float (which turns ``"4.1MB"`` into 4 099 999 and overflows for long digit
+    strings), and every refusal names ``field_name``, the value and what is allowed.
+
+    Args:
+        value (`int | str`): a byte count, or digits with an optional fraction and unit (``"1.5 GiB"``).
+        field_name (`str`): the config field, for error messages.
+
+    Example:
+    ```py
+    >>> parse_bytes("1.5 GiB", "max_device_memory")
+    1610612736
+    ```
+    """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"{field_name} must be {_BYTES_ALLOWED}, got {type(value).__name__}: {show(value)}")
     if isinstance(value, int):
@@ -87,7 +112,7 @@ def parse_bytes(value: Any, field_name: str) -> int:
     if match is None or not (whole or fraction) or unit not in _BYTE_UNITS:
         raise ValueError(
             f"{field_name}={show(value)} is not a byte size; allowed: {_BYTES_ALLOWED} "
-            f"(units: {', '.join(u for u in _BYTE_UNITS if u)})"
+            f"(units, any case: {', '.join(u.upper().replace('I', 'i') for u in _BYTE_UNITS if u)})"
         )
     if len(whole.lstrip("0")) > 30:  # beyond any memory (10^30 bytes); int() also refuses > 4300 digits
         raise ValueError(f"{field_name}={show(value)} is out of range; allowed: {_BYTES_ALLOWED}")
@@ -210,8 +235,9 @@ class OffloadConfig:
         prefetch_depth (`int`, defaults to `1`): layerwise only. Blocks copied ahead of the running one; each costs
             one device slot the size of the largest streamed block.
         plan (`OffloadPlan`, *optional*): explicit topology overriding declarations.
-        show_progress (`bool`, *optional*): progress bar while building host copies; ``None`` shows it for models
-            of 1 GiB or more.
+        show_progress (`bool`, *optional*): byte progress bars while building host copies (and while distributed
+            ``disable()`` gathers them back); ``None`` shows them for 1 GiB or more. Never shown when the pipeline's
+            ``set_progress_bar_config(disable=True)`` is set, nor on ranks other than 0.
         use_allgather (`bool`, defaults to `True`): distributed layerwise only. Each rank pins 1/N of every block
             and blocks are rebuilt per layer by all-gather; ``False`` streams a full host copy per rank.
         resident_layers (`int`, defaults to `0`): distributed layerwise only, with ``use_allgather=False``: the

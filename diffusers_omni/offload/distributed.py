@@ -366,7 +366,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
         total = sum(w.nbytes for ws in state.weights for w in ws)
         per_dtype: dict[str, int] = {}
         desc = f"distributed offload rank {self.rank}/{self.world_size}: packing shards"
-        with byte_progress(total, desc, self.config.show_progress) as bar:
+        with byte_progress(total, desc, self.config.show_progress, state.target) as bar:
             for stack_weights, stack_resident in zip(state.weights, state.resident):
                 row: list[_ShardedBlock | None] = []
                 for weights, resident in zip(stack_weights, stack_resident):
@@ -466,16 +466,18 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
         state.hooks.remove_all()
         refresh_registry_caches([stack.owner for stack in state.stacks])
         # Collective: every rank gathers every block once more and keeps full, ordinary host tensors.
-        for row in state.streamed:
-            for block in row:
-                if block is None:
-                    continue
+        blocks = [block for row in state.streamed for block in row if block is not None]
+        total = sum(block.weights.nbytes for block in blocks)
+        with byte_progress(total, "distributed offload: gathering blocks to host", self.config.show_progress,
+                           self._target) as bar:
+            for block in blocks:
                 block.slot.owner = None
                 state.transfers.gather(block.h2d, block.gathers, wait_for=block.slot.released,
                                        staged=block.slot.staged, done=block.slot.ready)
                 state.transfers.synchronize()
                 block.weights.park([view.to("cpu", copy=True) for view in block.views], final=True)
                 block.host = {}
+                bar.update(block.weights.nbytes)
         state.host_memory.release(self.device)
         logger.info("distributed layerwise offload disabled: block weights are full host tensors again")
 

@@ -336,7 +336,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
         total = sum(w.nbytes for stack in state.weights for w in stack)
-        with byte_progress(total, "layerwise offload: packing blocks", self.config.show_progress) as bar:
+        with byte_progress(total, "layerwise offload: packing blocks", self.config.show_progress, state.target) as bar:
             for stack_weights, stack_resident in zip(state.weights, state.resident):
                 streamed_row: list[_StreamedBlock | None] = []
                 for weights, resident in zip(stack_weights, stack_resident):

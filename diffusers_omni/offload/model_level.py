@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..config.offload import OffloadStrategy, format_bytes
+from ..utils.progress import byte_progress
 from .base import Journal, OffloadBackend
 from .discovery import (
     DIT,
@@ -158,12 +159,16 @@ class ModelLevelOffloadBackend(OffloadBackend):
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
         clone = host_memory.needs_clone_on_release
-        for exclusive in state.exclusives:
-            weights = exclusive.weights
-            # Recorded first: a pack that fails part-way has already rebound some tensors.
-            journal.record(f"restore {weights.path}", lambda w=weights: w.restore(clone=clone, to_original_device=True))
-            weights.pack(host_memory)
-            logger.info("model-level offload: %s packed on host (%s)", exclusive.component.label, format_bytes(weights.nbytes))
+        total = sum(exclusive.weights.nbytes for exclusive in state.exclusives)
+        with byte_progress(total, "model-level offload: packing components", self.config.show_progress,
+                           state.target) as bar:
+            for exclusive in state.exclusives:
+                weights = exclusive.weights
+                # Recorded first: a pack that fails part-way has already rebound some tensors.
+                journal.record(f"restore {weights.path}", lambda w=weights: w.restore(clone=clone, to_original_device=True))
+                weights.pack(host_memory)
+                bar.update(weights.nbytes)
+                logger.info("model-level offload: %s packed on host (%s)", exclusive.component.label, format_bytes(weights.nbytes))
         release_freed_host_memory()
 
     def _stage_install_hooks(self, state: _State, journal: Journal) -> None:

@@ -238,6 +238,25 @@ def mmap_loading(rank: int, world: int, single: str, sharded: str) -> dict[str, 
     return results
 
 
+def progress_bars(rank: int, world: int) -> dict[str, str]:
+    """stderr of AllGather enable and disable with ``show_progress=True``, then with the pipeline's bars disabled."""
+    import contextlib
+    import io
+
+    out = {}
+    for name in ("shown", "pipeline_disabled"):
+        pipe = flux_pipe()
+        if name == "pipeline_disabled":
+            pipe.set_progress_bar_config(disable=True)
+        enable, disable = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(enable):
+            pipe.enable_distributed_layerwise_offload(device="cpu", show_progress=True)
+        with contextlib.redirect_stderr(disable):
+            pipe.disable_omni_offload()
+        out[name] = {"enable": enable.getvalue(), "disable": disable.getvalue()}
+    return out
+
+
 def main_suite(rank: int, world: int, single: str, sharded: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, call in (
@@ -248,6 +267,7 @@ def main_suite(rank: int, world: int, single: str, sharded: str) -> dict[str, An
         ("data_parallel", lambda: data_parallel(rank, world)),
         ("rejections", lambda: rejections(rank, world)),
         ("mmap", lambda: mmap_loading(rank, world, single, sharded)),
+        ("progress", lambda: progress_bars(rank, world)),
     ):
         try:
             out[name] = {"ok": True, "value": call()}

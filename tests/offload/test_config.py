@@ -34,6 +34,26 @@ def test_parse_bytes(value, expected):
     assert parse_bytes(value, "max_device_memory") == expected
 
 
+@pytest.mark.parametrize("spelled", ["KB", "MB", "GB", "KiB", "MiB", "GiB"])
+def test_parse_bytes_agrees_with_accelerate_on_its_units(spelled):
+    from accelerate.utils import convert_file_size_to_int
+
+    for number in ("0", "1", "7", "250", "1.5", "0.25"):
+        assert parse_bytes(number + spelled, "x") == convert_file_size_to_int(number + spelled)
+
+
+def test_parse_bytes_where_accelerate_differs():
+    from accelerate.utils import convert_file_size_to_int
+
+    # accelerate scales through a float; ours is exact.
+    assert convert_file_size_to_int("4.1MB") == 4_099_999 and parse_bytes("4.1MB", "x") == 4_100_000
+    # accelerate reads a lower-case "b" as bits; our units are case-insensitive bytes (as the docs say).
+    assert convert_file_size_to_int("2Gb") == 250_000_000 and parse_bytes("2Gb", "x") == 2 * 10**9
+    # Units accelerate lacks: bare bytes, B, TB, TiB.
+    assert parse_bytes("12", "x") == 12 and parse_bytes("3 B", "x") == 3
+    assert parse_bytes("2TB", "x") == 2 * 10**12 and parse_bytes("2tib", "x") == 2 * 2**40
+
+
 @pytest.mark.parametrize("value", ["12 parsecs", "-1GiB", "GiB", -5])
 def test_bad_byte_sizes_name_the_field(value):
     with pytest.raises(ValueError, match="max_device_memory="):

@@ -84,6 +84,18 @@ def test_allgather_is_bitwise_equal_with_two_slots_and_1_over_n_host_bytes(suite
         assert r["on_demand_loads"] == 0
 
 
+def test_progress_bars_on_rank_0_only_and_silenced_by_the_pipeline_config(suite):
+    ranks = _scenario(suite, "progress")
+    shown = ranks[0]["shown"]
+    assert "packing shards" in shown["enable"] and "100%" in shown["enable"]
+    last = shown["disable"].rstrip().split("\r")[-1]
+    assert last.startswith("distributed offload: gathering blocks to host: 100%"), last
+    for r in ranks[1:]:
+        assert r["shown"] == {"enable": "", "disable": ""}
+    for r in ranks:
+        assert r["pipeline_disabled"] == {"enable": "", "disable": ""}
+
+
 def test_odd_ring_streams_every_block_each_pass(suite):
     r = _scenario(suite, "flux_allgather")[0]
     # 7 blocks, 2 pipeline calls of 2 steps: block 0 primed once, then every block gathered once per forward.
