@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from benchmarks.common import pyplot, save_figure
+
 GiB = 2**30
 TARGET_FACTOR = 1.05
 
@@ -172,23 +174,28 @@ def materialize_random(model: nn.Module, dtype: torch.dtype, seed: int = 0) -> i
     return total
 
 
-def build_model(name: str, smoke: bool) -> tuple[nn.Module, int]:
+def meta_transformer(name: str, overrides: dict[str, Any]) -> nn.Module:
+    """FLUX.1-dev (``name="flux"``, with guidance embeddings) or Wan 2.1 (otherwise) transformer at its default
+    (full-size) config updated with ``overrides``, parameters on the meta device."""
     from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 
     if name == "flux":
-        kwargs: dict[str, Any] = {"guidance_embeds": True}
-        if smoke:
-            kwargs.update(num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
-                          joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
-        cls = FluxTransformer2DModel
+        cls, kwargs = FluxTransformer2DModel, {"guidance_embeds": True}
     else:
-        kwargs = {}
-        if smoke:
-            kwargs.update(num_layers=3, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32,
-                          freq_dim=32)
-        cls = WanTransformer3DModel
+        cls, kwargs = WanTransformer3DModel, {}
     with parameters_on_meta():
-        model = cls(**kwargs)
+        return cls(**kwargs, **overrides)
+
+
+SMOKE_CONFIG = {
+    "flux": dict(num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
+                 joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8)),
+    "wan": dict(num_layers=3, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32, freq_dim=32),
+}
+
+
+def build_model(name: str, smoke: bool) -> tuple[nn.Module, int]:
+    model = meta_transformer(name, SMOKE_CONFIG.get(name, SMOKE_CONFIG["wan"]) if smoke else {})
     # Buffers (rotary tables and the like) stay as the model built them.
     nbytes = materialize_random(model, torch.bfloat16)
     return model.eval(), nbytes
@@ -567,12 +574,8 @@ def markdown(report: dict) -> str:
 
 
 def chart(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib not installed; no chart", flush=True)
         return
     models = report["models"]
@@ -591,9 +594,7 @@ def chart(report: dict, path: Path) -> None:
         ax.set_xticks(range(len(steps)), labels, fontsize=7)
         ax.set_ylabel("seconds per transformer forward")
         ax.set_title(f"{entry['model']} ({_gib(entry['param_bytes'])}); red: target")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def environment(device: torch.device) -> dict:
