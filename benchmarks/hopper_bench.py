@@ -227,37 +227,15 @@ def build_model(name: str, device: str, smoke: bool):
 
 
 def model_inputs(name: str, model, device: str, smoke: bool) -> tuple[dict, int]:
-    generator = torch.Generator().manual_seed(0)
-    config = model.config
+    from benchmarks.offload_bench import transformer_inputs
+
+    text = 16 if smoke else 512
     if name == "flux":
-        side, text = (32, 16) if smoke else (64, 512)
-        ids = torch.zeros(side * side, 3)
-        ids[:, 1] = torch.arange(side).repeat_interleave(side)
-        ids[:, 2] = torch.arange(side).repeat(side)
-        inputs = {
-            "hidden_states": torch.randn(1, side * side, config.in_channels, generator=generator),
-            "encoder_hidden_states": torch.randn(1, text, config.joint_attention_dim, generator=generator),
-            "pooled_projections": torch.randn(1, config.pooled_projection_dim, generator=generator),
-            "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]), "img_ids": ids,
-            "txt_ids": torch.zeros(text, 3),
-        }
-        tokens = side * side + text
-    else:
-        frames, height, width = (3, 32, 44) if smoke else (21, 60, 104)  # 81 frames, 480×832 → 32,760 tokens
-        text = 16 if smoke else 512
-        inputs = {
-            "hidden_states": torch.randn(1, config.in_channels, frames, height, width, generator=generator),
-            "timestep": torch.tensor([500]),
-            "encoder_hidden_states": torch.randn(1, text, config.text_dim, generator=generator),
-        }
-        tokens = frames * (height // 2) * (width // 2)
-    out = {}
-    for key, value in inputs.items():
-        value = value.to(device)
-        keep = key in ("img_ids", "txt_ids", "timestep")
-        out[key] = value.to(torch.bfloat16) if value.is_floating_point() and not keep else value
-    out["return_dict"] = False
-    return out, tokens
+        side = 32 if smoke else 64
+        return transformer_inputs(name, model.config, device, text, side), side * side + text
+    frames, height, width = (3, 32, 44) if smoke else (21, 60, 104)  # 81 frames, 480×832 → 32,760 tokens
+    tokens = frames * (height // 2) * (width // 2)
+    return transformer_inputs(name, model.config, device, text, (frames, height, width)), tokens
 
 
 def step_seconds(model, inputs, warmup: int, repeats: int) -> float:

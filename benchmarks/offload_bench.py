@@ -201,19 +201,20 @@ def build_model(name: str, smoke: bool) -> tuple[nn.Module, int]:
     return model.eval(), nbytes
 
 
-def make_inputs(name: str, model: nn.Module, device: torch.device, smoke: bool) -> dict[str, Any]:
+def transformer_inputs(
+    name: str, config: Any, device: torch.device | str, text: int, image: int | tuple[int, int, int]
+) -> dict[str, Any]:
+    """Seeded random keyword inputs of one transformer forward on ``device``, in bfloat16 (ids and timestep stay
+    float32): FLUX.1 (``name="flux"``) with an ``image`` × ``image`` grid of packed latent tokens, Wan otherwise
+    with ``image = (frames, height, width)`` latents; ``text`` text tokens."""
     generator = torch.Generator().manual_seed(0)
-    dtype = torch.bfloat16
-    config = model.config
     if name == "flux":
-        side = 4 if smoke else 64  # 1024² image → 64×64 packed latent tokens
-        text = 8 if smoke else 512
-        image_tokens = side * side
-        ids = torch.zeros(image_tokens, 3)
+        side = image
+        ids = torch.zeros(side * side, 3)
         ids[:, 1] = torch.arange(side).repeat_interleave(side)
         ids[:, 2] = torch.arange(side).repeat(side)
         inputs = {
-            "hidden_states": torch.randn(1, image_tokens, config.in_channels, generator=generator),
+            "hidden_states": torch.randn(1, side * side, config.in_channels, generator=generator),
             "encoder_hidden_states": torch.randn(1, text, config.joint_attention_dim, generator=generator),
             "pooled_projections": torch.randn(1, config.pooled_projection_dim, generator=generator),
             "timestep": torch.tensor([0.5]),
@@ -222,19 +223,26 @@ def make_inputs(name: str, model: nn.Module, device: torch.device, smoke: bool) 
             "txt_ids": torch.zeros(text, 3),
         }
     else:
-        frames, height, width = (2, 4, 4) if smoke else (9, 60, 104)  # 33 frames, 480×832 → 14,040 tokens
-        text = 8 if smoke else 512
         inputs = {
-            "hidden_states": torch.randn(1, config.in_channels, frames, height, width, generator=generator),
+            "hidden_states": torch.randn(1, config.in_channels, *image, generator=generator),
             "timestep": torch.tensor([500]),
             "encoder_hidden_states": torch.randn(1, text, config.text_dim, generator=generator),
         }
     out = {}
     for key, value in inputs.items():
         value = value.to(device)
-        out[key] = value.to(dtype) if value.is_floating_point() and key not in ("img_ids", "txt_ids", "timestep") else value
+        keep = key in ("img_ids", "txt_ids", "timestep")
+        out[key] = value.to(torch.bfloat16) if value.is_floating_point() and not keep else value
     out["return_dict"] = False
     return out
+
+
+def make_inputs(name: str, model: nn.Module, device: torch.device, smoke: bool) -> dict[str, Any]:
+    if name == "flux":
+        image: Any = 4 if smoke else 64  # 1024² image → 64×64 packed latent tokens
+    else:
+        image = (2, 4, 4) if smoke else (9, 60, 104)  # 33 frames, 480×832 → 14,040 tokens
+    return transformer_inputs(name, model.config, device, 8 if smoke else 512, image)
 
 
 # Measurements ---------------------------------------------------------------------------------------------------
