@@ -209,13 +209,12 @@ def _kernels(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def _rows_kernel(src_ptr, order_ptr, dst_ptr, pooled_ptr, rows, valid, H, n_blocks,
-                     stride_b, stride_s, stride_h,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, TILE: tl.constexpr,
-                     ORDERED: tl.constexpr, POOL: tl.constexpr, SCATTER: tl.constexpr):
-        # Gather: [B, S, H, D] (any strides; ``stride_*``) -> [B*H, rows, D] contiguous, row r of head g is source
-        # row order[r] (or r); with POOL, the mean of the block's rows below ``valid`` goes to pooled[g, block].
-        # SCATTER: the reverse, [B*H, rows, D] contiguous -> [B, S, H, D] (``stride_*``), row r to row order[r].
+    def _gather_kernel(src_ptr, order_ptr, dst_ptr, pooled_ptr, rows_out, valid, H, n_blocks,
+                       stride_b, stride_s, stride_h,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, TILE: tl.constexpr,
+                       ORDERED: tl.constexpr, POOL: tl.constexpr):
+        # [B, S, H, D] (any strides) -> dst [B*H, rows_out, D]: row r of head g is source row order[r] (or r);
+        # with POOL, the mean of the block's rows below ``valid`` goes to pooled[g, block].
         g = tl.program_id(0)
         blk = tl.program_id(1)
         b = g // H
@@ -225,20 +224,15 @@ def _kernels(interpret: bool):
         acc = tl.zeros([BLOCK_D], tl.float32)
         for r in range(0, BLOCK_ROWS, TILE):
             pos = blk * BLOCK_ROWS + r + tl.arange(0, TILE)
-            row_ok = pos < rows
+            row_ok = pos < rows_out
             if ORDERED:
-                strided_row = tl.load(order_ptr + pos, mask=row_ok, other=0)
+                src_row = tl.load(order_ptr + pos, mask=row_ok, other=0)
             else:
-                strided_row = pos
+                src_row = pos
             ok = row_ok[:, None] & col_ok[None, :]
-            strided = b * stride_b + h * stride_h + strided_row[:, None] * stride_s + cols[None, :]
-            compact = (g * rows + pos)[:, None] * D + cols[None, :]
-            if SCATTER:
-                x = tl.load(src_ptr + compact, mask=ok, other=0.0)
-                tl.store(dst_ptr + strided, x, mask=ok)
-            else:
-                x = tl.load(src_ptr + strided, mask=ok, other=0.0)
-                tl.store(dst_ptr + compact, x, mask=ok)
+            x = tl.load(src_ptr + b * stride_b + h * stride_h + src_row[:, None] * stride_s + cols[None, :], mask=ok,
+                        other=0.0)
+            tl.store(dst_ptr + (g * rows_out + pos)[:, None] * D + cols[None, :], x, mask=ok)
             if POOL:
                 acc += tl.sum(tl.where((pos < valid)[:, None] & ok, x.to(tl.float32), 0.0), axis=0)
         if POOL:
@@ -246,7 +240,29 @@ def _kernels(interpret: bool):
             if count > 0:
                 tl.store(pooled_ptr + (g * n_blocks + blk) * D + cols, acc / count, mask=col_ok)
 
-    return _rows_kernel
+    @triton.jit
+    def _scatter_kernel(src_ptr, order_ptr, dst_ptr, S, H, stride_b, stride_s, stride_h,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, TILE: tl.constexpr,
+                        ORDERED: tl.constexpr):
+        # src [B*H, S, D] contiguous -> dst [B, S, H, D]: row r of head g goes to row order[r] (or r).
+        g = tl.program_id(0)
+        blk = tl.program_id(1)
+        b = g // H
+        h = g % H
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        for r in range(0, BLOCK_ROWS, TILE):
+            pos = blk * BLOCK_ROWS + r + tl.arange(0, TILE)
+            row_ok = pos < S
+            if ORDERED:
+                dst_row = tl.load(order_ptr + pos, mask=row_ok, other=0)
+            else:
+                dst_row = pos
+            ok = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(src_ptr + (g * S + pos)[:, None] * D + cols[None, :], mask=ok, other=0.0)
+            tl.store(dst_ptr + b * stride_b + h * stride_h + dst_row[:, None] * stride_s + cols[None, :], x, mask=ok)
+
+    return _gather_kernel, _scatter_kernel
 
 
 def _block_d(d: int) -> int:
@@ -261,14 +277,14 @@ def gather_heads(x: torch.Tensor, order: torch.Tensor | None, rows_out: int, poo
         rows = order if order is not None else torch.arange(rows_out, device=x.device)
         out = x.permute(0, 2, 1, 3).index_select(2, rows).reshape(b * h, rows_out, d)
         return out, (pool_blocks(out, pool_rows) if pool_rows is not None else None)
+    gather, _ = _kernels(_interpreting())
     n_blocks = -(-rows_out // BLOCK)
     out = torch.empty(b * h, rows_out, d, device=x.device, dtype=x.dtype)
     pooled = torch.empty(b * h, n_blocks, d, device=x.device, dtype=torch.float32) if pool_rows is not None else out
-    _kernels(_interpreting())[(b * h, n_blocks)](
+    gather[(b * h, n_blocks)](
         x, order if order is not None else out, out, pooled, rows_out, pool_rows or 0, h, n_blocks,
         x.stride(0), x.stride(1), x.stride(2),
         D=d, BLOCK_D=_block_d(d), BLOCK_ROWS=BLOCK, TILE=32, ORDERED=order is not None, POOL=pool_rows is not None,
-        SCATTER=False,
     )
     if pool_rows is None:
         return out, None
@@ -287,11 +303,10 @@ def scatter_heads(src: torch.Tensor, order: torch.Tensor | None, batch: int) -> 
         else:
             out.index_copy_(1, order, view)
         return out
-    n_blocks = -(-s // BLOCK)
-    _kernels(_interpreting())[(g, n_blocks)](
-        src, order if order is not None else src, out, src, s, 0, h, n_blocks,
-        out.stride(0), out.stride(1), out.stride(2),
-        D=d, BLOCK_D=_block_d(d), BLOCK_ROWS=BLOCK, TILE=32, ORDERED=order is not None, POOL=False, SCATTER=True,
+    _, scatter = _kernels(_interpreting())
+    scatter[(g, -(-s // BLOCK))](
+        src, order if order is not None else src, out, s, h, out.stride(0), out.stride(1), out.stride(2),
+        D=d, BLOCK_D=_block_d(d), BLOCK_ROWS=BLOCK, TILE=32, ORDERED=order is not None,
     )
     return out
 
