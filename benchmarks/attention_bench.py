@@ -24,6 +24,7 @@ from diffusers_omni.attention.backends.base import AttentionCall
 from diffusers_omni.attention.platform import current_platform
 from diffusers_omni.attention.registry import get_backend_class, registered_backend_names
 from diffusers_omni.attention.routing import ShapeRouter
+from benchmarks.common import reference, rel_err
 from benchmarks.derive_routing import distinct_exact
 from diffusers_omni.attention.selector import resolve
 
@@ -40,38 +41,6 @@ SHAPES = [
 ]
 
 TOLERANCE = 0.03
-
-
-def time_ms(fn, warmup: int, repeats: int, inner: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / inner)
-    return statistics.median(samples)
-
-
-def reference(q, k, v, mask=None) -> torch.Tensor:
-    # fp32 memory-efficient kernel: no S×S materialisation, fp32 accumulation throughout.
-    if mask is not None:
-        mask = mask[:, None, None, :]
-    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]):
-        out = F.scaled_dot_product_attention(*(x.float().permute(0, 2, 1, 3) for x in (q, k, v)), attn_mask=mask)
-    return out.permute(0, 2, 1, 3)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.float()
-    if not torch.isfinite(out).all():
-        return float("nan")
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def variants(dtype: torch.dtype, head_dim: int, masked: bool):

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import pyplot, save_figure
 from benchmarks.offload_bench import (
     GiB,
     _fmt,
@@ -421,12 +422,8 @@ def markdown(report: dict) -> str:
 
 def chart(report: dict, path: Path) -> str | None:
     """Step time per mode and model, with the AllGather target; returns a note when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return "matplotlib not installed; no chart"
     models = report["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
@@ -442,9 +439,7 @@ def chart(report: dict, path: Path) -> str | None:
         ax.set_ylabel("seconds per transformer forward")
         ax.set_title(f"{m['model']}: {m['throughput']['speedup']:.2f}× data-parallel speed-up at N={m['world_size']}")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return None
 
 

@@ -31,8 +31,8 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from benchmarks.common import reference, rel_err, sync, time_ms
 from benchmarks.derive_routing import derive_fp8
 from diffusers_omni.attention import block_sparse as bs
 from diffusers_omni.attention import fp8_quant as fq
@@ -53,51 +53,6 @@ SMOKE_SHAPES = [("smoke self", 1, 2, 640, 640, 64, False), ("smoke cross", 1, 2,
 # Block-sparse timing shapes: name, heads, tokens, Wan-like grid for the geometry variant (None: geometry-free only)
 SPARSE_SHAPES = [("Wan 480p/81f self", 40, 32760, (21, 30, 52)), ("FLUX 1024² self", 24, 4608, None)]
 SPARSITIES = (0.5, 0.8)
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def time_ms(fn, repeats: int, inner: int) -> float:
-    """Median per-call milliseconds (CUDA events on the GPU, wall clock otherwise) after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / inner)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e3 / inner)
-    return statistics.median(samples)
-
-
-def rel_err(out, ref) -> float:
-    out = out.float()
-    if not torch.isfinite(out).all():
-        return float("nan")
-    return ((out - ref.float()).norm() / ref.float().norm()).item()
-
-
-def reference(q, k, v, mask=None):
-    if mask is not None:
-        mask = mask[:, None, None, :]
-    q, k, v = (x.float().permute(0, 2, 1, 3) for x in (q, k, v))
-    if q.is_cuda:
-        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).permute(0, 2, 1, 3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).permute(0, 2, 1, 3)
 
 
 def reference_fa3(q, k, v, softmax_scale=None, q_descale=None, k_descale=None, v_descale=None, **_):
@@ -253,24 +208,14 @@ def sparse_section(args, func, factory) -> dict:
 # Whole transformer ----------------------------------------------------------------------------------------------
 
 def build_model(name: str, device: str, smoke: bool):
-    from benchmarks.offload_bench import parameters_on_meta
+    from benchmarks.offload_bench import meta_transformer
 
-    from diffusers import FluxTransformer2DModel, WanTransformer3DModel
-
-    if name == "flux":
-        kwargs = {"guidance_embeds": True}
-        if smoke:
-            kwargs.update(num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=2,
-                          joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(16, 24, 24))
-        cls = FluxTransformer2DModel
-    else:
-        kwargs = {}
-        if smoke:
-            kwargs.update(num_layers=2, num_attention_heads=2, attention_head_dim=64, ffn_dim=64, text_dim=32,
-                          freq_dim=32)
-        cls = WanTransformer3DModel
-    with parameters_on_meta():
-        model = cls(**kwargs)
+    smoke_config = {
+        "flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=2,
+                     joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(16, 24, 24)),
+        "wan": dict(num_layers=2, num_attention_heads=2, attention_head_dim=64, ffn_dim=64, text_dim=32, freq_dim=32),
+    }
+    model = meta_transformer(name, smoke_config.get(name, smoke_config["wan"]) if smoke else {})
     generator = torch.Generator(device=device).manual_seed(0)
     for module in model.modules():
         for pname, param in list(module._parameters.items()):
@@ -282,37 +227,15 @@ def build_model(name: str, device: str, smoke: bool):
 
 
 def model_inputs(name: str, model, device: str, smoke: bool) -> tuple[dict, int]:
-    generator = torch.Generator().manual_seed(0)
-    config = model.config
+    from benchmarks.offload_bench import transformer_inputs
+
+    text = 16 if smoke else 512
     if name == "flux":
-        side, text = (32, 16) if smoke else (64, 512)
-        ids = torch.zeros(side * side, 3)
-        ids[:, 1] = torch.arange(side).repeat_interleave(side)
-        ids[:, 2] = torch.arange(side).repeat(side)
-        inputs = {
-            "hidden_states": torch.randn(1, side * side, config.in_channels, generator=generator),
-            "encoder_hidden_states": torch.randn(1, text, config.joint_attention_dim, generator=generator),
-            "pooled_projections": torch.randn(1, config.pooled_projection_dim, generator=generator),
-            "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]), "img_ids": ids,
-            "txt_ids": torch.zeros(text, 3),
-        }
-        tokens = side * side + text
-    else:
-        frames, height, width = (3, 32, 44) if smoke else (21, 60, 104)  # 81 frames, 480×832 → 32,760 tokens
-        text = 16 if smoke else 512
-        inputs = {
-            "hidden_states": torch.randn(1, config.in_channels, frames, height, width, generator=generator),
-            "timestep": torch.tensor([500]),
-            "encoder_hidden_states": torch.randn(1, text, config.text_dim, generator=generator),
-        }
-        tokens = frames * (height // 2) * (width // 2)
-    out = {}
-    for key, value in inputs.items():
-        value = value.to(device)
-        keep = key in ("img_ids", "txt_ids", "timestep")
-        out[key] = value.to(torch.bfloat16) if value.is_floating_point() and not keep else value
-    out["return_dict"] = False
-    return out, tokens
+        side = 32 if smoke else 64
+        return transformer_inputs(name, model.config, device, text, side), side * side + text
+    frames, height, width = (3, 32, 44) if smoke else (21, 60, 104)  # 81 frames, 480×832 → 32,760 tokens
+    tokens = frames * (height // 2) * (width // 2)
+    return transformer_inputs(name, model.config, device, text, (frames, height, width)), tokens
 
 
 def step_seconds(model, inputs, warmup: int, repeats: int) -> float:

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from benchmarks.common import pyplot, save_figure
+
 GiB = 2**30
 TARGET_FACTOR = 1.05
 
@@ -172,41 +174,47 @@ def materialize_random(model: nn.Module, dtype: torch.dtype, seed: int = 0) -> i
     return total
 
 
-def build_model(name: str, smoke: bool) -> tuple[nn.Module, int]:
+def meta_transformer(name: str, overrides: dict[str, Any]) -> nn.Module:
+    """FLUX.1-dev (``name="flux"``, with guidance embeddings) or Wan 2.1 (otherwise) transformer at its default
+    (full-size) config updated with ``overrides``, parameters on the meta device."""
     from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 
     if name == "flux":
-        kwargs: dict[str, Any] = {"guidance_embeds": True}
-        if smoke:
-            kwargs.update(num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
-                          joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8))
-        cls = FluxTransformer2DModel
+        cls, kwargs = FluxTransformer2DModel, {"guidance_embeds": True}
     else:
-        kwargs = {}
-        if smoke:
-            kwargs.update(num_layers=3, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32,
-                          freq_dim=32)
-        cls = WanTransformer3DModel
+        cls, kwargs = WanTransformer3DModel, {}
     with parameters_on_meta():
-        model = cls(**kwargs)
+        return cls(**kwargs, **overrides)
+
+
+SMOKE_CONFIG = {
+    "flux": dict(num_layers=2, num_single_layers=4, attention_head_dim=16, num_attention_heads=2,
+                 joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 4, 8)),
+    "wan": dict(num_layers=3, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32, freq_dim=32),
+}
+
+
+def build_model(name: str, smoke: bool) -> tuple[nn.Module, int]:
+    model = meta_transformer(name, SMOKE_CONFIG.get(name, SMOKE_CONFIG["wan"]) if smoke else {})
     # Buffers (rotary tables and the like) stay as the model built them.
     nbytes = materialize_random(model, torch.bfloat16)
     return model.eval(), nbytes
 
 
-def make_inputs(name: str, model: nn.Module, device: torch.device, smoke: bool) -> dict[str, Any]:
+def transformer_inputs(
+    name: str, config: Any, device: torch.device | str, text: int, image: int | tuple[int, int, int]
+) -> dict[str, Any]:
+    """Seeded random keyword inputs of one transformer forward on ``device``, in bfloat16 (ids and timestep stay
+    float32): FLUX.1 (``name="flux"``) with an ``image`` × ``image`` grid of packed latent tokens, Wan otherwise
+    with ``image = (frames, height, width)`` latents; ``text`` text tokens."""
     generator = torch.Generator().manual_seed(0)
-    dtype = torch.bfloat16
-    config = model.config
     if name == "flux":
-        side = 4 if smoke else 64  # 1024² image → 64×64 packed latent tokens
-        text = 8 if smoke else 512
-        image_tokens = side * side
-        ids = torch.zeros(image_tokens, 3)
+        side = image
+        ids = torch.zeros(side * side, 3)
         ids[:, 1] = torch.arange(side).repeat_interleave(side)
         ids[:, 2] = torch.arange(side).repeat(side)
         inputs = {
-            "hidden_states": torch.randn(1, image_tokens, config.in_channels, generator=generator),
+            "hidden_states": torch.randn(1, side * side, config.in_channels, generator=generator),
             "encoder_hidden_states": torch.randn(1, text, config.joint_attention_dim, generator=generator),
             "pooled_projections": torch.randn(1, config.pooled_projection_dim, generator=generator),
             "timestep": torch.tensor([0.5]),
@@ -215,19 +223,26 @@ def make_inputs(name: str, model: nn.Module, device: torch.device, smoke: bool) 
             "txt_ids": torch.zeros(text, 3),
         }
     else:
-        frames, height, width = (2, 4, 4) if smoke else (9, 60, 104)  # 33 frames, 480×832 → 14,040 tokens
-        text = 8 if smoke else 512
         inputs = {
-            "hidden_states": torch.randn(1, config.in_channels, frames, height, width, generator=generator),
+            "hidden_states": torch.randn(1, config.in_channels, *image, generator=generator),
             "timestep": torch.tensor([500]),
             "encoder_hidden_states": torch.randn(1, text, config.text_dim, generator=generator),
         }
     out = {}
     for key, value in inputs.items():
         value = value.to(device)
-        out[key] = value.to(dtype) if value.is_floating_point() and key not in ("img_ids", "txt_ids", "timestep") else value
+        keep = key in ("img_ids", "txt_ids", "timestep")
+        out[key] = value.to(torch.bfloat16) if value.is_floating_point() and not keep else value
     out["return_dict"] = False
     return out
+
+
+def make_inputs(name: str, model: nn.Module, device: torch.device, smoke: bool) -> dict[str, Any]:
+    if name == "flux":
+        image: Any = 4 if smoke else 64  # 1024² image → 64×64 packed latent tokens
+    else:
+        image = (2, 4, 4) if smoke else (9, 60, 104)  # 33 frames, 480×832 → 14,040 tokens
+    return transformer_inputs(name, model.config, device, 8 if smoke else 512, image)
 
 
 # Measurements ---------------------------------------------------------------------------------------------------
@@ -567,12 +582,8 @@ def markdown(report: dict) -> str:
 
 
 def chart(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib not installed; no chart", flush=True)
         return
     models = report["models"]
@@ -591,9 +602,7 @@ def chart(report: dict, path: Path) -> None:
         ax.set_xticks(range(len(steps)), labels, fontsize=7)
         ax.set_ylabel("seconds per transformer forward")
         ax.set_title(f"{entry['model']} ({_gib(entry['param_bytes'])}); red: target")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def environment(device: torch.device) -> dict:

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from benchmarks.common import pyplot, save_figure
 from benchmarks.offload_bench import (
     _fmt,
     _gib,
@@ -301,12 +302,8 @@ def markdown(report: dict) -> str:
 
 
 def chart(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib not installed; no chart", flush=True)
         return
     models = sorted({e["model"] for e in report["entries"]}, key=["flux", "wan"].index)
@@ -326,9 +323,7 @@ def chart(report: dict, path: Path) -> None:
         ax.set_ylabel("seconds per transformer forward")
         ax.set_title(f"{model}: quantized step (red: omni target; no bar: did not run)")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(plt, fig, path)
 
 
 def versions() -> dict[str, str]:

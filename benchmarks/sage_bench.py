@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 
 
-from benchmarks.attention_bench import SHAPES, reference, rel_err, time_ms
+from benchmarks.attention_bench import SHAPES
+from benchmarks.common import reference, rel_err, time_ms
 from diffusers_omni.attention.backends.sage import K_BLOCK, configured_as_default
 
 SWEEP_KV = [64, 77, 100, 128, 141, 256, 333, 512, 1000, 1024, 4096]
@@ -82,7 +83,7 @@ def kernel_rows(sageattn, args) -> list[dict]:
         for label, fn, out in (("sdpa", sdpa, lambda: sdpa().transpose(1, 2)), ("sageattn", sage, sage)):
             try:
                 row[f"{label}_rel_err"] = rel_err(out(), ref)
-                row[f"{label}_tflops"] = tflops(b, h, sq, skv, d, time_ms(fn, args.warmup, args.repeats, args.inner))
+                row[f"{label}_tflops"] = tflops(b, h, sq, skv, d, time_ms(fn, args.repeats, args.inner, warmup=args.warmup))
             except Exception as exc:  # record and continue: one refused shape must not lose the others
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
         rows.append(row)

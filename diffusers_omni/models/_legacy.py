@@ -34,7 +34,7 @@ from diffusers.models.attention_processor import (
     SlicedAttnProcessor,
 )
 
-from ..attention.processors import OmniAttnProcessor, RoleAttention
+from ..attention.processors import OmniAttnProcessor, OmniModuleAttnProcessor, RoleAttention
 
 
 def _tokens_last(attn: Attention, hidden_states: torch.Tensor, temb: torch.Tensor | None):
@@ -119,7 +119,8 @@ def _attention_core(
     slice_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The body of ``AttnProcessor2_0`` from the mask preparation to the attention output, before the output
-    projection: returns ``([B, S, H*D] output, [B, H, S, D] query, head_dim)``."""
+    projection (``_out_projection``): returns ``([B, S, H*D] output, [B, H, S, D] query, head_dim)``. Diffusers'
+    PAG processors skip the q/k norms (``qk_norm=False``)."""
     batch_size, sequence_length, _ = (
         hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
     )
@@ -150,22 +151,9 @@ def _attention_core(
     return out, query, head_dim
 
 
-def _attention(
-    attention: RoleAttention,
-    attn: Attention,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    qk_norm: bool = True,
-    fused: bool = False,
-    slice_size: int | None = None,
-) -> tuple[torch.Tensor, torch.dtype]:
-    """``_attention_core`` followed by the output projection; returns the output and the query dtype. Diffusers'
-    PAG processors skip the q/k norms (``qk_norm=False``)."""
-    out, query, _ = _attention_core(
-        attention, attn, hidden_states, encoder_hidden_states, attention_mask, qk_norm, fused, slice_size
-    )
-    return attn.to_out[1](attn.to_out[0](out)), query.dtype
+def _out_projection(attn: Attention, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``to_out``: the output projection and its dropout."""
+    return attn.to_out[1](attn.to_out[0](hidden_states))
 
 
 _PLAIN = (AttnProcessor2_0, AttnProcessor, FusedAttnProcessor2_0, SlicedAttnProcessor)
@@ -203,7 +191,7 @@ class OmniLegacyAttnProcessor(OmniAttnProcessor):
         # Like Diffusers, the deprecated ``scale`` argument is ignored.
         residual = hidden_states
         hidden_states, shape = _tokens_last(attn, hidden_states, temb)
-        hidden_states, _ = _attention(
+        hidden_states, _, _ = _attention_core(
             self._attention,
             attn,
             hidden_states,
@@ -212,7 +200,7 @@ class OmniLegacyAttnProcessor(OmniAttnProcessor):
             fused=self.fused,
             slice_size=self.slice_size,
         )
-        hidden_states = _spatial(hidden_states, shape)
+        hidden_states = _spatial(_out_projection(attn, hidden_states), shape)
         if attn.residual_connection:
             hidden_states = hidden_states + residual
         return hidden_states / attn.rescale_output_factor
@@ -251,7 +239,7 @@ def _ip_adapter_masks(ip_adapter_masks, scales: list, ip_hidden_states: list) ->
     return ip_adapter_masks
 
 
-class OmniLegacyIPAdapterAttnProcessor(OmniAttnProcessor, IPAdapterAttnProcessor2_0):
+class OmniLegacyIPAdapterAttnProcessor(OmniModuleAttnProcessor, IPAdapterAttnProcessor2_0):
     """``IPAdapterAttnProcessor2_0`` through the resolved backends: the text cross-attention through the site's
     role, each IP-Adapter's attention of the queries over its image tokens through the ``*.ip_adapter`` role.
 
@@ -262,23 +250,11 @@ class OmniLegacyIPAdapterAttnProcessor(OmniAttnProcessor, IPAdapterAttnProcessor
     """
 
     def __init__(self, original: Any = None, attend: dict[str, RoleAttention] | None = None) -> None:
-        nn.Module.__init__(self)
-        # Plain attributes: the original must not become a submodule (its weights would appear twice).
-        object.__setattr__(self, "original", AttnProcessor2_0() if original is None else original)
-        object.__setattr__(self, "attend", attend or {})
-        self._attention = next((ra for role, ra in self.attend.items() if not role.endswith(".ip_adapter")), None)
-        self._ip_attention = next((ra for role, ra in self.attend.items() if role.endswith(".ip_adapter")), None)
+        super().__init__(AttnProcessor2_0() if original is None else original, attend or {})
+        self._split_ip_roles(".ip_adapter")
         if isinstance(self.original, IP_ADAPTER_PROCESSORS):
             self.to_k_ip = self.original.to_k_ip
             self.to_v_ip = self.original.to_v_ip
-
-    @property
-    def scale(self) -> list:
-        return self.original.scale
-
-    @scale.setter
-    def scale(self, value: list) -> None:
-        self.original.scale = value
 
     @property
     def num_tokens(self) -> list:
@@ -291,9 +267,6 @@ class OmniLegacyIPAdapterAttnProcessor(OmniAttnProcessor, IPAdapterAttnProcessor
     @property
     def cross_attention_dim(self) -> int:
         return self.original.cross_attention_dim
-
-    def __repr__(self) -> str:
-        return OmniAttnProcessor.__repr__(self)
 
     def __call__(
         self,
@@ -346,8 +319,7 @@ class OmniLegacyIPAdapterAttnProcessor(OmniAttnProcessor, IPAdapterAttnProcessor
                 mask_downsample = mask_downsample.to(dtype=query.dtype, device=query.device)
                 hidden_states = hidden_states + scales[i] * (out * mask_downsample)
 
-        hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
-        hidden_states = _spatial(hidden_states, shape)
+        hidden_states = _spatial(_out_projection(attn, hidden_states), shape)
         if attn.residual_connection:
             hidden_states = hidden_states + residual
         return hidden_states / attn.rescale_output_factor

@@ -14,7 +14,7 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from ..attention.processors import OmniAttnProcessor, RoleAttention
+from ..attention.processors import OmniAttnProcessor, OmniModuleAttnProcessor, RoleAttention
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
 from .base import unsupported_processor_error
 
@@ -98,7 +98,7 @@ class OmniFluxAttnProcessor(OmniAttnProcessor):
         return image_out, text_out
 
 
-class OmniFluxIPAdapterAttnProcessor(OmniAttnProcessor, nn.Module):
+class OmniFluxIPAdapterAttnProcessor(OmniModuleAttnProcessor):
     """FLUX.1 attention with IP-adapter image attention (replaces ``FluxIPAdapterAttnProcessor``).
 
     The joint attention goes through the ``flux.joint`` role; each IP-adapter's attention of the image queries
@@ -113,27 +113,12 @@ class OmniFluxIPAdapterAttnProcessor(OmniAttnProcessor, nn.Module):
     """
 
     def __init__(self, original: Any = None, attend: dict[str, RoleAttention] | None = None) -> None:
-        nn.Module.__init__(self)
-        # Plain attributes: the original must not become a submodule (its weights would appear twice).
-        object.__setattr__(self, "original", FluxAttnProcessor() if original is None else original)
-        object.__setattr__(self, "attend", attend or {})
+        super().__init__(FluxAttnProcessor() if original is None else original, attend or {})
         # Roles are found by suffix so that architectures reusing FLUX.1 attention (Chroma) name their own.
-        self._attention = next((ra for role, ra in self.attend.items() if not role.endswith(_IP_SUFFIX)), None)
-        self._ip_attention = next((ra for role, ra in self.attend.items() if role.endswith(_IP_SUFFIX)), None)
+        self._split_ip_roles(_IP_SUFFIX)
         if isinstance(self.original, FluxIPAdapterAttnProcessor):
             self.to_k_ip = self.original.to_k_ip
             self.to_v_ip = self.original.to_v_ip
-
-    @property
-    def scale(self) -> list[float]:
-        return self.original.scale
-
-    @scale.setter
-    def scale(self, value: list[float]) -> None:
-        self.original.scale = value
-
-    def __repr__(self) -> str:
-        return OmniAttnProcessor.__repr__(self)
 
     def __call__(
         self,

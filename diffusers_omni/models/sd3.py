@@ -41,7 +41,7 @@ from diffusers.models.attention_processor import (
     SD3IPAdapterJointAttnProcessor2_0,
 )
 
-from ..attention.processors import OmniAttnProcessor, RoleAttention
+from ..attention.processors import OmniAttnProcessor, OmniModuleAttnProcessor, RoleAttention
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
 from .base import unsupported_processor_error
 
@@ -133,6 +133,24 @@ def _split_joint(attn: Attention, hidden_states, encoder_hidden_states, image_le
     return hidden_states, encoder_hidden_states
 
 
+def _joint_attention(
+    attention: RoleAttention,
+    attn: Attention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    image_len: int,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention over ``[B, H, S, D]`` joint projections, flattened back to ``[B, S, H*D]`` and split into the
+    image output (before ``to_out``) and the text output (through ``to_add_out``, ``None`` without text)."""
+    # [B, H, S, D] → [B, S, H, D] views; the backend sees exactly the tensors Diffusers hands to SDPA.
+    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask)
+    out = out.reshape(query.shape[0], -1, attn.heads * query.shape[-1]).to(query.dtype)
+    return _split_joint(attn, out, encoder_hidden_states, image_len)
+
+
 class OmniJointAttnProcessor(OmniAttnProcessor):
     """``JointAttnProcessor2_0`` (or ``FusedJointAttnProcessor2_0``) through the backend resolved for the module's
     role.
@@ -162,16 +180,15 @@ class OmniJointAttnProcessor(OmniAttnProcessor):
         if self._attention is None:
             raise _unbound_error(self)
         _no_mask(self._attention.role, attention_mask)
-        batch_size, image_len = hidden_states.shape[:2]
+        image_len = hidden_states.shape[1]
         if self.fused:
             query, key, value = _fused_joint_qkv(attn, hidden_states, encoder_hidden_states)
         else:
             query, key, value, _ = _joint_qkv(attn, hidden_states, encoder_hidden_states)
 
-        # [B, H, S, D] → [B, S, H, D] views; the backend sees exactly the tensors Diffusers hands to SDPA.
-        hidden_states = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
-        hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * query.shape[-1]).to(query.dtype)
-        hidden_states, encoder_hidden_states = _split_joint(attn, hidden_states, encoder_hidden_states, image_len)
+        hidden_states, encoder_hidden_states = _joint_attention(
+            self._attention, attn, query, key, value, encoder_hidden_states, image_len
+        )
 
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
         if encoder_hidden_states is not None:
@@ -179,7 +196,7 @@ class OmniJointAttnProcessor(OmniAttnProcessor):
         return hidden_states
 
 
-class OmniSD3IPAdapterJointAttnProcessor(OmniAttnProcessor, SD3IPAdapterJointAttnProcessor2_0):
+class OmniSD3IPAdapterJointAttnProcessor(OmniModuleAttnProcessor, SD3IPAdapterJointAttnProcessor2_0):
     """``SD3IPAdapterJointAttnProcessor2_0`` through the resolved backends: the joint (or image-only) attention
     through the site's role, the IP-Adapter attention (normalised image queries over ``[image keys | image-prompt
     keys]``) through ``sd3.ip_adapter``.
@@ -194,25 +211,11 @@ class OmniSD3IPAdapterJointAttnProcessor(OmniAttnProcessor, SD3IPAdapterJointAtt
     _WEIGHTS = ("norm_ip", "to_k_ip", "to_v_ip", "norm_q", "norm_k", "norm_ip_k")
 
     def __init__(self, original: Any, attend: dict[str, RoleAttention]) -> None:
-        nn.Module.__init__(self)
-        # Plain attributes: the original must not become a submodule (its weights would appear twice).
-        object.__setattr__(self, "original", original)
-        object.__setattr__(self, "attend", attend)
+        super().__init__(original, attend)
         self._attention = next(ra for role, ra in attend.items() if role != SD3_IP_ADAPTER.role)
         self._ip_attention = attend[SD3_IP_ADAPTER.role]
         for name in self._WEIGHTS:
             setattr(self, name, getattr(original, name))
-
-    @property
-    def scale(self) -> float:
-        return self.original.scale
-
-    @scale.setter
-    def scale(self, value: float) -> None:
-        self.original.scale = value
-
-    def __repr__(self) -> str:
-        return OmniAttnProcessor.__repr__(self)
 
     def __call__(
         self,
@@ -228,9 +231,9 @@ class OmniSD3IPAdapterJointAttnProcessor(OmniAttnProcessor, SD3IPAdapterJointAtt
         query, key, value, (img_query, img_key, img_value) = _joint_qkv(attn, hidden_states, encoder_hidden_states)
         head_dim = query.shape[-1]
 
-        hidden_states = self._attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
-        hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
-        hidden_states, encoder_hidden_states = _split_joint(attn, hidden_states, encoder_hidden_states, image_len)
+        hidden_states, encoder_hidden_states = _joint_attention(
+            self._attention, attn, query, key, value, encoder_hidden_states, image_len
+        )
 
         if self.scale != 0 and ip_hidden_states is not None:
             norm_ip_hidden_states = self.norm_ip(ip_hidden_states, temb=temb)
@@ -290,13 +293,8 @@ class OmniPAGJointAttnProcessor(OmniAttnProcessor):
             mask[:image_len, :image_len].fill_diagonal_(0)
             mask = mask.unsqueeze(0).unsqueeze(0)
 
-        out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask)
-        out = out.reshape(batch_size, -1, attn.heads * head_dim).to(query.dtype)
-        out, text_out = out[:, :image_len], out[:, image_len:]
-        out = attn.to_out[1](attn.to_out[0](out))
-        if not attn.context_pre_only:
-            text_out = attn.to_add_out(text_out)
-        return out, text_out
+        out, text_out = _joint_attention(attention, attn, query, key, value, encoder_hidden_states, image_len, mask)
+        return attn.to_out[1](attn.to_out[0](out)), text_out
 
     def __call__(
         self,

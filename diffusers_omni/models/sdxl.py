@@ -33,7 +33,8 @@ from ._legacy import (
     IP_ADAPTER_PROCESSORS,
     OmniLegacyAttnProcessor,
     OmniLegacyIPAdapterAttnProcessor,
-    _attention,
+    _attention_core,
+    _out_projection,
     _spatial,
     _tokens_last,
 )
@@ -76,13 +77,12 @@ class OmniPAGIdentitySelfAttnProcessor(OmniAttnProcessor):
             org, ptb = hidden_states.chunk(2)
 
         # Like Diffusers, the original path ignores encoder_hidden_states: PAG layers are self-attention.
-        out_org, dtype = _attention(self._attention, attn, org, None, attention_mask, qk_norm=False)
-        out_org = _spatial(out_org, None if shape is None else (org.shape[0], *shape[1:]))
+        out_org, query, _ = _attention_core(self._attention, attn, org, None, attention_mask, qk_norm=False)
+        out_org = _spatial(_out_projection(attn, out_org), None if shape is None else (org.shape[0], *shape[1:]))
 
         if attn.group_norm is not None:
             ptb = attn.group_norm(ptb.transpose(1, 2)).transpose(1, 2)
-        ptb = attn.to_v(ptb).to(dtype)
-        ptb = attn.to_out[1](attn.to_out[0](ptb))
+        ptb = _out_projection(attn, attn.to_v(ptb).to(query.dtype))
         ptb = _spatial(ptb, None if shape is None else (ptb.shape[0], *shape[1:]))
 
         hidden_states = torch.cat([out_org, ptb])

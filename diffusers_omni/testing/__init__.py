@@ -3,6 +3,7 @@
 from diffusers_omni.testing.tiny import (
     tiny_clip_tokenizer,
     tiny_flux_components,
+    tiny_flux_inputs,
     tiny_flux_pipeline,
     tiny_t5_tokenizer,
     tiny_wan_components,
@@ -14,6 +15,7 @@ from diffusers_omni.testing.tiny import (
 __all__ = [
     "tiny_clip_tokenizer",
     "tiny_flux_components",
+    "tiny_flux_inputs",
     "tiny_flux_pipeline",
     "tiny_t5_tokenizer",
     "tiny_wan_components",

@@ -225,6 +225,32 @@ def _flux_scheduler() -> FlowMatchEulerDiscreteScheduler:
     )
 
 
+def _image_projection_state(embed_dim: int, cross_dim: int, tokens: int) -> dict[str, torch.Tensor]:
+    """Random weights of Diffusers' plain ``ImageProjection`` (``tokens`` image tokens of width ``cross_dim`` from
+    ``embed_dim``-wide image embeddings), drawn from the current global generator."""
+    return {
+        "proj.weight": torch.randn(tokens * cross_dim, embed_dim) * 0.2,
+        "proj.bias": torch.randn(tokens * cross_dim) * 0.2,
+        "norm.weight": 1 + 0.1 * torch.randn(cross_dim),
+        "norm.bias": 0.1 * torch.randn(cross_dim),
+    }
+
+
+def tiny_flux_inputs(seed: int = 0, batch: int = 1, image_tokens: int = 16, text_tokens: int = 8) -> dict[str, Any]:
+    """Random keyword inputs for the transformer of ``tiny_flux_components`` (``image_tokens`` packed latent
+    tokens, ``text_tokens`` text tokens, timestep 0.5, guidance 3.5)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "hidden_states": torch.randn(batch, image_tokens, 16, generator=generator),
+        "encoder_hidden_states": torch.randn(batch, text_tokens, 32, generator=generator),
+        "pooled_projections": torch.randn(batch, 32, generator=generator),
+        "timestep": torch.tensor([0.5] * batch),
+        "guidance": torch.tensor([3.5] * batch),
+        "img_ids": torch.zeros(image_tokens, 3),
+        "txt_ids": torch.zeros(text_tokens, 3),
+    }
+
+
 def tiny_flux_components(seed: int = 0) -> dict[str, Any]:
     """Components for a tiny FLUX.1-dev-like ``FluxPipeline`` (guidance-distilled)."""
     tokenizer = tiny_clip_tokenizer()

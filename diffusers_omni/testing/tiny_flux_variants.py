@@ -18,7 +18,7 @@ from diffusers import (
     FluxTransformer2DModel,
 )
 
-from .tiny import _build_model, _seeded, tiny_flux_components
+from .tiny import _build_model, _image_projection_state, _seeded, tiny_flux_components
 
 __all__ = [
     "TINY_FLUX_IP_EMBED_DIM",
@@ -72,12 +72,7 @@ def tiny_flux_ip_adapter_state_dict(transformer: FluxTransformer2DModel, seed: i
     inner_dim = transformer.inner_dim
     cross_dim = transformer.config.joint_attention_dim
     with _seeded(seed):
-        image_proj = {
-            "proj.weight": torch.randn(_IP_TOKENS * cross_dim, TINY_FLUX_IP_EMBED_DIM) * 0.2,
-            "proj.bias": torch.randn(_IP_TOKENS * cross_dim) * 0.2,
-            "norm.weight": 1 + 0.1 * torch.randn(cross_dim),
-            "norm.bias": 0.1 * torch.randn(cross_dim),
-        }
+        image_proj = _image_projection_state(TINY_FLUX_IP_EMBED_DIM, cross_dim, _IP_TOKENS)
         ip_adapter = {}
         for index in range(len(transformer.transformer_blocks)):
             for name in ("to_k_ip", "to_v_ip"):

@@ -27,7 +27,7 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-from .tiny import _build_model, _seeded, tiny_clip_tokenizer
+from .tiny import _build_model, _image_projection_state, _seeded, tiny_clip_tokenizer
 
 __all__ = ["TINY_SDXL_IP_EMBED_DIM", "tiny_sdxl_components", "tiny_sdxl_ip_adapter_state_dict", "tiny_sdxl_pipeline"]
 
@@ -136,12 +136,7 @@ def tiny_sdxl_ip_adapter_state_dict(unet: UNet2DConditionModel, seed: int = 0) -
     subfolder="", weight_name="", image_encoder_folder=None)``. Image embeddings are ``[batch, 1, 8]`` (``TINY_SDXL_IP_EMBED_DIM``)."""
     cross_dim = unet.config.cross_attention_dim
     with _seeded(seed):
-        image_proj = {
-            "proj.weight": torch.randn(_IP_TOKENS * cross_dim, TINY_SDXL_IP_EMBED_DIM) * 0.2,
-            "proj.bias": torch.randn(_IP_TOKENS * cross_dim) * 0.2,
-            "norm.weight": 1 + 0.1 * torch.randn(cross_dim),
-            "norm.bias": 0.1 * torch.randn(cross_dim),
-        }
+        image_proj = _image_projection_state(TINY_SDXL_IP_EMBED_DIM, cross_dim, _IP_TOKENS)
         # Diffusers numbers the cross-attention layers 1, 3, 5, ... in ``attn_processors`` order.
         ip_adapter = {}
         key_id = 1

@@ -6,7 +6,7 @@ from diffusers_omni import apply_attention, attention_report, remove_attention
 from diffusers_omni.attention.processors import is_omni_processor
 from diffusers_omni.attention.selector import BackendNotSupportedError
 from diffusers_omni.installer import UnsupportedModelError
-from diffusers_omni.testing import tiny_flux_components
+from diffusers_omni.testing import tiny_flux_components, tiny_flux_inputs
 
 
 @pytest.fixture
@@ -15,16 +15,7 @@ def transformer():
 
 
 def flux_inputs(batch=1, image_tokens=16, text_tokens=8):
-    generator = torch.Generator().manual_seed(0)
-    return {
-        "hidden_states": torch.randn(batch, image_tokens, 16, generator=generator),
-        "encoder_hidden_states": torch.randn(batch, text_tokens, 32, generator=generator),
-        "pooled_projections": torch.randn(batch, 32, generator=generator),
-        "timestep": torch.tensor([0.5] * batch),
-        "guidance": torch.tensor([3.5] * batch),
-        "img_ids": torch.zeros(image_tokens, 3),
-        "txt_ids": torch.zeros(text_tokens, 3),
-    }
+    return tiny_flux_inputs(0, batch, image_tokens, text_tokens)
 
 
 def attention_modules(model):

@@ -10,7 +10,13 @@ from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from diffusers_omni import apply_attention, omnify
 from diffusers_omni.attention.processors import is_omni_processor
 from diffusers_omni.cli.explain import explain_pipeline
-from diffusers_omni.testing import tiny_flux_components, tiny_flux_pipeline, tiny_wan_components, tiny_wan_pipeline
+from diffusers_omni.testing import (
+    tiny_flux_components,
+    tiny_flux_inputs,
+    tiny_flux_pipeline,
+    tiny_wan_components,
+    tiny_wan_pipeline,
+)
 from diffusers_omni.testing.tiny_flux2 import tiny_flux2_klein_components
 
 from diffusers_omni.pipelines.wan import OmniWanPipeline
@@ -70,18 +76,8 @@ def test_a_reapply_after_diffusers_swaps_processors_does_not_recheck_keys():
     model = tiny_flux_components()["transformer"].eval()
     apply_attention(model, {"default": "TORCH_SDPA", "per_role": {"flux.ip_adapter": "auto"}})
     model.set_attn_processor(FluxAttnProcessor())
-    generator = torch.Generator().manual_seed(0)
-    inputs = {
-        "hidden_states": torch.randn(1, 16, 16, generator=generator),
-        "encoder_hidden_states": torch.randn(1, 8, 32, generator=generator),
-        "pooled_projections": torch.randn(1, 32, generator=generator),
-        "timestep": torch.tensor([0.5]),
-        "guidance": torch.tensor([3.5]),
-        "img_ids": torch.zeros(16, 3),
-        "txt_ids": torch.zeros(8, 3),
-    }
     with torch.no_grad():
-        model(**inputs)
+        model(**tiny_flux_inputs())
     assert all(is_omni_processor(p) for p in processors(model).values())
 
 

@@ -12,7 +12,7 @@ from diffusers import FluxTransformer2DModel, WanTransformer3DModel
 from diffusers_omni.offload.hooks import hook_names
 from diffusers_omni.pipelines.flux import OmniFluxPipeline
 from diffusers_omni.pipelines.wan import OmniWanPipeline
-from diffusers_omni.testing.tiny import tiny_flux_pipeline, tiny_wan_components
+from diffusers_omni.testing.tiny import tiny_flux_inputs, tiny_flux_pipeline, tiny_wan_components
 
 FLUX_CALL = {"height": 32, "width": 32}
 WAN_CALL = {"height": 32, "width": 32, "num_frames": 5}
@@ -60,17 +60,7 @@ def bare_flux(num_layers: int = 3, num_single_layers: int = 4) -> FluxTransforme
 
 
 def flux_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "hidden_states": torch.randn(1, 16, 16, generator=g),
-        "encoder_hidden_states": torch.randn(1, 8, 32, generator=g),
-        "pooled_projections": torch.randn(1, 32, generator=g),
-        "timestep": torch.tensor([0.5]),
-        "guidance": torch.tensor([3.5]),
-        "img_ids": torch.zeros(16, 3),
-        "txt_ids": torch.zeros(8, 3),
-        "return_dict": False,
-    }
+    return {**tiny_flux_inputs(seed), "return_dict": False}
 
 
 def bare_wan() -> WanTransformer3DModel:

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig, WanTransformer3DModel
 
+from diffusers_omni.testing import tiny_flux_inputs
 from diffusers_omni.testing.quantized import bnb_quantize_, write_gguf_checkpoint
 
 FORMATS = ("torchao-int8", "torchao-float8", "gguf", "bnb-nf4", "bnb-int8")
@@ -37,18 +38,9 @@ def _wan() -> WanTransformer3DModel:
 
 
 def inputs(model_name: str, seed: int) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(seed)
     if model_name == "flux":
-        return {
-            "hidden_states": torch.randn(1, 16, 16, generator=g),
-            "encoder_hidden_states": torch.randn(1, 8, 32, generator=g),
-            "pooled_projections": torch.randn(1, 32, generator=g),
-            "timestep": torch.tensor([0.5]),
-            "guidance": torch.tensor([3.5]),
-            "img_ids": torch.zeros(16, 3),
-            "txt_ids": torch.zeros(8, 3),
-            "return_dict": False,
-        }
+        return {**tiny_flux_inputs(seed), "return_dict": False}
+    g = torch.Generator().manual_seed(seed)
     return {
         "hidden_states": torch.randn(1, 16, 2, 8, 8, generator=g),
         "timestep": torch.tensor([500]),

@@ -1,0 +1,80 @@
+"""Helpers shared by the benchmark scripts: timing, error against a float32 reference, chart set-up."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing without CUDA)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], Any], repeats: int, inner: int, warmup: int = 2) -> float:
+    """Median per-call milliseconds of ``fn`` over ``repeats`` samples of ``inner`` calls, after ``warmup`` calls
+    (CUDA events on the GPU, wall clock otherwise)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / inner)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e3 / inner)
+    return statistics.median(samples)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 attention of ``[B, S, H, D]`` tensors (``mask``: ``[B, S_kv]`` key padding); on the GPU through the
+    memory-efficient kernel (no S×S materialisation, fp32 accumulation throughout)."""
+    if mask is not None:
+        mask = mask[:, None, None, :]
+    q, k, v = (x.float().permute(0, 2, 1, 3) for x in (q, k, v))
+    if q.is_cuda:
+        with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).permute(0, 2, 1, 3)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).permute(0, 2, 1, 3)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of ``out`` against ``ref`` in float32 (NaN when ``out`` is not finite)."""
+    out = out.float()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return ((out - ref.float()).norm() / ref.float().norm()).item()
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend, or ``None`` when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(plt: Any, fig: Any, path: Path) -> None:
+    """Lay out ``fig``, write it to ``path`` at 120 dpi and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
