@@ -507,3 +507,122 @@ def test_torch_compile_bitwise_equal_to_stock(family):
     expected, pipe = _stock_and_omni(case, compile_dits)
     assert torch.equal(case.run(pipe), expected)
     assert _all_omni(_dit(pipe, case))
+
+
+def _faster_cache(pipe, timestep_skip_range=(-1, 999)):
+    from diffusers import FasterCacheConfig
+
+    # FLUX.1 [dev]-style pipelines are guidance-distilled (one batch, no unconditional branch to skip).
+    pipe.transformer.enable_cache(FasterCacheConfig(
+        spatial_attention_block_skip_range=2,
+        spatial_attention_timestep_skip_range=timestep_skip_range,
+        current_timestep_callback=lambda: pipe.current_timestep,
+        attention_weight_callback=lambda _: 0.5,
+        is_guidance_distilled=True,
+        tensor_format="BFCHW",
+    ))
+
+
+def test_faster_cache_bitwise_equal_to_stock():
+    case = FAMILIES["flux"]
+    expected, pipe = _stock_and_omni(case, _faster_cache)
+    assert torch.equal(case.run(pipe), expected)
+    assert _all_omni(_dit(pipe, case))
+    assert not torch.equal(expected, case.run(case.factory()))  # the cache did skip attention
+
+
+def test_faster_cache_skipping_the_first_step_fails_in_diffusers_and_omni_alike():
+    # Diffusers' FasterCacheBlockHook skips attention at iteration 0 when the first timestep lies inside
+    # spatial_attention_timestep_skip_range and is_guidance_distilled=True, before anything is cached.
+    case = FAMILIES["flux"]
+    for pipe in (case.factory(), omnify(case.factory(), "TORCH_SDPA")):
+        _faster_cache(pipe, timestep_skip_range=(-1, 1001))
+        with pytest.raises(TypeError, match="'NoneType' object is not subscriptable"):
+            case.run(pipe)
+
+
+# Quantization configs and device_map at load time -------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved_flux(tmp_path):
+    FAMILIES["flux"].factory().save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _load_flux(folder, **kwargs):
+    pipe = DiffusionPipeline.from_pretrained(folder, **kwargs)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    return pipe
+
+
+def test_torchao_quantization_config_at_load_bitwise_equal_to_stock(saved_flux):
+    from diffusers import PipelineQuantizationConfig, TorchAoConfig
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    def load():
+        config = PipelineQuantizationConfig(quant_mapping={"transformer": TorchAoConfig(Int8WeightOnlyConfig())})
+        return _load_flux(saved_flux, quantization_config=config)
+
+    case = FAMILIES["flux"]
+    expected = case.run(load())
+    pipe = omnify(load(), "TORCH_SDPA")
+    kinds = {type(m.weight).__name__ for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)}
+    assert "Int8Tensor" in kinds
+    assert torch.equal(case.run(pipe), expected)
+    assert _all_omni(pipe.transformer)
+    assert not torch.equal(expected, case.run(case.factory()))  # int8 weights do change the output
+
+
+def test_gguf_transformer_bitwise_equal_to_stock(saved_flux):
+    from diffusers import FluxTransformer2DModel, GGUFQuantizationConfig
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    from diffusers_omni.testing.quantized import write_gguf_checkpoint
+
+    path = saved_flux / "transformer.gguf"
+    write_gguf_checkpoint(_load_flux(saved_flux).transformer, path, prefer="Q8_0")
+
+    def load():
+        pipe = _load_flux(saved_flux)
+        transformer = FluxTransformer2DModel.from_single_file(
+            str(path), config=str(saved_flux / "transformer"), torch_dtype=torch.float32,
+            quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32),
+        ).eval()
+        pipe.register_modules(transformer=transformer)
+        return pipe
+
+    case = FAMILIES["flux"]
+    expected = case.run(load())
+    pipe = omnify(load(), "TORCH_SDPA")
+    assert any(isinstance(p, GGUFParameter) for p in pipe.transformer.parameters())
+    assert torch.equal(case.run(pipe), expected)
+    assert _all_omni(pipe.transformer)
+
+
+@pytest.mark.parametrize("level", ["pipeline", "model"])
+def test_device_map_at_load_bitwise_equal_to_stock(level, saved_flux):
+    from diffusers import FluxTransformer2DModel
+
+    def load():
+        if level == "pipeline":
+            return _load_flux(saved_flux, device_map="cpu")
+        pipe = _load_flux(saved_flux)
+        pipe.register_modules(transformer=FluxTransformer2DModel.from_pretrained(
+            saved_flux / "transformer", device_map="cpu").eval())
+        return pipe
+
+    case = FAMILIES["flux"]
+    expected = case.run(load())
+    loaded = load()
+    # Diffusers recorded the placement (no Accelerate hooks: a one-device map places weights only).
+    if level == "pipeline":
+        assert loaded.hf_device_map == "cpu"
+    else:
+        assert loaded.transformer.hf_device_map == {"": torch.device("cpu")}
+    assert not hasattr(loaded.transformer, "_hf_hook")
+    pipe = omnify(loaded, "TORCH_SDPA")
+    assert torch.equal(case.run(pipe), expected)
+    assert _all_omni(pipe.transformer)

@@ -400,3 +400,55 @@ def test_cache_hooks_with_offload(strategy):
     assert torch.equal(generate(pipe, steps=4), reference)
     pipe.disable_omni_offload()
     assert torch.equal(generate(pipe, steps=4), reference)
+
+
+# #18: the distributed layerwise column (world size 1 over gloo, both modes) ------------------------------------
+
+DISTRIBUTED = ["distributed_no_allgather", "distributed_allgather"]
+
+
+@pytest.mark.parametrize("strategy", DISTRIBUTED)
+def test_distributed_layerwise_casting_enabled_before(strategy, one_rank_group):
+    storage = torch.float8_e4m3fn
+    resident = flux_pipe()
+    resident.transformer.enable_layerwise_casting(storage_dtype=storage, compute_dtype=torch.float32)
+    reference = generate(resident, steps=2)
+    pipe = flux_pipe()
+    pipe.transformer.enable_layerwise_casting(storage_dtype=storage, compute_dtype=torch.float32)
+    _enable(pipe, strategy)
+    assert torch.equal(generate(pipe, steps=2), reference)
+    pipe.disable_omni_offload()
+    assert torch.equal(generate(pipe, steps=2), reference)
+
+
+@pytest.mark.parametrize("strategy", DISTRIBUTED)
+def test_distributed_compile_with_graph_breaks_and_regional(strategy, one_rank_group):
+    torch._dynamo.reset()
+    reference = generate(flux_pipe(), steps=2)
+    pipe = flux_pipe()
+    _enable(pipe, strategy)
+    compiled = torch.compile(pipe.transformer, backend="eager")
+    plain = pipe.transformer
+    pipe.transformer = compiled
+    assert torch.equal(generate(pipe, steps=2), reference)
+    pipe.transformer = plain
+    torch._dynamo.reset()
+    pipe.transformer.compile_repeated_blocks(backend="eager")
+    assert torch.equal(generate(pipe, steps=2), reference)
+    pipe.disable_omni_offload()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("strategy", DISTRIBUTED)
+def test_distributed_cache_hooks(strategy, one_rank_group):
+    from diffusers import FirstBlockCacheConfig
+
+    resident = flux_pipe()
+    resident.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    reference = generate(resident, steps=4)
+    pipe = flux_pipe()
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+    _enable(pipe, strategy)
+    assert torch.equal(generate(pipe, steps=4), reference)
+    pipe.disable_omni_offload()
+    assert torch.equal(generate(pipe, steps=4), reference)
