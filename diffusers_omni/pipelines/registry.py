@@ -145,6 +145,11 @@ def omnify(pipe: Any, attention: Any = None, *, enable_attention: bool = True) -
     else:
         with sharing_components():
             omni = omni_cls.from_pipe(pipe, omni_attention=False)
+        # The components (and their placement) are shared, so Diffusers' own guards that read the pipeline's
+        # device map (refusing ``.to()``, ``reset_device_map``) must see it on the new object too.
+        device_map = getattr(pipe, "hf_device_map", None)
+        if device_map is not None:
+            omni.hf_device_map = device_map
     if enable_attention:
         omni.enable_omni_attention(attention)
     return omni

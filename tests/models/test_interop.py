@@ -624,5 +624,6 @@ def test_device_map_at_load_bitwise_equal_to_stock(level, saved_flux):
         assert loaded.transformer.hf_device_map == {"": torch.device("cpu")}
     assert not hasattr(loaded.transformer, "_hf_hook")
     pipe = omnify(loaded, "TORCH_SDPA")
+    assert getattr(pipe, "hf_device_map", None) == getattr(loaded, "hf_device_map", None)  # placement kept
     assert torch.equal(case.run(pipe), expected)
     assert _all_omni(pipe.transformer)
