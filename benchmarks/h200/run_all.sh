@@ -2,7 +2,7 @@
 # One device call that installs the carried wheels and runs every pending H200 measurement, writing under $OUT.
 # Budget: FlashInfer JIT-compiles ~90 s per kernel variant on a fresh machine; the offload runs take ~4 min per model.
 #   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|offload-lifecycle|alignment|hopper|quant-offload
-# offload-lifecycle: 20 delete-and-rebuild cycles per strategy + 100 denoising steps, < 5 min.
+# offload-lifecycle: 20 delete-and-rebuild cycles per strategy + 100 denoising steps, ~6-7 min on an H200.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
