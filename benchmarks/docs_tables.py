@@ -513,6 +513,41 @@ def quant_offload() -> str:
                                       "model)" if report["args"].get("layers") else "") + ".\n")
 
 
+def _mib(n: float) -> str:
+    return f"{n / 2**20:+.1f} MiB"
+
+
+def offload_lifecycle() -> str:
+    report = result("offload_lifecycle_h200")
+    rows = []
+    for entry in report["cycles"]:
+        cycles, checks = entry["rows"], entry["checks"]
+        rows.append([
+            entry["strategy"], f"{checks['cycles_run']}/{report['args']['cycles']}",
+            gib(max(r["registered_while_on"] for r in cycles)), f"{max(r['registered_after'] for r in cycles)} B",
+            _mib(max(r["rss_growth"] for r in cycles)), _mib(max(r["device_growth"] for r in cycles)),
+            f"{sum(r['cycle_s'] for r in cycles) / len(cycles):.1f}",
+            "yes" if checks["no_error"] and not entry["errors"] else "NO",
+            _verdict(all(checks[k] for k in ("registered_back_to_baseline", "rss_back_to_baseline",
+                                             "device_back_to_baseline", "models_freed"))),
+        ])
+    steps = []
+    for name in ("layerwise", "model_level"):
+        run = report["denoise"][name]
+        steps.append([name, f"{run['bitwise_equal_steps']}/{run['steps']}", f"{run['device_growth']} B",
+                      _verdict(run["checks"]["device_growth_le_1MiB"])])
+    env, args = report["environment"], report["args"]
+    return (table(["Strategy", "Cycles", "Registered while on", "Registered after", "Max host RSS growth",
+                   "Max device growth", "Mean cycle (s)", "No CUDA error", "Back to baseline"], rows)
+            + "\n" + table(["Strategy", "Steps bitwise equal to resident", "Device growth, first → last step",
+                            "≤ 1 MiB"], steps)
+            + f"\n{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}; FLUX.1-size bf16 "
+              f"transformer ({gib(report['model_bytes'])}), dropped without `disable()` then `gc.collect()` each "
+              f"cycle; {args['steps']} denoising steps at {args['image_tokens']} image + {args['text_tokens']} text "
+              f"tokens; RSS allowance {args['rss_tolerance'] // 2**20} MiB (allocator slack). All checks pass: "
+              f"{_verdict(report['all_checks_pass'])}. Run: `offload_lifecycle_h200.md`.\n")
+
+
 RENDERERS = {
     "gpu-backends": gpu_backends,
     "diffusers-names": diffusers_names,
@@ -537,6 +572,7 @@ RENDERERS = {
     "fp8-targets": fp8_targets,
     "sparse-targets": sparse_targets,
     "quant-offload": quant_offload,
+    "offload-lifecycle": offload_lifecycle,
 }
 
 
