@@ -740,7 +740,16 @@ class BlockSparseRunner:
         return BlockSparseCall(query, layout, scale, kept, mass_threshold, order, qt, pooled, k_pages, v_pages, plan)
 
     def select(self, call: BlockSparseCall) -> BlockSparseCall:
-        """Stage 2: write the selected page ids (and, for cumulative mass, plan the call)."""
+        """Stage 2: write the selected page ids (``write_pages``) and, for cumulative mass, plan the call
+        (``plan_call``)."""
+        self.write_pages(call)
+        if call.mass_threshold is not None:
+            self.plan_call(call)
+        return call
+
+    def write_pages(self, call: BlockSparseCall) -> BlockSparseCall:
+        """The selection itself: score, rank and write the kept page ids (one Triton launch; PyTorch without
+        Triton); cumulative mass also writes the kept counts."""
         layout, plan = call.layout, call.plan
         groups = call.qt.shape[0]
         mb, nb = layout.query_blocks, layout.full_key_blocks
@@ -778,11 +787,9 @@ class BlockSparseRunner:
                     pages = torch.where(position == counts[..., None], tail, pages)
                 out.copy_(pages.to(torch.int32))
                 plan.counts.copy_(counts)
-        if mass:
-            self._plan_mass_call(call)
         return call
 
-    def _plan_mass_call(self, call: BlockSparseCall) -> None:
+    def plan_call(self, call: BlockSparseCall) -> BlockSparseCall:
         """The variable page counts of a cumulative-mass call: read them (one host synchronisation), build the
         request layout and the compact index buffer on the device, and plan the wrapper."""
         layout, plan = call.layout, call.plan
@@ -808,6 +815,7 @@ class BlockSparseRunner:
                           o_data_type=call.query.dtype)
         plan.kv_indptr, plan.indices = kv_indptr, indices
         self.plan_count += 1
+        return call
 
     _forced_vectors: dict[tuple, torch.Tensor] = {}
 
