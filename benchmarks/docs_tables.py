@@ -418,6 +418,11 @@ def sparse_kernels() -> str:
     header = ["Shape", "layout", "selection", "kept", "dense FA3 ms", "block-sparse ms (all included)", "speed-up"]
     header += (["selection ms (÷ kernel)", "Q + output copies ms", "plan ms (per call)", "kernel ms"] if staged
                else ["selection ms (÷ call)"])
+    equal = [r["mask_rows_equal_to_float32_selection"] for r in hopper["sparse"]["timings"]
+             if r.get("mask_rows_equal_to_float32_selection") is not None]
+    if equal:
+        checks += (f"; at the timed shapes the kernels' block masks equal the float32 selection in {min(equal):.2%} of "
+                   "rows or more")
     heads_major = [r for r in hopper["sparse"]["timings"] if r.get("sparse_ms_heads_major_q") is not None]
     note = "".join(
         f" With Q handed over heads-major (no Q copy), {r['shape']} at sparsity {r['sparsity']}: "

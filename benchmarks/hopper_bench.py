@@ -222,6 +222,9 @@ def sparse_section(args, func, factory, out: dict, save=lambda: None) -> dict:
             first_ms = (time.perf_counter() - t0) * 1e3
             whole = time_ms(lambda: runner(q, k, v, layout, **selection), repeats, inner)
             stages = stage_times(runner, q, k, v, layout, repeats, inner, **selection)
+            _, mask = runner(q, k, v, layout, return_mask=True, **selection)
+            rows_equal = (mask == bs.reference_mask(q, k, layout, **selection)).all(-1).float().mean().item()
+            del mask
             row = {
                 "shape": label, "H": h, "S": s, "layout": layout_name, **selection,
                 "kept_blocks": bs.kept_blocks(layout, selection["sparsity"]) if "sparsity" in selection else None,
@@ -230,6 +233,7 @@ def sparse_section(args, func, factory, out: dict, save=lambda: None) -> dict:
                 **stages, "selection_share": stages["selection_ms"] / whole,
                 "rel_err_vs_dense_fp32": rel_err(result, ref) if ref is not None else None,
                 "plans": runner.plan_count, "host_syncs": runner.host_syncs,
+                "mask_rows_equal_to_float32_selection": rows_equal,
             }
             if big and selection == {"sparsity": SPARSITIES[-1]} and layout_name == "geometry-free":
                 # Q as a processor that writes its RoPE output heads-major hands it over: no Q copy.
@@ -243,7 +247,7 @@ def sparse_section(args, func, factory, out: dict, save=lambda: None) -> dict:
                   f"{row['speedup']:.3f}x (kept {stages['kept_share']:.3f}; selection {stages['selection_ms']:.3f} ms "
                   f"= {stages['selection_share_of_kernel']:.1%} of the kernel's {stages['kernel_ms']:.3f} ms; layout "
                   f"copies {stages['layout_copies_ms']:.3f} ms; plan {stages.get('plan_ms', 0.0):.3f} ms; first call "
-                  f"{first_ms:.1f} ms)", flush=True)
+                  f"{first_ms:.1f} ms; mask rows equal to the float32 selection {rows_equal:.4f})", flush=True)
             save()
         del q, k, v, ref
         if torch.cuda.is_available():
@@ -448,6 +452,12 @@ def to_markdown(results: dict) -> str:
         lines.append(f"- block-sparse {check['layout']} (1×{check['H']}×{check['S']}×{check['D']}, {rule}): rel err vs "
                      f"mask → SDPA {check['rel_err_vs_mask_sdpa_reference']:.2e}; block-mask rows equal to the float32 "
                      f"selection {check['mask_rows_equal_to_float32_selection']:.3f}")
+    for row in sparse.get("timings", []):
+        if row.get("mask_rows_equal_to_float32_selection") is not None:
+            rule = (f"mass threshold {row['mass_threshold']}" if row.get("mass_threshold") is not None
+                    else f"sparsity {row['sparsity']}")
+            lines.append(f"- block-sparse selection at {row['shape']}, {row['layout']}, {rule}: block-mask rows equal to "
+                         f"the float32 selection {row['mask_rows_equal_to_float32_selection']:.4f}")
     for row in results.get("fp8", []):
         if row.get("speedup") is not None:
             emulation = row.get("rel_err_fp8_vs_fa3_emulation")
