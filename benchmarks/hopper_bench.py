@@ -5,18 +5,21 @@ One process, one GPU (run on the H200):
 * **FP8** (``FLASH_ATTN`` + ``quant``): at every ``attention_bench.SHAPES`` shape, FA3 bf16 vs the FP8 kernel alone,
   the quantisation alone (``fp8_quant.quantize_qkv``) and the whole FP8 call; relative error against an fp32
   reference; the GPU quantisation against its PyTorch reference (byte mismatches) and the FP8 kernel against the
-  fake-quantised SDPA reference.
-* **Block-sparse** (``RAINFUSION_ATTN`` on CUDA): the runner against its mask → SDPA reference; at the Wan 480p and
-  FLUX self-attention shapes, dense FA3 vs the block-sparse call (selection, plan lookup and layout copies
-  included) at 50% and 20% kept, geometry-free and with a Wan geometry; the selection's own time; the first call
-  (plan built); relative error against the dense fp32 reference.
+  fake-quantised SDPA reference and against ``fp8_quant.fa3_fp8_emulation`` (P rounded as FA3 does).
+* **Block-sparse** (``RAINFUSION_ATTN`` on CUDA): the runner against its mask → SDPA reference, and its selection
+  against the float32 PyTorch selection (top-k and cumulative mass); at the Wan 480p and FLUX self-attention shapes,
+  dense FA3 vs the block-sparse call (selection, plan lookup and layout copies included) at 50% and 20% kept,
+  geometry-free and with a Wan geometry, and at the Wan shape the cumulative-mass selection at two thresholds; each
+  call's stages alone (the selection: block means + page writes, against the kernel; the Q and output copies; a
+  cumulative-mass call's plan; the paged kernel); the call with Q handed over heads-major; the first call (plan
+  built); relative error against the dense fp32 reference.
 * **Whole transformer** (random-weight FLUX.1 and Wan-14B size, bf16): Diffusers ``native`` and ``_flash_3``, omni
   auto, omni FP8, omni RainFusion (Wan, default sparsity), median seconds per step in the same process. The FP8
   routing used there is derived from this run's FP8 rows (``derive_routing.derive_fp8``), as the committed table is.
 
     python -m benchmarks.hopper_bench --out benchmarks/results/hopper_fp8_sparse_h200 \
         --e2e benchmarks/results/e2e_attention_h200.json
-    python -m benchmarks.hopper_bench --smoke --out /tmp/hopper_smoke   # CPU: reference kernels, tiny shapes
+    TRITON_INTERPRET=1 python -m benchmarks.hopper_bench --smoke --out /tmp/hopper_smoke   # CPU, tiny shapes
 """
 
 from __future__ import annotations
