@@ -5,18 +5,21 @@ One process, one GPU (run on the H200):
 * **FP8** (``FLASH_ATTN`` + ``quant``): at every ``attention_bench.SHAPES`` shape, FA3 bf16 vs the FP8 kernel alone,
   the quantisation alone (``fp8_quant.quantize_qkv``) and the whole FP8 call; relative error against an fp32
   reference; the GPU quantisation against its PyTorch reference (byte mismatches) and the FP8 kernel against the
-  fake-quantised SDPA reference.
-* **Block-sparse** (``RAINFUSION_ATTN`` on CUDA): the runner against its mask → SDPA reference; at the Wan 480p and
-  FLUX self-attention shapes, dense FA3 vs the block-sparse call (selection, plan lookup and layout copies
-  included) at 50% and 20% kept, geometry-free and with a Wan geometry; the selection's own time; the first call
-  (plan built); relative error against the dense fp32 reference.
+  fake-quantised SDPA reference and against ``fp8_quant.fa3_fp8_emulation`` (P rounded as FA3 does).
+* **Block-sparse** (``RAINFUSION_ATTN`` on CUDA): the runner against its mask → SDPA reference, and its selection
+  against the float32 PyTorch selection (top-k and cumulative mass); at the Wan 480p and FLUX self-attention shapes,
+  dense FA3 vs the block-sparse call (selection, plan lookup and layout copies included) at 50% and 20% kept,
+  geometry-free and with a Wan geometry, and at the Wan shape the cumulative-mass selection at two thresholds; each
+  call's stages alone (the selection: block means + page writes, against the kernel; the Q and output copies; a
+  cumulative-mass call's plan; the paged kernel); the call with Q handed over heads-major; the first call (plan
+  built); relative error against the dense fp32 reference.
 * **Whole transformer** (random-weight FLUX.1 and Wan-14B size, bf16): Diffusers ``native`` and ``_flash_3``, omni
   auto, omni FP8, omni RainFusion (Wan, default sparsity), median seconds per step in the same process. The FP8
   routing used there is derived from this run's FP8 rows (``derive_routing.derive_fp8``), as the committed table is.
 
     python -m benchmarks.hopper_bench --out benchmarks/results/hopper_fp8_sparse_h200 \
         --e2e benchmarks/results/e2e_attention_h200.json
-    python -m benchmarks.hopper_bench --smoke --out /tmp/hopper_smoke   # CPU: reference kernels, tiny shapes
+    TRITON_INTERPRET=1 python -m benchmarks.hopper_bench --smoke --out /tmp/hopper_smoke   # CPU, tiny shapes
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ SMOKE_SHAPES = [("smoke self", 1, 2, 640, 640, 64, False), ("smoke cross", 1, 2,
 # Block-sparse timing shapes: name, heads, tokens, Wan-like grid for the geometry variant (None: geometry-free only)
 SPARSE_SHAPES = [("Wan 480p/81f self", 40, 32760, (21, 30, 52)), ("FLUX 1024² self", 24, 4608, None)]
 SPARSITIES = (0.5, 0.8)
+# Cumulative-mass thresholds timed at the Wan shape. On Gaussian inputs the pooled scores are nearly flat, so a
+# threshold keeps about that share of the blocks: 0.5 and 0.2 sit next to the 50% and 20% top-k rows.
+MASS_THRESHOLDS = (0.5, 0.2)
 
 
 def reference_fa3(q, k, v, softmax_scale=None, q_descale=None, k_descale=None, v_descale=None, **_):
@@ -93,6 +99,13 @@ def fp8_section(args, func) -> list[dict]:
         row["rel_err_fp8"] = rel_err(fp8_out, ref)
         row["rel_err_bf16"] = rel_err(func(q, k, v), ref)
         row["rel_err_fp8_vs_fake_quant_reference"] = rel_err(fp8_out, fq.fp8_attention_reference(quant))
+        # The kernel against the emulation of FA3's FP8 forward (P rounded per key tile as the kernel does), on the
+        # first query rows: what is left is accumulation order and the GPU's exp2.
+        first = slice(0, min(sq, 1024))
+        emulated = fq.fa3_fp8_emulation(quant, rows=first)
+        row["rel_err_fp8_vs_fa3_emulation"] = rel_err(fp8_out[:, first], emulated)
+        row["rel_err_fa3_emulation_vs_fp32"] = rel_err(emulated, ref[:, first])
+        del emulated
         expected = fq.quantize_qkv_reference(q, k, v)
         row["quant_byte_mismatch"] = {
             n: (getattr(quant, n).view(torch.uint8) != getattr(expected, n).view(torch.uint8)).float().mean().item()
@@ -132,27 +145,61 @@ def wan_layout(tokens: int, grid) -> bs.SparseLayout:
     return bs.SparseLayout(tokens, None, 0, forced, source=f"geometry grid={grid}")
 
 
-def sparse_section(args, func, factory) -> dict:
+def kept_share(call) -> float:
+    """Share of (query block, key page) pairs a planned call attends to."""
+    layout = call.layout
+    return int(call.plan.kv_indptr[-1]) / (call.qt.shape[0] * layout.query_blocks * layout.key_pages)
+
+
+def stage_times(runner, q, k, v, layout, repeats: int, inner: int, **selection) -> dict:
+    """Each stage of a block-sparse call alone (CUDA events), after one whole call: the selection itself (block
+    means without the Q copy + the page writes), the Q copy it shares a pass with, the plan of a cumulative-mass call
+    (host), the kernel, the output copy."""
+    call = runner.select(runner.prepare(q, k, v, layout, **selection))
+    runner.attend(call)
+    times = {
+        "pool_ms": time_ms(lambda: bs.pool_and_gather(q, k, layout, None, gather_q=False), repeats, inner),
+        "prepare_ms": time_ms(lambda: runner.prepare(q, k, v, layout, **selection), repeats, inner),
+        "write_pages_ms": time_ms(lambda: runner.write_pages(call), repeats, inner),
+        "kernel_ms": time_ms(lambda: runner.attend(call), repeats, inner),
+        "finish_ms": time_ms(lambda: runner.finish(call), repeats, inner),
+    }
+    if "mass_threshold" in selection:
+        times["plan_ms"] = time_ms(lambda: runner.plan_call(runner.write_pages(call)), repeats, inner) - \
+            times["write_pages_ms"]
+    times["selection_ms"] = times["pool_ms"] + times["write_pages_ms"]
+    times["selection_share_of_kernel"] = times["selection_ms"] / times["kernel_ms"]
+    times["layout_copies_ms"] = max(times["prepare_ms"] - times["pool_ms"], 0.0) + times["finish_ms"]
+    times["kept_share"] = kept_share(call)
+    return times
+
+
+def sparse_section(args, func, factory, out: dict, save=lambda: None) -> dict:
     device = args.device
-    out = {"checks": [], "timings": []}
-    # 1. The runner against its mask -> SDPA reference (the same block mask as a token mask).
+    out.setdefault("checks", [])
+    out.setdefault("timings", [])
+    # 1. The runner against its mask -> SDPA reference (the same block mask as a token mask), and its selection (the
+    #    Triton kernels on the GPU) against the float32 PyTorch selection.
     s_check, h_check = (640, 2) if args.smoke else (8192, 4)
     d = 64 if args.smoke else 128
-    for name, layout in (("geometry-free", bs.SparseLayout(s_check)),
-                         ("geometry", wan_layout(s_check, (5, 8, 16) if args.smoke else (8, 32, 32)))):
+    checks = [("geometry-free", bs.SparseLayout(s_check), {"sparsity": 0.5}),
+              ("geometry", wan_layout(s_check, (5, 8, 16) if args.smoke else (8, 32, 32)), {"sparsity": 0.5}),
+              ("geometry-free, cumulative mass", bs.SparseLayout(s_check), {"mass_threshold": 0.5})]
+    for name, layout, selection in checks:
         torch.manual_seed(1)
         q, k, v = (torch.randn(1, s_check, h_check, d, device=device, dtype=torch.bfloat16) for _ in range(3))
         runner = bs.BlockSparseRunner(factory)
-        result, mask = runner(q, k, v, layout, 0.5, return_mask=True)
-        expected = bs.block_mask(bs.reference_selection(q, k, layout, 0.5), layout)
+        result, mask = runner(q, k, v, layout, return_mask=True, **selection)
+        expected = bs.reference_mask(q, k, layout, **selection)
         out["checks"].append({
-            "layout": name, "B": 1, "H": h_check, "S": s_check, "D": d, "sparsity": 0.5,
+            "layout": name, "B": 1, "H": h_check, "S": s_check, "D": d, **selection,
             "rel_err_vs_mask_sdpa_reference": rel_err(result, bs.block_sparse_reference(q, k, v, layout, mask)),
             "mask_rows_equal_to_float32_selection": (mask == expected).all(-1).float().mean().item(),
             "kept_fraction": mask.float().mean().item(),
         })
         print("sparse check", out["checks"][-1], flush=True)
-    # 2. Timings at DiT shapes.
+        save()
+    # 2. Timings at DiT shapes: dense FA3, the whole call, and its stages.
     for label, h, s, grid in (SPARSE_SHAPES if not args.smoke else [("smoke", 2, 4224, (3, 32, 44))]):
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, s, h, 128 if not args.smoke else 64, device=device, dtype=torch.bfloat16)
@@ -166,39 +213,45 @@ def sparse_section(args, func, factory) -> dict:
         layouts = [("geometry-free", bs.SparseLayout(s))]
         if grid is not None:
             layouts.append((f"Wan geometry {grid}", wan_layout(s, grid)))
-        for layout_name, layout in layouts:
-            for sparsity in SPARSITIES:
-                runner = bs.BlockSparseRunner(factory)
-                sync()
-                t0 = time.perf_counter()
-                result = runner(q, k, v, layout, sparsity)
-                sync()
-                first_ms = (time.perf_counter() - t0) * 1e3
-                whole = time_ms(lambda: runner(q, k, v, layout, sparsity), repeats, inner)
-                kept = bs.kept_blocks(layout, sparsity)
-
-                def select_only():
-                    qt, pooled_q = bs.gather_heads(q, None, s, pool_rows=s)
-                    full = layout.full_key_blocks
-                    pooled_k = k[:, : full * bs.BLOCK].unflatten(1, (full, bs.BLOCK)).mean(2, dtype=torch.float32)
-                    pooled_k = pooled_k.permute(0, 2, 1, 3).reshape(h, full, -1)
-                    return bs.select_blocks(pooled_q, pooled_k, layout, kept)
-
-                select_ms = time_ms(select_only, repeats, inner)
-                row = {
-                    "shape": label, "H": h, "S": s, "layout": layout_name, "sparsity": sparsity,
-                    "kept_blocks": kept, "key_blocks": layout.full_key_blocks,
-                    "kept_fraction": (kept + (1 if layout.tail_rows else 0)) / layout.key_pages,
-                    "dense_fa3_ms": dense_ms, "sparse_ms": whole, "first_call_ms": first_ms,
-                    "selection_ms": select_ms, "speedup": dense_ms / whole,
-                    "selection_share": select_ms / whole,
-                    "rel_err_vs_dense_fp32": rel_err(result, ref) if ref is not None else None,
-                    "plans": runner.plan_count,
-                }
-                out["timings"].append(row)
-                print(f"sparse {label} {layout_name} sparsity {sparsity}: {whole:.3f} ms vs dense {dense_ms:.3f} "
-                      f"-> {row['speedup']:.3f}x (selection {select_ms:.3f} ms, first call {first_ms:.1f} ms)",
-                      flush=True)
+        selections = [(layout_name, layout, {"sparsity": x}) for layout_name, layout in layouts for x in SPARSITIES]
+        if big:  # cumulative mass at the Wan shape, geometry-free
+            selections += [("geometry-free", layouts[0][1], {"mass_threshold": x}) for x in MASS_THRESHOLDS]
+        for layout_name, layout, selection in selections:
+            runner = bs.BlockSparseRunner(factory)
+            sync()
+            t0 = time.perf_counter()
+            result = runner(q, k, v, layout, **selection)
+            sync()
+            first_ms = (time.perf_counter() - t0) * 1e3
+            whole = time_ms(lambda: runner(q, k, v, layout, **selection), repeats, inner)
+            stages = stage_times(runner, q, k, v, layout, repeats, inner, **selection)
+            _, mask = runner(q, k, v, layout, return_mask=True, **selection)
+            rows_equal = (mask == bs.reference_mask(q, k, layout, **selection)).all(-1).float().mean().item()
+            del mask
+            row = {
+                "shape": label, "H": h, "S": s, "layout": layout_name, **selection,
+                "kept_blocks": bs.kept_blocks(layout, selection["sparsity"]) if "sparsity" in selection else None,
+                "key_blocks": layout.full_key_blocks, "kept_fraction": stages["kept_share"],
+                "dense_fa3_ms": dense_ms, "sparse_ms": whole, "first_call_ms": first_ms, "speedup": dense_ms / whole,
+                **stages, "selection_share": stages["selection_ms"] / whole,
+                "rel_err_vs_dense_fp32": rel_err(result, ref) if ref is not None else None,
+                "plans": runner.plan_count, "host_syncs": runner.host_syncs,
+                "mask_rows_equal_to_float32_selection": rows_equal,
+            }
+            if big and selection == {"sparsity": SPARSITIES[-1]} and layout_name == "geometry-free":
+                # Q as a processor that writes its RoPE output heads-major hands it over: no Q copy.
+                heads_major = q.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+                row["sparse_ms_heads_major_q"] = time_ms(lambda: runner(heads_major, k, v, layout, **selection),
+                                                         repeats, inner)
+                del heads_major
+            out["timings"].append(row)
+            what = ", ".join(f"{key} {value}" for key, value in selection.items())
+            print(f"sparse {label} {layout_name} {what}: {whole:.3f} ms vs dense {dense_ms:.3f} -> "
+                  f"{row['speedup']:.3f}x (kept {stages['kept_share']:.3f}; selection {stages['selection_ms']:.3f} ms "
+                  f"= {stages['selection_share_of_kernel']:.1%} of the kernel's {stages['kernel_ms']:.3f} ms; layout "
+                  f"copies {stages['layout_copies_ms']:.3f} ms; plan {stages.get('plan_ms', 0.0):.3f} ms; first call "
+                  f"{first_ms:.1f} ms; mask rows equal to the float32 selection {rows_equal:.4f})", flush=True)
+            save()
         del q, k, v, ref
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -374,22 +427,50 @@ def to_markdown(results: dict) -> str:
                      f"{row['rel_err_bf16']:.2e} |")
     sparse = results.get("sparse", {})
     lines += ["", "## Block-sparse (RAINFUSION_ATTN on CUDA)", "",
-              "| Shape | Layout | sparsity | kept blocks | dense FA3 ms | sparse ms | speed-up | selection ms | "
-              "first call ms | rel err vs dense |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "Whole call (selection, plan, layout copies included) against dense FA3; then its stages alone: the "
+              "selection (block means + page writes), the Q/output layout copies, the plan (cumulative mass: per "
+              "call, host), the paged kernel.", "",
+              "| Shape | Layout | selection | kept | dense FA3 ms | sparse ms | speed-up | selection ms (÷ kernel) | "
+              "layout copies ms | plan ms | kernel ms | first call ms | rel err vs dense |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in sparse.get("timings", []):
         err = f"{row['rel_err_vs_dense_fp32']:.2e}" if row.get("rel_err_vs_dense_fp32") is not None else "—"
-        lines.append(f"| {row['shape']} | {row['layout']} | {row['sparsity']} | {row['kept_blocks']}/"
-                     f"{row['key_blocks']} | {row['dense_fa3_ms']:.3f} | {row['sparse_ms']:.3f} | "
-                     f"{row['speedup']:.3f}× | {row['selection_ms']:.3f} | {row['first_call_ms']:.1f} | {err} |")
+        rule = (f"mass ≥ {row['mass_threshold']}" if row.get("mass_threshold") is not None
+                else f"top-k, sparsity {row['sparsity']}")
+        kept = (f"{row['kept_blocks']}/{row['key_blocks']}" if row.get("kept_blocks") is not None
+                else f"{row['kept_fraction']:.1%}")
+        plan = f"{row['plan_ms']:.3f}" if row.get("plan_ms") is not None else "—"
+        lines.append(f"| {row['shape']} | {row['layout']} | {rule} | {kept} | {row['dense_fa3_ms']:.3f} | "
+                     f"{row['sparse_ms']:.3f} | {row['speedup']:.3f}× | {row['selection_ms']:.3f} "
+                     f"({row['selection_share_of_kernel']:.1%}) | {row['layout_copies_ms']:.3f} | {plan} | "
+                     f"{row['kernel_ms']:.3f} | {row['first_call_ms']:.1f} | {err} |")
+    for row in sparse.get("timings", []):
+        if row.get("sparse_ms_heads_major_q") is not None:
+            lines.append(f"\n{row['shape']}, sparsity {row['sparsity']}, Q handed over heads-major (no Q copy): "
+                         f"{row['sparse_ms_heads_major_q']:.3f} ms ({row['dense_fa3_ms'] / row['sparse_ms_heads_major_q']:.3f}×)")
     lines += ["", "Kernel path against its references:", ""]
     for check in sparse.get("checks", []):
-        lines.append(f"- block-sparse {check['layout']} (1×{check['H']}×{check['S']}×{check['D']}, sparsity "
-                     f"{check['sparsity']}): rel err vs mask → SDPA {check['rel_err_vs_mask_sdpa_reference']:.2e}; "
-                     f"block-mask rows equal to the float32 selection {check['mask_rows_equal_to_float32_selection']:.3f}")
+        rule = (f"mass threshold {check['mass_threshold']}" if check.get("mass_threshold") is not None
+                else f"sparsity {check['sparsity']}")
+        lines.append(f"- block-sparse {check['layout']} (1×{check['H']}×{check['S']}×{check['D']}, {rule}): rel err vs "
+                     f"mask → SDPA {check['rel_err_vs_mask_sdpa_reference']:.2e}; block-mask rows equal to the float32 "
+                     f"selection {check['mask_rows_equal_to_float32_selection']:.3f}")
+    for row in sparse.get("timings", []):
+        if row.get("mask_rows_equal_to_float32_selection") is not None:
+            rule = (f"mass threshold {row['mass_threshold']}" if row.get("mass_threshold") is not None
+                    else f"sparsity {row['sparsity']}")
+            lines.append(f"- block-sparse selection at {row['shape']}, {row['layout']}, {rule}: block-mask rows equal to "
+                         f"the float32 selection {row['mask_rows_equal_to_float32_selection']:.4f}")
     for row in results.get("fp8", []):
         if row.get("speedup") is not None:
+            emulation = row.get("rel_err_fp8_vs_fa3_emulation")
             lines.append(f"- FP8 {row['shape']}: kernel vs fake-quantised SDPA {row['rel_err_fp8_vs_fake_quant_reference']:.2e}"
-                         f"; quantisation bytes differing from the PyTorch reference {max(row['quant_byte_mismatch'].values()):.2e}")
+                         + (f", vs the FA3-FP8 emulation {emulation:.2e} (emulation vs fp32 "
+                            f"{row['rel_err_fa3_emulation_vs_fp32']:.2e})" if emulation is not None else "")
+                         + f"; quantisation bytes differing from the PyTorch reference "
+                         f"{max(row['quant_byte_mismatch'].values()):.2e}")
+    if results.get("elapsed_s"):
+        lines.append("- elapsed: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["elapsed_s"].items()))
     for key in ("errors",):
         for where, message in results.get(key, {}).items():
             lines.append(f"- ERROR in {where}: {message}")
@@ -419,19 +500,25 @@ def main() -> None:
         prefix.with_suffix(".md").write_text(to_markdown(results))
 
     sections = args.sections.split(",")
+    results["elapsed_s"] = {}
+    started = time.perf_counter()
     if "fp8" in sections:
         try:
             results["fp8"] = fp8_section(args, func)
         except Exception:
             results["errors"]["fp8"] = traceback.format_exc()[-2000:]
             print(results["errors"]["fp8"], flush=True)
+        results["elapsed_s"]["fp8"] = time.perf_counter() - started
         save()
     if "sparse" in sections:
+        section_start = time.perf_counter()
         try:
-            results["sparse"] = sparse_section(args, func, factory)
+            results["sparse"] = {}
+            sparse_section(args, func, factory, results["sparse"], save)
         except Exception:
             results["errors"]["sparse"] = traceback.format_exc()[-2000:]
             print(results["errors"]["sparse"], flush=True)
+        results["elapsed_s"]["sparse"] = time.perf_counter() - section_start
         save()
     if args.e2e:
         def write_e2e(e2e):
@@ -442,13 +529,17 @@ def main() -> None:
             results["e2e_fp8_routing"] = e2e.get("fp8_routing")
             save()
 
+        section_start = time.perf_counter()
         try:
             e2e = e2e_section(args, results.get("fp8", []), on_model=write_e2e)
             write_e2e(e2e)
         except Exception:
             results["errors"]["e2e"] = traceback.format_exc()[-2000:]
             print(results["errors"]["e2e"], flush=True)
+        results["elapsed_s"]["e2e"] = time.perf_counter() - section_start
         save()
+    results["elapsed_s"]["total"] = time.perf_counter() - started
+    save()
     print(to_markdown(results))
 
 

@@ -3,8 +3,8 @@
 The GPU kernels cannot run here, so each mode runs through the reference implementation the tests hold the kernels
 to (and that ``hopper_bench.py`` compares them with on the H200):
 
-* FP8: ``fp8_quant.quantize_qkv_reference`` (bit-identical to the Triton kernels) then SDPA on the dequantised
-  values; FA3's own FP8 rounding of the softmax probabilities is not modelled. Every call runs FP8 (no routing).
+* FP8: ``fp8_quant.quantize_qkv_reference`` (bit-identical to the Triton kernels) then ``fa3_fp8_emulation``: the
+  kernel's arithmetic, FA3's e4m3 rounding of the softmax probabilities included. Every call runs FP8 (no routing).
 * RAINFUSION_ATTN: the CUDA path's selection and page tables through ``block_sparse.ReferencePagedPrefill``.
   Tiny Wan at 29 frames × 256 × 512 (4,096 self-attention tokens: 32 blocks, the minimum that runs sparse).
 
@@ -34,7 +34,7 @@ FP8 = {"default": {"backend": "FLASH_ATTN", "quant": {"dtype_qk": "fp8_e4m3", "d
 def fa3_reference(q, k, v, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None, **_):
     if q.dtype == fq.fp8_dtype():
         quant = fq.QuantizedQKV(q, k, v, q_descale, k_descale, v_descale, None)
-        return fq.fp8_attention_reference(quant, softmax_scale).to(torch.bfloat16)
+        return fq.fa3_fp8_emulation(quant, softmax_scale).to(torch.bfloat16)
     return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), scale=softmax_scale).transpose(1, 2)
 
 
@@ -99,7 +99,9 @@ def main() -> None:
                 {"prompt": "a lighthouse", "num_inference_steps": 3, "height": 256, "width": 512, "num_frames": 29},
                 {"FP8 (FLASH_ATTN quant)": FP8, **{
                     f"RAINFUSION_ATTN sparsity {s}": {"per_role": {"wan.self": {
-                        "backend": "RAINFUSION_ATTN", "block_sparse": {"sparsity": s}}}} for s in (0.5, 0.8)}}),
+                        "backend": "RAINFUSION_ATTN", "block_sparse": {"sparsity": s}}}} for s in (0.5, 0.8)},
+                 **{f"RAINFUSION_ATTN mass threshold {t}": {"per_role": {"wan.self": {
+                     "backend": "RAINFUSION_ATTN", "block_sparse": {"mass_threshold": t}}}} for t in (0.9, 0.5)}}),
         }
         for name, (pipe, call, modes) in cases.items():
             pipe.to(torch.bfloat16)

@@ -1,26 +1,39 @@
-"""Block-sparse attention on CUDA: pooled block selection and FlashInfer's paged FA3 prefill, planned once per shape.
+"""Block-sparse attention on CUDA: pooled block selection and FlashInfer's paged FA3 prefill.
 
 A call ``[B, S, H, D]`` is cut into 128-row query blocks and 128-row key blocks (rows in ``layout.order``: the
 RainFusion tile order when the model published a video geometry, the natural order otherwise). Each (batch, head)
 picks its own key blocks:
 
-* **selection** (``select_blocks``): per block, the mean of its Q rows and of its K rows; the score of (query
-  block *i*, key block *j*) is ``mean_q_i · mean_k_j``; each query block keeps its ``kept`` best key blocks (top-k).
-  Forced blocks (the prefix and first-frame key blocks of a video geometry, and the query block's own diagonal
-  block) rank first. Query blocks of the prefix attend to every key block. Rows past the last whole key block
-  (``S mod 128``) form a partial *tail* block that every query block keeps.
+* **selection**: per block, the mean of its Q rows and of its K rows; the score of (query block *i*, key block *j*)
+  is ``mean_q_i · mean_k_j``. Forced blocks (the prefix and first-frame key blocks of a video geometry, and the query
+  block's own diagonal block) rank first. Two rules pick the kept blocks among the whole key blocks:
+
+  - *top-k* (``sparsity``, ``select_blocks``): each query block keeps its ``kept`` best key blocks;
+  - *cumulative mass* (``mass_threshold``, ``select_blocks_by_mass``): each query block keeps the smallest set, in
+    rank order, whose share of ``softmax(scale · scores)`` over the whole key blocks reaches the threshold.
+
+  Query blocks of the prefix attend to every key block. Rows past the last whole key block (``S mod 128``) form a
+  partial *tail* block that every query block keeps.
 * **kernel** (``BlockSparseRunner``): heads become independent "requests" of FlashInfer's
   ``BatchPrefillWithPagedKVCacheWrapper`` (``backend="fa3"`` on sm_90): each (batch·head, query block) is one
   request whose KV pages are its kept key blocks (page size 128) and whose last page is the partial tail.
   FlashInfer's ``BlockSparseAttentionWrapper`` is the same kernel with one mask shared by all heads and ``S``
-  divisible by 128; the paged wrapper gives per-head masks and the partial tail (Wan 480p: 32,760 = 255·128 + 120
-  rows). The number of pages per request depends only on the shape and ``kept``, so the plan (FlashInfer's host-side
-  scheduling) is made once per signature and cached; each call only writes the selected page ids into the planned
-  index buffer on the device (no host synchronisation).
+  divisible by 128; its ``VariableBlockSparseAttentionWrapper`` gives per-head masks but pages of one row, with Q,
+  K and V copied heads-major; the paged wrapper used here gives per-head masks and the partial tail and reads K and
+  V in place (pages are strided views of the inputs). Under top-k the number of pages per request depends only on
+  the shape and ``kept``, so the plan (FlashInfer's host-side scheduling) is made once per signature and cached;
+  each call only writes the selected page ids into the planned index buffer on the device (no host
+  synchronisation). Under cumulative mass the counts vary per call: the host reads them (one synchronisation) and
+  re-plans.
 
-``block_mask`` and ``block_sparse_reference`` express the same selection as a token mask through SDPA: the
-reference the tests (and the H200 benchmark) compare the kernel path against. ``ReferencePagedPrefill`` is a pure
-PyTorch implementation of the paged-prefill contract (``plan``/``run``) for running the whole path on the CPU.
+A call runs in four stages (``prepare``, ``select``, ``attend``, ``finish``): one Triton launch that copies Q into
+per-head rows and mean-pools every query and key block, one Triton launch that scores, ranks and writes page ids,
+FlashInfer's ``run``, and one Triton launch that writes the output back to ``[B, S, H, D]``.
+
+``block_mask`` / ``keep_mask`` and ``block_sparse_reference`` express the same selection as a token mask through
+SDPA: the reference the tests (and the H200 benchmark) compare the kernel path against (``reference_mask`` computes
+the selection itself in float32 PyTorch). ``ReferencePagedPrefill`` is a pure PyTorch implementation of the
+paged-prefill contract (``plan``/``run``) for running the whole path on the CPU.
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ logger = logging.getLogger("diffusers_omni.attention")
 BLOCK = 128
 PLAN_CACHE_SIZE = 16
 WORKSPACE_BYTES = 128 * 1024 * 1024
+LOG2E = math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,35 @@ def select_blocks(pooled_q: torch.Tensor, pooled_k: torch.Tensor, layout: Sparse
     return scores.topk(kept, dim=-1, sorted=False).indices
 
 
+def select_blocks_by_mass(pooled_q: torch.Tensor, pooled_k: torch.Tensor, layout: SparseLayout, threshold: float,
+                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cumulative-mass selection: per (head, query block), the forced and diagonal key blocks, then the best-scoring
+    others until the kept blocks hold ``threshold`` of ``softmax(scale · mean_q · mean_kᵀ)`` over the whole key
+    blocks (the smallest such set; the forced blocks' mass counts).
+
+    Returns:
+        ``(order, counts)``: ``[G, query_blocks, full_key_blocks]`` int64 key blocks, forced first then by
+        descending score, and ``[G, query_blocks]`` int64: row ``r`` keeps ``order[..., :counts]``.
+    """
+    scores = torch.bmm(pooled_q, pooled_k.transpose(1, 2))  # [G, MB, NB]
+    forced = _forced(layout, scores.shape[1], scores.shape[2], scores.device)
+    mass = torch.softmax(scores * scale, dim=-1)
+    # Forced blocks first, then by score (descending); ties by block index.
+    ranked = scores.masked_fill(forced, float("inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    sorted_mass = mass.gather(-1, order)
+    before = sorted_mass.cumsum(-1) - sorted_mass
+    keep = forced.expand_as(scores).gather(-1, order) | (before < threshold)
+    return order, keep.sum(-1)
+
+
+def mass_indices(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``[G, MB, NB]`` boolean: the blocks ``select_blocks_by_mass`` keeps (``order[..., :counts]``)."""
+    keep = torch.arange(order.shape[-1], device=order.device) < counts[..., None]
+    mask = torch.zeros(order.shape, dtype=torch.bool, device=order.device)
+    return mask.scatter_(-1, order, keep)
+
+
 def block_mask(indices: torch.Tensor, layout: SparseLayout) -> torch.Tensor:
     """``[G, query_blocks, key_pages]`` boolean: selected blocks, the tail block, and dense prefix query blocks."""
     g, mb, _ = indices.shape
@@ -176,14 +219,39 @@ def block_sparse_reference(query, key, value, layout: SparseLayout, mask: torch.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=tokens, scale=scale).permute(0, 2, 1, 3)
 
 
-def reference_selection(query, key, layout: SparseLayout, sparsity: float) -> torch.Tensor:
-    """``select_blocks`` computed straight from ``[B, S, H, D]`` inputs (float32 pooling), for tests."""
+def keep_mask(keep: torch.Tensor, layout: SparseLayout) -> torch.Tensor:
+    """``[G, query_blocks, full_key_blocks]`` kept blocks → the ``[G, query_blocks, key_pages]`` block mask, with the
+    tail block and the dense prefix rows (as ``block_mask``)."""
+    g, mb, nb = keep.shape
+    mask = torch.ones(g, mb, layout.key_pages, dtype=torch.bool, device=keep.device)
+    mask[:, :, :nb] = keep
+    mask[:, : layout.dense_query_blocks] = True
+    return mask
+
+
+def _reference_pooled(query, key, layout: SparseLayout) -> tuple[torch.Tensor, torch.Tensor]:
     b, s, h, d = query.shape
     order = layout.order if layout.order is not None else torch.arange(s)
     qt, kt = (x.float().permute(0, 2, 1, 3)[:, :, order.to(x.device)].reshape(b * h, s, d) for x in (query, key))
-    pooled_q = pool_blocks(qt, s)
-    pooled_k = pool_blocks(kt, layout.full_key_blocks * BLOCK)
+    return pool_blocks(qt, s), pool_blocks(kt, layout.full_key_blocks * BLOCK)
+
+
+def reference_selection(query, key, layout: SparseLayout, sparsity: float) -> torch.Tensor:
+    """``select_blocks`` computed straight from ``[B, S, H, D]`` inputs (float32 pooling), for tests."""
+    pooled_q, pooled_k = _reference_pooled(query, key, layout)
     return select_blocks(pooled_q, pooled_k, layout, kept_blocks(layout, sparsity))
+
+
+def reference_mask(query, key, layout: SparseLayout, sparsity: float | None = None, *,
+                   mass_threshold: float | None = None, scale: float | None = None) -> torch.Tensor:
+    """The ``[B·H, query_blocks, key_pages]`` block mask either selection gives, computed in float32 PyTorch from
+    ``[B, S, H, D]`` inputs: what the tests and the H200 run compare the kernels' selection with."""
+    pooled_q, pooled_k = _reference_pooled(query, key, layout)
+    if mass_threshold is None:
+        return block_mask(select_blocks(pooled_q, pooled_k, layout, kept_blocks(layout, sparsity)), layout)
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    order, counts = select_blocks_by_mass(pooled_q, pooled_k, layout, mass_threshold, scale)
+    return keep_mask(mass_indices(order, counts), layout)
 
 
 def _interpreting() -> bool:
@@ -193,7 +261,7 @@ def _interpreting() -> bool:
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    """Triton kernels for the layout copies on CUDA (and on CPU under ``TRITON_INTERPRET=1``); PyTorch otherwise."""
+    """Triton kernels on CUDA (and on CPU under ``TRITON_INTERPRET=1``); PyTorch otherwise."""
     if x.device.type != "cuda" and not _interpreting():
         return False
     try:
@@ -201,6 +269,12 @@ def _use_triton(x: torch.Tensor) -> bool:
     except ImportError:
         return False
     return True
+
+
+# The selection kernel holds a row of scores per query block in registers (and sorts it): up to this many key blocks
+# (524,288 tokens); longer sequences select in PyTorch.
+MAX_TRITON_KEY_BLOCKS = 4096
+_SELECT_ROWS = 16  # query blocks per selection program (tl.dot needs 16)
 
 
 @functools.lru_cache(maxsize=2)
@@ -262,7 +336,98 @@ def _kernels(interpret: bool):
             x = tl.load(src_ptr + (g * S + pos)[:, None] * D + cols[None, :], mask=ok, other=0.0)
             tl.store(dst_ptr + b * stride_b + h * stride_h + dst_row[:, None] * stride_s + cols[None, :], x, mask=ok)
 
-    return _gather_kernel, _scatter_kernel
+    @triton.jit
+    def _prepare_kernel(q_ptr, k_ptr, order_ptr, qt_ptr, pooled_ptr, S, H, MB, NB,
+                        sqb, sqs, sqh, skb, sks, skh,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, TILE: tl.constexpr,
+                        ORDERED: tl.constexpr, GATHER_Q: tl.constexpr):
+        # One launch for both inputs. Programs blk < MB: query block blk of head g (copied to qt[g] in blocked row
+        # order with GATHER_Q) and its mean; programs blk >= MB: the mean of whole key block blk - MB. Means go to
+        # pooled[g, blk] ([G, MB + NB, D] float32: query blocks, then key blocks).
+        g = tl.program_id(0)
+        blk = tl.program_id(1)
+        b = g // H
+        h = g % H
+        cols = tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        is_q = blk < MB
+        src = tl.where(is_q, q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh,
+                       k_ptr + b.to(tl.int64) * skb + h.to(tl.int64) * skh)
+        stride = tl.where(is_q, sqs, sks).to(tl.int64)
+        j = tl.where(is_q, blk, blk - MB)
+        valid = tl.where(is_q, S, NB * BLOCK_ROWS)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for r in range(0, BLOCK_ROWS, TILE):
+            pos = j * BLOCK_ROWS + r + tl.arange(0, TILE)
+            row_ok = pos < valid
+            if ORDERED:
+                src_row = tl.load(order_ptr + pos, mask=row_ok, other=0)
+            else:
+                src_row = pos
+            ok = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(src + src_row[:, None].to(tl.int64) * stride + cols[None, :], mask=ok, other=0.0)
+            if GATHER_Q:
+                dst = qt_ptr + (g.to(tl.int64) * S + pos)[:, None] * D + cols[None, :]
+                q_rows = tl.where(is_q, S, 0)  # (a tensor bound: the interpreter rejects scalar-bool masks)
+                tl.store(dst, x, mask=(pos < q_rows)[:, None] & col_ok[None, :])
+            acc += tl.sum(x.to(tl.float32), axis=0)
+        count = tl.minimum(valid - j * BLOCK_ROWS, BLOCK_ROWS)
+        tl.store(pooled_ptr + (g.to(tl.int64) * (MB + NB) + blk) * D + cols, acc / count, mask=col_ok)
+
+    @triton.jit
+    def _select_kernel(pooled_ptr, forced_ptr, out_ptr, count_ptr, MB, NB, dense_rows, n_sparse, kept, H,
+                       base_b, base_h, mult, out_sg, out_sr, threshold, scale_log2,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, NBP: tl.constexpr, BQ: tl.constexpr,
+                       DC: tl.constexpr, MASS: tl.constexpr, TAIL: tl.constexpr):
+        # BQ sparse query blocks of head g: scores against every whole key block (pooled means, float32), ranked by
+        # one sort of int64 keys (forced bit | order-preserving score bits | reversed block index), and the kept
+        # blocks' page ids (block · mult + the head's base page) written to out[g, r, :kept] (top-k) or, with MASS,
+        # to out[g, r, :count] followed by the tail page, with the counts to count[g, r].
+        g = tl.program_id(0)
+        r = tl.program_id(1) * BQ + tl.arange(0, BQ)
+        r_ok = r < n_sparse
+        i = dense_rows + r
+        j = tl.arange(0, NBP)
+        j_ok = j < NB
+        row0 = g.to(tl.int64) * (MB + NB)
+        acc = tl.zeros([BQ, NBP], tl.float32)
+        for d0 in tl.static_range(0, BLOCK_D, DC):
+            dd = d0 + tl.arange(0, DC)
+            d_ok = dd < D
+            a = tl.load(pooled_ptr + (row0 + i)[:, None] * D + dd[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            bt = tl.load(pooled_ptr + (row0 + MB + j)[None, :] * D + dd[:, None], mask=j_ok[None, :] & d_ok[:, None],
+                         other=0.0)
+            acc += tl.dot(a, bt, input_precision="ieee")
+        forced = (tl.load(forced_ptr + j, mask=j_ok, other=0) != 0)[None, :] | (j[None, :] == i[:, None])
+        bits = acc.to(tl.int32, bitcast=True).to(tl.int64)
+        ordered = tl.where(bits >= 0, bits + 2147483648, -bits - 1)  # float order as unsigned 32-bit
+        key = (forced.to(tl.int64) << 53) | (ordered << 20) | (NBP - 1 - j)[None, :]
+        key = tl.where(j_ok[None, :], key, -1)
+        key = tl.sort(key, dim=1, descending=True)
+        blocks = (NBP - 1) - (key & 1048575)
+        pos = tl.arange(0, NBP)[None, :]
+        base = (g // H) * base_b + (g % H) * base_h
+        dst = out_ptr + g.to(tl.int64) * out_sg + r[:, None] * out_sr + pos
+        if MASS:
+            unsigned = (key >> 20) - ((key >> 52) << 32)
+            score = tl.where(unsigned >= 2147483648, unsigned - 2147483648, -unsigned - 1)
+            score = score.to(tl.int32).to(tl.float32, bitcast=True)
+            valid = key >= 0
+            top = tl.max(tl.where(j_ok[None, :], acc, float("-inf")), axis=1)
+            p = tl.where(valid, tl.exp2((score - top[:, None]) * scale_log2), 0.0)
+            before = tl.cumsum(p, axis=1) - p
+            keep = valid & (((key >> 53) != 0) | (before < threshold * tl.sum(p, axis=1)[:, None]))
+            n_keep = tl.sum(keep.to(tl.int32), axis=1)
+            tl.store(count_ptr + g * n_sparse + r, n_keep, mask=r_ok)
+            tl.store(dst, (blocks * mult + base).to(tl.int32), mask=r_ok[:, None] & (pos < n_keep[:, None]))
+            if TAIL:  # the partial tail page right after the kept ones
+                tail = tl.zeros([BQ], tl.int32) + (NB * mult + base)
+                tl.store(out_ptr + g.to(tl.int64) * out_sg + r * out_sr + n_keep, tail, mask=r_ok)
+        else:
+            tl.store(dst, (blocks * mult + base).to(tl.int32), mask=r_ok[:, None] & (pos < kept))
+
+    return _gather_kernel, _scatter_kernel, _prepare_kernel, _select_kernel
 
 
 def _block_d(d: int) -> int:
@@ -277,7 +442,7 @@ def gather_heads(x: torch.Tensor, order: torch.Tensor | None, rows_out: int, poo
         rows = order if order is not None else torch.arange(rows_out, device=x.device)
         out = x.permute(0, 2, 1, 3).index_select(2, rows).reshape(b * h, rows_out, d)
         return out, (pool_blocks(out, pool_rows) if pool_rows is not None else None)
-    gather, _ = _kernels(_interpreting())
+    gather = _kernels(_interpreting())[0]
     n_blocks = -(-rows_out // BLOCK)
     out = torch.empty(b * h, rows_out, d, device=x.device, dtype=x.dtype)
     pooled = torch.empty(b * h, n_blocks, d, device=x.device, dtype=torch.float32) if pool_rows is not None else out
@@ -303,12 +468,44 @@ def scatter_heads(src: torch.Tensor, order: torch.Tensor | None, batch: int) -> 
         else:
             out.index_copy_(1, order, view)
         return out
-    _, scatter = _kernels(_interpreting())
+    scatter = _kernels(_interpreting())[1]
     scatter[(g, -(-s // BLOCK))](
         src, order if order is not None else src, out, s, h, out.stride(0), out.stride(1), out.stride(2),
         D=d, BLOCK_D=_block_d(d), BLOCK_ROWS=BLOCK, TILE=32, ORDERED=order is not None,
     )
     return out
+
+
+def heads_major(x: torch.Tensor) -> torch.Tensor | None:
+    """``[B, S, H, D]`` whose memory is ``[B, H, S, D]`` (a processor that wrote its RoPE output heads-major) as the
+    ``[B·H, S, D]`` view the kernel reads, without a copy; ``None`` for any other layout."""
+    b, s, h, d = x.shape
+    heads = x.permute(0, 2, 1, 3)
+    return heads.view(b * h, s, d) if heads.is_contiguous() else None
+
+
+def pool_and_gather(query: torch.Tensor, key: torch.Tensor, layout: SparseLayout, order: torch.Tensor | None,
+                    gather_q: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The first stage of a call, one Triton launch: the query rows per head in blocked order (``[B·H, S, D]``;
+    ``None`` without ``gather_q``) and the float32 block means ``[B·H, query_blocks + full_key_blocks, D]`` (query
+    blocks, then whole key blocks, rows in ``order``: ``[key_pages·128]`` int64, or ``None``)."""
+    b, s, h, d = query.shape
+    groups, mb, nb = b * h, layout.query_blocks, layout.full_key_blocks
+    if not _use_triton(query):
+        rows = order[:s] if order is not None else torch.arange(s, device=query.device)
+        qt = query.permute(0, 2, 1, 3).index_select(2, rows).reshape(groups, s, d)
+        kt = key.permute(0, 2, 1, 3).index_select(2, rows[: nb * BLOCK]).reshape(groups, nb * BLOCK, d)
+        pooled = torch.cat([pool_blocks(qt, s), pool_blocks(kt, nb * BLOCK)], dim=1)
+        return (qt if gather_q else None), pooled
+    prepare = _kernels(_interpreting())[2]
+    qt = torch.empty(groups, s, d, device=query.device, dtype=query.dtype) if gather_q else None
+    pooled = torch.empty(groups, mb + nb, d, device=query.device, dtype=torch.float32)
+    prepare[(groups, mb + nb)](
+        query, key, order if order is not None else pooled, qt if gather_q else pooled, pooled, s, h, mb, nb,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        D=d, BLOCK_D=_block_d(d), BLOCK_ROWS=BLOCK, TILE=32, ORDERED=order is not None, GATHER_Q=gather_q,
+    )
+    return qt, pooled
 
 
 def strided_pages(x: torch.Tensor) -> torch.Tensor | None:
@@ -333,11 +530,40 @@ def page_ids(x: torch.Tensor, blocks: torch.Tensor, groups: torch.Tensor) -> tor
 
 @dataclass
 class _Plan:
+    """A planned wrapper. Top-k: planned once per signature; ``selected`` is the view of the planned index buffer
+    where each call writes its page ids. Cumulative mass: re-planned every call; ``table`` holds every request's
+    candidate pages (dense rows constant), ``counts`` the kept count per sparse row."""
+
     wrapper: object
-    indices: torch.Tensor  # the planned device index buffer
-    selected: torch.Tensor  # view of ``indices`` where each call writes its selected page ids
     mult: int  # page id = block · mult + base[group]
-    base: torch.Tensor  # [G, 1, 1] int64
+    base: torch.Tensor  # [G] int64, on the device
+    base_b: int  # base[g] = (g // heads) · base_b + (g % heads) · base_h
+    base_h: int
+    kv_indptr: torch.Tensor  # host int32, of the latest plan
+    indices: torch.Tensor | None = None  # the planned device index buffer
+    selected: torch.Tensor | None = None
+    table: torch.Tensor | None = None  # cumulative mass: [G, MB, key_pages] int32
+    counts: torch.Tensor | None = None  # cumulative mass: [G, sparse rows] int32
+    qo_indptr: torch.Tensor | None = None
+    last_len: torch.Tensor | None = None
+
+
+@dataclass
+class BlockSparseCall:
+    """One call between the runner's stages (``prepare`` → ``select`` → ``attend`` → ``finish``)."""
+
+    query: torch.Tensor
+    layout: SparseLayout
+    scale: float | None
+    kept: int | None  # top-k count, or None for cumulative mass
+    mass_threshold: float | None
+    order: torch.Tensor | None
+    qt: torch.Tensor  # [G, S, D] query rows per head
+    pooled: torch.Tensor  # [G, MB + NB, D] float32 block means
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    plan: _Plan
+    out: torch.Tensor | None = None
 
 
 def flashinfer_paged_factory(device: torch.device):
@@ -355,8 +581,18 @@ _announced: set[tuple] = set()
 
 
 class BlockSparseRunner:
-    """Runs a selection through a paged-prefill wrapper; plans cached per (shape, layout, kept, dtype, scale,
-    page addressing).
+    """Runs a selection through a paged-prefill wrapper; top-k plans cached per (shape, layout, kept, dtype, scale,
+    page addressing), cumulative-mass calls re-planned each call on one cached wrapper.
+
+    A call is four stages, each a method (the H200 benchmark times them one by one):
+
+    1. ``prepare``: one Triton launch copies Q into per-head rows (no copy when Q is already heads-major) and
+       mean-pools every query block and every whole key block; K and V are read in place as pages.
+    2. ``select``: one Triton launch scores each query block against every key block, ranks them and writes the
+       kept blocks' page ids into the planned index buffer (top-k: no host synchronisation). Cumulative mass also
+       writes the kept counts, which the host reads (one synchronisation) to plan the call.
+    3. ``attend``: the wrapper's ``run``.
+    4. ``finish``: the output rows back to ``[B, S, H, D]``.
 
     Args:
         wrapper_factory (`Callable`, *optional*): ``(device) -> wrapper`` with FlashInfer's paged-prefill
@@ -368,6 +604,7 @@ class BlockSparseRunner:
         self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
         self._orders: dict[tuple, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.plan_count = 0
+        self.host_syncs = 0  # host synchronisations of the selection (cumulative mass: one per call)
 
     def _order(self, layout: SparseLayout, device) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(query order [S] or ``None``, key order padded to key_pages·128 rows with repeats of real rows)."""
@@ -383,6 +620,30 @@ class BlockSparseRunner:
             self._orders[key] = cached
         return cached
 
+    def _announce(self, dtype, head_dim: int) -> None:
+        if self._factory is flashinfer_paged_factory and (dtype, head_dim) not in _announced:
+            _announced.add((dtype, head_dim))
+            logger.info("block-sparse attention: loading FlashInfer's paged FA3 prefill for %s head_dim=%d (a first "
+                        "use on a machine compiles it, ~90 s; `diffusers-omni warmup` does it ahead of time)",
+                        str(dtype).replace("torch.", ""), head_dim)
+
+    def _cache(self, key: tuple, plan: _Plan) -> _Plan:
+        self._plans[key] = plan
+        if len(self._plans) > PLAN_CACHE_SIZE:
+            self._plans.popitem(last=False)
+        return plan
+
+    @staticmethod
+    def _bases(groups: int, layout: SparseLayout, addressing: tuple) -> tuple[int, int, int, torch.Tensor]:
+        if addressing[0] == "strided":  # pages of the input itself (strided_pages)
+            _, per_batch, mult, heads = addressing
+            base_b, base_h = per_batch, 1
+        else:  # gathered [G, pages·128, D] copies
+            heads = addressing[1]
+            mult, base_b, base_h = 1, heads * layout.key_pages, layout.key_pages
+        g = torch.arange(groups)
+        return mult, base_b, base_h, (g // heads) * base_b + (g % heads) * base_h
+
     def _plan(self, groups: int, layout: SparseLayout, kept: int, head_dim: int, dtype, scale, device,
               addressing: tuple) -> _Plan:
         key = (groups, layout.signature(), kept, head_dim, dtype, scale, str(device), addressing)
@@ -393,20 +654,11 @@ class BlockSparseRunner:
         s, mb, pages, full = layout.seq_len, layout.query_blocks, layout.key_pages, layout.full_key_blocks
         tail = 1 if layout.tail_rows else 0
         dense_rows = min(layout.dense_query_blocks, mb)
-        if addressing[0] == "strided":  # pages of the input itself (strided_pages)
-            _, per_batch, mult, heads = addressing
-            g = torch.arange(groups)
-            base = (g // heads) * per_batch + g % heads
-        else:  # gathered [G, pages·128, D] copies
-            mult = 1
-            base = torch.arange(groups) * pages
-        starts = torch.arange(0, s, BLOCK, dtype=torch.int32)
-        qo = (torch.arange(groups, dtype=torch.int32)[:, None] * s + starts[None, :]).reshape(-1)
-        qo_indptr = torch.cat([qo, torch.tensor([groups * s], dtype=torch.int32)])
+        mult, base_b, base_h, base = self._bases(groups, layout, addressing)
+        qo_indptr, last_len = self._request_rows(groups, layout)
         per_request = torch.full((groups, mb), kept + tail, dtype=torch.int32)
         per_request[:, :dense_rows] = pages
         kv_indptr = F.pad(torch.cumsum(per_request.reshape(-1), 0, dtype=torch.int32), (1, 0))
-        last_len = torch.full((groups * mb,), layout.tail_rows or BLOCK, dtype=torch.int32)
         # Constant parts of the page table (dense prefix rows, the tail page) are written once, here.
         every = torch.arange(pages)[None, None, :] * mult + base[:, None, None]  # [G, 1, pages]
         dense = every.expand(groups, dense_rows, pages).reshape(groups, -1)
@@ -416,57 +668,211 @@ class BlockSparseRunner:
         table = torch.cat([dense, sparse.reshape(groups, -1)], dim=1)
         indices = table.reshape(-1).to(torch.int32).to(device)
         selected = indices.view(groups, -1)[:, dense.shape[1]:].view(groups, mb - dense_rows, kept + tail)[..., :kept]
-        if self._factory is flashinfer_paged_factory and (dtype, head_dim) not in _announced:
-            _announced.add((dtype, head_dim))
-            logger.info("block-sparse attention: loading FlashInfer's paged FA3 prefill for %s head_dim=%d (a first "
-                        "use on a machine compiles it, ~90 s; `diffusers-omni warmup` does it ahead of time)",
-                        str(dtype).replace("torch.", ""), head_dim)
+        self._announce(dtype, head_dim)
         wrapper = self._factory(device)
         wrapper.plan(qo_indptr, kv_indptr, indices, last_len, 1, 1, head_dim, BLOCK, causal=False, sm_scale=scale,
                      q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
-        plan = _Plan(wrapper, indices, selected, mult, base.to(device)[:, None, None])
         self.plan_count += 1
-        self._plans[key] = plan
-        if len(self._plans) > PLAN_CACHE_SIZE:
-            self._plans.popitem(last=False)
-        return plan
+        plan = _Plan(wrapper, mult, base.to(device), base_b, base_h, kv_indptr, indices=indices, selected=selected)
+        return self._cache(key, plan)
 
-    def __call__(self, query, key, value, layout: SparseLayout, sparsity: float, scale=None,
-                 return_mask: bool = False):
-        """Block-sparse attention on ``[B, S, H, D]`` inputs (equal head counts); returns ``[B, S, H, D]`` (and the
-        ``[B·H, query_blocks, key_pages]`` block mask with ``return_mask``)."""
+    @staticmethod
+    def _request_rows(groups: int, layout: SparseLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host ``qo_indptr`` (one 128-row query block per request) and every request's last page length."""
+        s, mb = layout.seq_len, layout.query_blocks
+        starts = torch.arange(0, s, BLOCK, dtype=torch.int32)
+        qo = (torch.arange(groups, dtype=torch.int32)[:, None] * s + starts[None, :]).reshape(-1)
+        qo_indptr = torch.cat([qo, torch.tensor([groups * s], dtype=torch.int32)])
+        last_len = torch.full((groups * mb,), layout.tail_rows or BLOCK, dtype=torch.int32)
+        return qo_indptr, last_len
+
+    def _mass_plan(self, groups: int, layout: SparseLayout, head_dim: int, dtype, device,
+                   addressing: tuple) -> _Plan:
+        """The cached state of cumulative-mass calls of one signature: one wrapper, re-planned every call, and the
+        page table whose dense prefix rows are constant (the selection writes the sparse rows)."""
+        key = ("mass", groups, layout.signature(), head_dim, dtype, str(device), addressing)
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        mb, pages = layout.query_blocks, layout.key_pages
+        dense_rows = min(layout.dense_query_blocks, mb)
+        mult, base_b, base_h, base = self._bases(groups, layout, addressing)
+        table = torch.zeros(groups, mb, pages, dtype=torch.int32)
+        table[:, :dense_rows] = (torch.arange(pages)[None, None, :] * mult + base[:, None, None]).to(torch.int32)
+        qo_indptr, last_len = self._request_rows(groups, layout)
+        self._announce(dtype, head_dim)
+        plan = _Plan(self._factory(device), mult, base.to(device), base_b, base_h, torch.zeros(1, dtype=torch.int32),
+                     table=table.to(device), counts=torch.empty(groups, mb - dense_rows, dtype=torch.int32,
+                                                                device=device),
+                     qo_indptr=qo_indptr, last_len=last_len)
+        return self._cache(key, plan)
+
+    def prepare(self, query, key, value, layout: SparseLayout, sparsity: float | None = None, scale=None, *,
+                mass_threshold: float | None = None) -> BlockSparseCall:
+        """Stage 1: pages of K and V, Q rows per head, block means; the plan (top-k: cached)."""
         b, s, h, d = query.shape
         groups = b * h
-        kept = kept_blocks(layout, sparsity)
-        full = layout.full_key_blocks
         order, padded = self._order(layout, query.device)
-        qt, pooled_q = gather_heads(query, order, s, pool_rows=s)
         k_pages = v_pages = None
         if layout.order is None and key.stride() == value.stride():
             k_pages, v_pages = strided_pages(key), strided_pages(value)
         if k_pages is not None and v_pages is not None:
-            # K and V are read in place; only their block means are computed here.
-            pooled_k = key[:, : full * BLOCK].unflatten(1, (full, BLOCK)).mean(2, dtype=torch.float32)
-            pooled_k = pooled_k.permute(0, 2, 1, 3).reshape(groups, full, d)
             sb, ss, sh, _ = key.stride()
             addressing = ("strided", sb // sh, BLOCK * ss // sh, h)
-        else:
+        else:  # copies of K and V in blocked row order (a layout with a row order, or strides FlashInfer cannot page)
             rows = layout.key_pages * BLOCK
-            kt, pooled_k = gather_heads(key, padded, rows, pool_rows=full * BLOCK)
+            kt, _ = gather_heads(key, padded, rows)
             vt, _ = gather_heads(value, padded, rows)
             k_pages = kt.view(groups * layout.key_pages, BLOCK, 1, d)
             v_pages = vt.view(groups * layout.key_pages, BLOCK, 1, d)
-            addressing = ("copied",)
-        selected = select_blocks(pooled_q, pooled_k, layout, kept)
-        plan = self._plan(groups, layout, kept, d, query.dtype, scale, query.device, addressing)
-        dense_rows = min(layout.dense_query_blocks, layout.query_blocks)
-        plan.selected.copy_(selected[:, dense_rows:] * plan.mult + plan.base)
-        out = torch.empty(groups * s, 1, d, device=query.device, dtype=query.dtype)
-        out = plan.wrapper.run(qt.view(groups * s, 1, d), (k_pages, v_pages), out=out)
-        out = out[0] if isinstance(out, tuple) else out
-        result = scatter_heads(out.view(groups, s, d), order, b)
+            addressing = ("copied", h)
+        qt = heads_major(query) if order is None else None
+        qt_gathered, pooled = pool_and_gather(query, key, layout, padded if order is not None else None,
+                                              gather_q=qt is None)
+        qt = qt if qt is not None else qt_gathered
+        if mass_threshold is None:
+            kept = kept_blocks(layout, sparsity)
+            plan = self._plan(groups, layout, kept, d, query.dtype, scale, query.device, addressing)
+        else:
+            kept = None
+            plan = self._mass_plan(groups, layout, d, query.dtype, query.device, addressing)
+        return BlockSparseCall(query, layout, scale, kept, mass_threshold, order, qt, pooled, k_pages, v_pages, plan)
+
+    def select(self, call: BlockSparseCall) -> BlockSparseCall:
+        """Stage 2: write the selected page ids (``write_pages``) and, for cumulative mass, plan the call
+        (``plan_call``)."""
+        self.write_pages(call)
+        if call.mass_threshold is not None:
+            self.plan_call(call)
+        return call
+
+    def write_pages(self, call: BlockSparseCall) -> BlockSparseCall:
+        """The selection itself: score, rank and write the kept page ids (one Triton launch; PyTorch without
+        Triton); cumulative mass also writes the kept counts."""
+        layout, plan = call.layout, call.plan
+        groups = call.qt.shape[0]
+        mb, nb = layout.query_blocks, layout.full_key_blocks
+        dense_rows = min(layout.dense_query_blocks, mb)
+        n_sparse = mb - dense_rows
+        mass = call.mass_threshold is not None
+        scale = call.scale if call.scale is not None else call.query.shape[-1] ** -0.5
+        out = plan.table[:, dense_rows:] if mass else plan.selected
+        if n_sparse and _use_triton(call.pooled) and nb <= MAX_TRITON_KEY_BLOCKS:
+            kernel = _kernels(_interpreting())[3]
+            nbp = max(16, 1 << max(nb - 1, 0).bit_length())
+            d = call.qt.shape[-1]
+            block_d = max(16, _block_d(d))
+            kernel[(groups, -(-n_sparse // _SELECT_ROWS))](
+                call.pooled, self._forced_blocks(layout, call.pooled.device), out,
+                plan.counts if mass else out, mb, nb, dense_rows, n_sparse, call.kept or 0, call.query.shape[2],
+                plan.base_b, plan.base_h, plan.mult, out.stride(0), out.stride(1),
+                float(call.mass_threshold or 0.0), scale * LOG2E,
+                D=d, BLOCK_D=block_d, NBP=nbp, BQ=_SELECT_ROWS, DC=16 if block_d == 16 else 32, MASS=mass,
+                TAIL=bool(layout.tail_rows), num_warps=min(16, max(4, nbp // 32)),  # ≤ 32 sort keys a thread
+            )
+        elif n_sparse:
+            pooled_q, pooled_k = call.pooled[:, :mb], call.pooled[:, mb:]
+            if not mass:
+                chosen = select_blocks(pooled_q, pooled_k, layout, call.kept)[:, dense_rows:]
+                out.copy_(chosen * plan.mult + plan.base[:, None, None])
+            else:
+                order, counts = select_blocks_by_mass(pooled_q, pooled_k, layout, call.mass_threshold, scale)
+                order, counts = order[:, dense_rows:], counts[:, dense_rows:]
+                pages = order * plan.mult + plan.base[:, None, None]
+                if layout.tail_rows:  # the partial tail page right after the kept ones
+                    tail = torch.full_like(pages[..., :1], nb * plan.mult) + plan.base[:, None, None]
+                    pages = torch.cat([pages, tail], dim=-1)
+                    position = torch.arange(pages.shape[-1], device=pages.device)
+                    pages = torch.where(position == counts[..., None], tail, pages)
+                out.copy_(pages.to(torch.int32))
+                plan.counts.copy_(counts)
+        return call
+
+    def plan_call(self, call: BlockSparseCall) -> BlockSparseCall:
+        """The variable page counts of a cumulative-mass call: read them (one host synchronisation), build the
+        request layout and the compact index buffer on the device, and plan the wrapper."""
+        layout, plan = call.layout, call.plan
+        groups, _, d = call.qt.shape
+        mb, pages = layout.query_blocks, layout.key_pages
+        dense_rows = min(layout.dense_query_blocks, mb)
+        tail = 1 if layout.tail_rows else 0
+        counts = plan.counts.cpu()  # the host synchronisation
+        self.host_syncs += 1
+        per_request = torch.full((groups, mb), pages, dtype=torch.int32)
+        per_request[:, dense_rows:] = counts + tail
+        lengths = per_request.reshape(-1)
+        kv_indptr = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+        total = int(kv_indptr[-1])
+        device = plan.table.device
+        lengths_dev = lengths.to(device, non_blocking=True)
+        rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths_dev, output_size=total)
+        starts = kv_indptr[:-1].to(device, non_blocking=True)
+        flat = rows * pages + (torch.arange(total, device=device) - starts[rows])
+        indices = plan.table.view(-1)[flat]
+        plan.wrapper.plan(plan.qo_indptr, kv_indptr, indices, plan.last_len, 1, 1, d, BLOCK, causal=False,
+                          sm_scale=call.scale, q_data_type=call.query.dtype, kv_data_type=call.query.dtype,
+                          o_data_type=call.query.dtype)
+        plan.kv_indptr, plan.indices = kv_indptr, indices
+        self.plan_count += 1
+        return call
+
+    _forced_vectors: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def _forced_blocks(cls, layout: SparseLayout, device) -> torch.Tensor:
+        """``[full_key_blocks]`` int8: the layout's forced key blocks (the diagonal is added in the kernel)."""
+        key = (layout.signature(), str(device))
+        forced = cls._forced_vectors.get(key)
+        if forced is None:
+            forced = torch.zeros(max(layout.full_key_blocks, 1), dtype=torch.int8)
+            ids = [j for j in layout.forced_key_blocks if j < layout.full_key_blocks]
+            if ids:
+                forced[ids] = 1
+            forced = forced.to(device)
+            if len(cls._forced_vectors) > PLAN_CACHE_SIZE:
+                cls._forced_vectors.clear()
+            cls._forced_vectors[key] = forced
+        return forced
+
+    def attend(self, call: BlockSparseCall) -> BlockSparseCall:
+        """Stage 3: the paged prefill over the selected pages, into ``call.out`` (``[G·S, 1, D]``)."""
+        groups, s, d = call.qt.shape
+        out = torch.empty(groups * s, 1, d, device=call.qt.device, dtype=call.qt.dtype)
+        result = call.plan.wrapper.run(call.qt.view(groups * s, 1, d), (call.k_pages, call.v_pages), out=out)
+        call.out = result[0] if isinstance(result, tuple) else result
+        return call
+
+    def finish(self, call: BlockSparseCall) -> torch.Tensor:
+        """Stage 4: the output rows back to ``[B, S, H, D]`` in the call's own row order."""
+        groups, s, d = call.qt.shape
+        return scatter_heads(call.out.view(groups, s, d), call.order, call.query.shape[0])
+
+    def block_mask(self, call: BlockSparseCall) -> torch.Tensor:
+        """The ``[B·H, query_blocks, key_pages]`` block mask the planned pages of ``call`` encode."""
+        layout, plan = call.layout, call.plan
+        groups = call.qt.shape[0]
+        mb = layout.query_blocks
+        lengths = (plan.kv_indptr[1:] - plan.kv_indptr[:-1]).long()
+        rows = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        pages = plan.indices.long().cpu()
+        blocks = (pages - plan.base.cpu()[rows // mb]) // plan.mult
+        mask = torch.zeros(groups * mb, layout.key_pages, dtype=torch.bool)
+        mask[rows, blocks] = True
+        return mask.view(groups, mb, layout.key_pages).to(call.qt.device)
+
+    def __call__(self, query, key, value, layout: SparseLayout, sparsity: float | None = None, scale=None,
+                 return_mask: bool = False, *, mass_threshold: float | None = None):
+        """Block-sparse attention on ``[B, S, H, D]`` inputs (equal head counts); returns ``[B, S, H, D]`` (and the
+        ``[B·H, query_blocks, key_pages]`` block mask with ``return_mask``). ``sparsity`` selects the top-k blocks,
+        ``mass_threshold`` (instead) the cumulative-mass set (see ``BlockSparseSpec``)."""
+        if (sparsity is None) == (mass_threshold is None):
+            raise ValueError("pass one of sparsity (top-k) and mass_threshold (cumulative mass)")
+        call = self.attend(self.select(self.prepare(query, key, value, layout, sparsity, scale,
+                                                    mass_threshold=mass_threshold)))
+        result = self.finish(call)
         if return_mask:
-            return result, block_mask(selected, layout)
+            return result, self.block_mask(call)
         return result
 
 

@@ -23,6 +23,7 @@ kernels run there under ``TRITON_INTERPRET=1``) and by the H200 benchmark to che
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -263,6 +264,58 @@ def fp8_attention_reference(quant: QuantizedQKV, scale: float | None = None) -> 
     q, k, v = (dequantize(x, s).permute(0, 2, 1, 3) for x, s in (
         (quant.q, quant.q_descale), (quant.k, quant.k_descale), (quant.v, quant.v_descale)))
     return F.scaled_dot_product_attention(q, k, v, scale=scale).permute(0, 2, 1, 3)
+
+
+# FlashAttention-3's FP8 forward on sm_90 (hopper/tile_size.h, element size 1): key tile kBlockN by head dim.
+FA3_FP8_BLOCK_N = {64: 160, 96: 128, 128: 224, 192: 160, 256: 128}
+# FA3's softmax runs with Max_offset = 8 in FP8 (hopper/flash_fwd_kernel_sm90.h): P = 2^(scaled score - max + 8).
+FA3_FP8_MAX_OFFSET = 8.0
+
+
+def fa3_fp8_emulation(quant: QuantizedQKV, scale: float | None = None, rows: slice | None = None,
+                      block_n: int | None = None) -> torch.Tensor:
+    """What FA3's FP8 forward computes, in float32 PyTorch (any device): the reference its error is studied with.
+
+    Beyond ``fp8_attention_reference`` (SDPA on the dequantised Q, K, V) it rounds the softmax probabilities the way
+    the kernel does before the P·V product: key tiles of ``block_n`` (``FA3_FP8_BLOCK_N``) processed last to first
+    with a running row maximum, ``P = 2^((s - m)·scale·log2 e + 8)`` (at most 256) rounded to e4m3 for the P·V
+    product, while the row sum accumulates the unrounded P; the output is divided by that sum and multiplied by the
+    V descale. Q·Kᵀ is exact in float32 here (the tensor cores accumulate e4m3 products in reduced precision; for a
+    head dim of 128 that is far below the e4m3 rounding of the inputs).
+
+    Args:
+        quant (`QuantizedQKV`): the FP8 inputs and their descales.
+        scale (`float`, *optional*): softmax scale; defaults to ``1/sqrt(D)``.
+        rows (`slice`, *optional*): the query rows to compute (all by default): the per-(batch, head) scales still
+            come from the whole tensors, so a slice of a long sequence gives that slice's exact emulated output.
+        block_n (`int`, *optional*): the key tile; defaults to FA3's for the head dim.
+
+    Returns:
+        ``[B, S_q (or the slice), H, D]`` float32.
+    """
+    q8, k8, v8 = (x.float() for x in (quant.q, quant.k, quant.v))
+    if rows is not None:
+        q8 = q8[:, rows]
+    d = q8.shape[-1]
+    scale = scale if scale is not None else d ** -0.5
+    block_n = block_n or FA3_FP8_BLOCK_N.get(d, 128)
+    q, k, v = (x.permute(0, 2, 1, 3) for x in (q8, k8, v8))  # [B, H, S, D]
+    scale_log2 = (scale * quant.q_descale * quant.k_descale * math.log2(math.e))[:, :, None, None].float()
+    b, h, sq, _ = q.shape
+    row_max = torch.full((b, h, sq, 1), float("-inf"), device=q.device)
+    row_sum = torch.zeros(b, h, sq, 1, device=q.device)
+    acc = torch.zeros(b, h, sq, v.shape[-1], device=q.device)
+    for start in reversed(range(0, k.shape[2], block_n)):
+        scores = q @ k[:, :, start:start + block_n].transpose(-1, -2)
+        new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
+        rescale = torch.exp2((row_max - new_max) * scale_log2)
+        p = torch.exp2(scores * scale_log2 - (new_max * scale_log2 - FA3_FP8_MAX_OFFSET))
+        row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
+        p8 = p.clamp(max=FP8_E4M3_MAX).to(fp8_dtype()).float()
+        acc = acc * rescale + p8 @ v[:, :, start:start + block_n]
+        row_max = new_max
+    out = acc / row_sum * quant.v_descale[:, :, None, None]
+    return out.permute(0, 2, 1, 3)
 
 
 def fp8_attention(func, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

@@ -72,7 +72,7 @@ class Resolution:
         if spec is not None and spec.quant is not None:
             what = f"quantised ({self.backend} quant {spec.quant.dtype_qk}/{spec.quant.dtype_vo})"
         elif spec is not None and spec.block_sparse is not None:
-            what = f"block-sparse ({self.backend} sparsity {spec.block_sparse.sparsity})"
+            what = f"block-sparse ({self.backend} {spec.block_sparse.describe()})"
         else:
             what = f"lossy kernel ({self.backend})"
         return f"{what}; measure against an exact config with `diffusers-omni align --a ... --b TORCH_SDPA`"

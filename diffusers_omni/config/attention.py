@@ -273,23 +273,61 @@ def parse_layer_selector(value: Any, field_name: str = "block_sparse.skip_layers
 class BlockSparseSpec:
     """Block-sparse attention (``RAINFUSION_ATTN``).
 
+    Each query block keeps some of the key blocks, chosen one of two ways (set at most one of ``sparsity`` and
+    ``mass_threshold``):
+
     Args:
-        sparsity (`float`, defaults to 0.8): fraction of blocks skipped, in [0, 1].
+        sparsity (`float`, defaults to 0.8): fraction of blocks skipped, in [0, 1]: each query block keeps a fixed
+            number of key blocks (top-k by pooled score). The default when ``mass_threshold`` is not set.
         start_step (`int`, defaults to 0): denoising steps before sparsity starts.
         skip_layers (`str` or `list[int]`, *optional*): layers that stay dense, e.g. ``"0-3,38"``.
+        mass_threshold (`float`, *optional*): cumulative-mass selection instead of a fixed count, in (0, 1): each
+            query block keeps the smallest set of key blocks whose share of the softmax of its pooled scores reaches
+            this value (at least its forced blocks). CUDA path only; an extension of the contract.
     """
 
-    sparsity: float = 0.8
+    sparsity: float | None = None
     start_step: int = 0
     skip_layers: tuple[int, ...] | None = None
+    mass_threshold: float | None = None
 
     def __post_init__(self) -> None:
-        _check_unit_interval("block_sparse", "sparsity", self.sparsity)
+        if self.mass_threshold is not None:
+            _check_type("block_sparse", "mass_threshold", self.mass_threshold, (int, float),
+                        "a finite number in (0, 1)")
+            if not _is_finite(self.mass_threshold) or not 0 < self.mass_threshold < 1:
+                raise ValueError(
+                    f"block_sparse.mass_threshold={show(self.mass_threshold)} is out of range; allowed: a finite "
+                    "number in (0, 1) (the share of each query block's pooled attention mass its kept key blocks "
+                    "must reach; 1 would keep every block)"
+                )
+            if self.sparsity is not None:
+                raise ValueError(
+                    f"block_sparse.sparsity={show(self.sparsity)} and block_sparse.mass_threshold="
+                    f"{show(self.mass_threshold)} are mutually exclusive; set one of them (sparsity: a fixed number "
+                    "of key blocks per query block, mass_threshold: as many as reach that share of the pooled "
+                    "attention mass)"
+                )
+        else:
+            if self.sparsity is None:
+                object.__setattr__(self, "sparsity", 0.8)
+            _check_unit_interval("block_sparse", "sparsity", self.sparsity)
         _check_type("block_sparse", "start_step", self.start_step, (int,), "an int >= 0")
         if self.start_step < 0:
             raise ValueError(f"block_sparse.start_step={show(self.start_step)} must be an int >= 0")
         if self.skip_layers is not None:
             object.__setattr__(self, "skip_layers", parse_layer_selector(self.skip_layers))
+
+    @property
+    def selection(self) -> str:
+        """``"mass"`` (cumulative-mass threshold) or ``"topk"`` (a fixed kept count from ``sparsity``)."""
+        return "mass" if self.mass_threshold is not None else "topk"
+
+    def describe(self) -> str:
+        """``sparsity 0.8`` or ``mass threshold 0.9``, for reports."""
+        if self.mass_threshold is not None:
+            return f"mass threshold {self.mass_threshold}"
+        return f"sparsity {self.sparsity}"
 
 
 _SUB_SPECS = {"quant": AttnQuantSpec, "skip_softmax": SkipSoftmaxSpec, "block_sparse": BlockSparseSpec}

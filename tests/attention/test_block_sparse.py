@@ -1,6 +1,7 @@
-"""Block-sparse RAINFUSION_ATTN on CUDA (issue 15), run on the CPU: the selection, the paged-prefill page tables
-(through ``ReferencePagedPrefill``, FlashInfer's contract in PyTorch) against the same mask applied through SDPA,
-plan caching, dense steps and skipped layers, and the geometry a Wan model publishes."""
+"""Block-sparse RAINFUSION_ATTN on CUDA (issue 15), run on the CPU: the selection (top-k and cumulative mass), the
+paged-prefill page tables (through ``ReferencePagedPrefill``, FlashInfer's contract in PyTorch) against the same mask
+applied through SDPA, plan caching, dense steps and skipped layers, the geometry a Wan model publishes, and (under
+``TRITON_INTERPRET=1``) the Triton pooling and selection kernels against the PyTorch selection."""
 
 import importlib.util
 import logging
@@ -28,6 +29,40 @@ def _qkv(b=1, s=700, h=2, d=16, seed=0):
 
 def _runner():
     return bs.BlockSparseRunner(lambda device: bs.ReferencePagedPrefill())
+
+
+def _structured(b=1, s=700, h=2, d=16, seed=0, strength=2.0):
+    """Gaussian Q, K, V plus a random direction per 128-row block added to Q and K, so that pooled scores (and the
+    softmax over them) are far from flat, as in real attention."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for _ in range(3))
+    blocks = -(-s // bs.BLOCK)
+    for x in (q, k):
+        x += strength * torch.randn(b, blocks, h, d, generator=g).repeat_interleave(bs.BLOCK, 1)[:, :s]
+    return q, k, v
+
+
+def _mass_by_definition(pooled_q, pooled_k, forced_blocks, threshold, scale):
+    """Cumulative-mass selection written out row by row: forced blocks and the diagonal, then the best-scoring blocks
+    while the kept mass is below the threshold."""
+    g, mb, _ = pooled_q.shape
+    nb = pooled_k.shape[1]
+    keep = torch.zeros(g, mb, nb, dtype=torch.bool)
+    for head in range(g):
+        for i in range(mb):
+            scores = [float(pooled_q[head, i] @ pooled_k[head, j]) for j in range(nb)]
+            mass = torch.softmax(torch.tensor(scores) * scale, 0).tolist()
+            forced = set(forced_blocks) | ({i} if i < nb else set())
+            rest = sorted((j for j in range(nb) if j not in forced), key=lambda j: -scores[j])
+            kept = sum(mass[j] for j in forced)
+            for j in forced:
+                keep[head, i, j] = True
+            for j in rest:
+                if kept >= threshold:
+                    break
+                keep[head, i, j] = True
+                kept += mass[j]
+    return keep
 
 
 def test_kept_blocks_and_forced_selection():
@@ -73,6 +108,43 @@ def test_runner_matches_the_same_mask_through_sdpa(order, dense_prefix):
     assert runner.plan_count == 2
 
 
+@pytest.mark.parametrize("threshold", [0.3, 0.6, 0.9])
+def test_cumulative_mass_selection_follows_its_definition(threshold):
+    q, k, _ = _structured(s=12 * 128 + 50, h=2, d=16)
+    layout = bs.SparseLayout(q.shape[1], forced_key_blocks=(0, 3))
+    pooled_q, pooled_k = bs._reference_pooled(q, k, layout)
+    order, counts = bs.select_blocks_by_mass(pooled_q, pooled_k, layout, threshold, 0.25)
+    keep = bs.mass_indices(order, counts)
+    assert torch.equal(keep, _mass_by_definition(pooled_q, pooled_k, (0, 3), threshold, 0.25))
+    assert (counts >= 2).all()  # at least the forced blocks (and the diagonal)
+    mask = bs.reference_mask(q, k, layout, mass_threshold=threshold, scale=0.25)
+    assert mask[:, :, -1].all() and torch.equal(mask[:, :, :-1], keep)  # plus the partial tail block
+    fractions = [bs.reference_mask(q, k, layout, mass_threshold=t, scale=0.25).float().mean() for t in (0.3, 0.6, 0.9)]
+    assert fractions[0] < fractions[1] < fractions[2]
+
+
+@pytest.mark.parametrize("order", [None, "perm"])
+@pytest.mark.parametrize("dense_prefix", [0, 1])
+def test_cumulative_mass_runner_matches_the_same_mask_through_sdpa(order, dense_prefix):
+    q, k, v = _structured(b=2, s=8 * 128 + 30, h=3)
+    perm = torch.randperm(q.shape[1], generator=torch.Generator().manual_seed(3)) if order else None
+    layout = bs.SparseLayout(q.shape[1], perm, dense_query_blocks=dense_prefix, forced_key_blocks=(0,))
+    runner = _runner()
+    out, mask = runner(q, k, v, layout, mass_threshold=0.7, return_mask=True)
+    assert torch.equal(mask, bs.reference_mask(q, k, layout, mass_threshold=0.7))
+    torch.testing.assert_close(out, bs.block_sparse_reference(q, k, v, layout, mask), rtol=2e-5, atol=2e-5)
+    counts = mask[:, dense_prefix:, :-1].sum(-1)
+    assert counts.min() < counts.max()  # a count per query block, not one for all
+    # The counts vary per call, so each call is planned (one host synchronisation each); the wrapper is reused.
+    q2, k2, v2 = _structured(b=2, s=8 * 128 + 30, h=3, seed=5)
+    out2, mask2 = runner(q2, k2, v2, layout, mass_threshold=0.7, scale=0.3, return_mask=True)
+    assert torch.equal(mask2, bs.reference_mask(q2, k2, layout, mass_threshold=0.7, scale=0.3))
+    torch.testing.assert_close(out2, bs.block_sparse_reference(q2, k2, v2, layout, mask2, 0.3), rtol=2e-5, atol=2e-5)
+    assert runner.plan_count == 2 and runner.host_syncs == 2
+    with pytest.raises(ValueError, match="one of sparsity"):
+        runner(q, k, v, layout, 0.5, mass_threshold=0.7)
+
+
 def test_strided_pages_read_inputs_in_place():
     q, k, v = _qkv(b=2, h=3)
     pages = bs.strided_pages(k)
@@ -93,6 +165,16 @@ def test_identical_output_on_the_gathered_and_the_in_place_path():
     torch.testing.assert_close(in_place, gathered, rtol=1e-6, atol=1e-6)
 
 
+def test_heads_major_query_is_read_without_a_copy():
+    q, k, v = _qkv(h=3)
+    heads_major = q.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # [B, S, H, D] view of [B, H, S, D]
+    assert bs.heads_major(heads_major).data_ptr() == heads_major.data_ptr() and bs.heads_major(q) is None
+    layout = bs.SparseLayout(700)
+    call = _runner().prepare(heads_major, k, v, layout, 0.5)
+    assert call.qt.data_ptr() == heads_major.data_ptr()
+    torch.testing.assert_close(_runner()(heads_major, k, v, layout, 0.5), _runner()(q, k, v, layout, 0.5))
+
+
 @interpreted
 def test_interpreted_triton_layout_kernels_match_pytorch():
     q, k, v = _qkv(b=2, h=3, d=24)
@@ -107,6 +189,113 @@ def test_interpreted_triton_layout_kernels_match_pytorch():
     layout = bs.SparseLayout(700, perm, dense_query_blocks=1, forced_key_blocks=(0,))
     out, mask = _runner()(q, k, v, layout, 0.5, return_mask=True)
     torch.testing.assert_close(out, bs.block_sparse_reference(q, k, v, layout, mask), rtol=2e-5, atol=2e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("seq_len", [16 * 128 + 40, 16 * 128])  # with and without a partial tail block
+@pytest.mark.parametrize("selection", [{"sparsity": 0.75}, {"mass_threshold": 0.6}])
+def test_interpreted_pooling_and_selection_kernels_match_pytorch(seq_len, selection):
+    q, k, v = _structured(b=2, s=seq_len, h=1, d=24)
+    for layout in (bs.SparseLayout(seq_len), bs.SparseLayout(seq_len, dense_query_blocks=2, forced_key_blocks=(0, 1, 2))):
+        runner = _runner()
+        call = runner.prepare(q, k, v, layout, **selection)
+        pooled_q, pooled_k = bs._reference_pooled(q, k, layout)
+        torch.testing.assert_close(call.pooled, torch.cat([pooled_q, pooled_k], 1), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(call.qt, q.permute(0, 2, 1, 3).reshape(2, seq_len, 24), rtol=0, atol=0)
+        out = runner.finish(runner.attend(runner.select(call)))
+        mask = runner.block_mask(call)
+        assert torch.equal(mask, bs.reference_mask(q, k, layout, **selection))
+        torch.testing.assert_close(out, bs.block_sparse_reference(q, k, v, layout, mask), rtol=2e-5, atol=2e-5)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ATen operators run outside Triton launches (``paused`` while a kernel runs: the interpreter's
+    own tensor handling is not the caller's work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.paused = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@interpreted
+def test_interpreted_selection_is_one_launch_and_top_k_never_synchronises(monkeypatch):
+    """The selection stage: one Triton launch; top-k writes into the planned index buffer with no PyTorch operator
+    (so nothing that could synchronise with the host); cumulative mass adds exactly one host read of its counts."""
+    names = ("gather", "scatter", "prepare", "select")
+    real = bs._kernels(True)
+    launches, ops = [], _Ops()
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(self.name)
+                ops.paused = True
+                try:
+                    return self.kernel[grid](*args, **kwargs)
+                finally:
+                    ops.paused = False
+            return launch
+
+    monkeypatch.setattr(bs, "_kernels", lambda interpret: tuple(Counted(n, k) for n, k in zip(names, real)))
+    q, k, v = _structured(s=16 * 128 + 40, h=2, d=16)
+    layout = bs.SparseLayout(q.shape[1])
+    runner = _runner()
+    runner(q, k, v, layout, 0.75)  # plans once (host work, cached)
+    call = runner.prepare(q, k, v, layout, 0.75)
+    assert launches[-1:] == ["prepare"]  # Q rows and every block mean: one launch
+    launches.clear()
+    with ops:
+        runner.select(call)
+    assert launches == ["select"] and ops.ops == [] and runner.host_syncs == 0
+    call = runner.prepare(q, k, v, layout, mass_threshold=0.6)
+    launches.clear()
+    runner.select(call)
+    assert launches == ["select"] and runner.host_syncs == 1
+
+
+def _ptxas_available() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return os.path.exists(get_ptxas(90).path)
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or INTERPRETING or not _ptxas_available(),
+                    reason="needs Triton's CUDA compiler (ptxas)")
+def test_triton_kernels_compile_for_sm90():
+    """The interpreter runs the kernels' semantics on the CPU; this lowers them to sm_90 machine code (Triton ships
+    ptxas, no GPU needed), which catches what only the compiler checks (types across branches, tl.dot and tl.sort
+    shapes) before an H200 run."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _, _, prepare, select = bs._kernels(False)
+    ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
+    prepare_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "order_ptr": "*i64", "qt_ptr": "*bf16", "pooled_ptr": "*fp32",
+                   **ints("S", "H", "MB", "NB", "sqb", "sqs", "sqh", "skb", "sks", "skh")}
+    select_sig = {"pooled_ptr": "*fp32", "forced_ptr": "*i8", "out_ptr": "*i32", "count_ptr": "*i32",
+                  **ints("MB", "NB", "dense_rows", "n_sparse", "kept", "H", "base_b", "base_h", "mult", "out_sg",
+                         "out_sr"), "threshold": "fp32", "scale_log2": "fp32"}
+    target = GPUTarget("cuda", 90, 32)
+    for ordered, gather in ((False, True), (True, True), (False, False)):
+        constants = {"D": 128, "BLOCK_D": 128, "BLOCK_ROWS": 128, "TILE": 32, "ORDERED": ordered, "GATHER_Q": gather}
+        signature = {**prepare_sig, **{name: "constexpr" for name in constants}}
+        assert triton_compile(ASTSource(prepare, signature, constants), target=target).asm["cubin"]
+    for mass in (False, True):
+        constants = {"D": 64, "BLOCK_D": 64, "NBP": 64, "BQ": 16, "DC": 32, "MASS": mass, "TAIL": True}
+        signature = {**select_sig, **{name: "constexpr" for name in constants}}
+        assert triton_compile(ASTSource(select, signature, constants), target=target).asm["cubin"]
 
 
 class CpuRainFusion(RainFusionBackend):
@@ -145,8 +334,8 @@ class _Recording:
     def __init__(self, runner):
         self.runner, self.calls = runner, []
 
-    def __call__(self, q, k, v, layout, sparsity, scale=None, return_mask=False):
-        out, mask = self.runner(q, k, v, layout, sparsity, scale, return_mask=True)
+    def __call__(self, q, k, v, layout, sparsity=None, scale=None, return_mask=False, **kwargs):
+        out, mask = self.runner(q, k, v, layout, sparsity, scale, return_mask=True, **kwargs)
         self.calls.append((out, bs.block_sparse_reference(q, k, v, layout, mask, scale), layout, mask))
         return out
 
@@ -209,3 +398,28 @@ def test_geometry_free_selection_without_published_geometry(cpu_rainfusion):
     assert "keeps every key block" in zero.why_dense_cuda(q, k)
     dense = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k[:, :77], v[:, :77]))).transpose(1, 2)
     torch.testing.assert_close(backend(q, k[:, :77], v[:, :77]), dense)
+
+
+def test_backend_cumulative_mass_selection(cpu_rainfusion, caplog):
+    caplog.set_level(logging.INFO, logger="diffusers_omni.attention")
+    backend = CpuRainFusion(AttentionSpec("RAINFUSION_ATTN", block_sparse={"mass_threshold": 0.6}))
+    backend.site_name = "blocks.0.attn1"
+    q, k, v = _structured(s=32 * 128 + 40, h=2, d=8)
+    assert backend.why_dense_cuda(q, k) is None
+    layout = backend.layout_for(q.shape[1])
+    mask = bs.reference_mask(q, k, layout, mass_threshold=0.6)
+    torch.testing.assert_close(backend(q, k, v), bs.block_sparse_reference(q, k, v, layout, mask), rtol=2e-5, atol=2e-5)
+    assert 0.03 < mask.float().mean() < 0.9
+    assert "holding 0.6 of its pooled attention mass" in caplog.text
+    described = backend.describe()
+    assert described["mass_threshold"] == 0.6 and described["sparsity"] is None
+    assert "cumulative-mass" in described["implementation"]
+    assert "cross-attention" in backend.why_dense_cuda(q, k[:, :77])  # the dense rules are the same
+
+
+def test_ascend_rf_v2_refuses_cumulative_mass():
+    from diffusers_omni.attention.platform import Platform, use_platform
+
+    with use_platform(Platform("npu", "Ascend")), pytest.raises(ValueError, match="mass_threshold=0.9 is not supported "
+                                                                "by MindIE-SD rf_v2"):
+        RainFusionBackend(AttentionSpec("RAINFUSION_ATTN", block_sparse={"mass_threshold": 0.9}))

@@ -22,6 +22,7 @@ VALID_SPECS = [
     {"backend": "RAINFUSION_ATTN", "block_sparse": {}},
     {"backend": "RAINFUSION_ATTN", "block_sparse": {"sparsity": 0.0, "start_step": 3, "skip_layers": "0-3,38"}},
     {"backend": "RAINFUSION_ATTN", "block_sparse": {"sparsity": 1, "skip_layers": [5, 1]}},
+    {"backend": "RAINFUSION_ATTN", "block_sparse": {"mass_threshold": 0.9, "start_step": 2}},
 ]
 
 
@@ -60,6 +61,13 @@ INVALID_SPECS = [
     ({"backend": "TRTLLM_ATTN", "skip_softmax": {"target_sparsity": True}}, TypeError, ["target_sparsity", "bool"]),
     ({"backend": "TRTLLM_ATTN", "skip_softmax": {"bogus": 1}}, ValueError, ["unknown key", "bogus", "target_sparsity"]),
     ({"backend": "RAINFUSION_ATTN", "block_sparse": {"sparsity": 1.01}}, ValueError, ["sparsity=1.01"]),
+    ({"backend": "RAINFUSION_ATTN", "block_sparse": {"mass_threshold": 1.0}}, ValueError,
+     ["block_sparse.mass_threshold=1.0", "out of range", "(0, 1)"]),
+    ({"backend": "RAINFUSION_ATTN", "block_sparse": {"mass_threshold": 0}}, ValueError, ["mass_threshold=0", "(0, 1)"]),
+    ({"backend": "RAINFUSION_ATTN", "block_sparse": {"mass_threshold": "0.9"}}, TypeError,
+     ["block_sparse.mass_threshold", "str", "'0.9'"]),
+    ({"backend": "RAINFUSION_ATTN", "block_sparse": {"mass_threshold": 0.9, "sparsity": 0.5}}, ValueError,
+     ["sparsity=0.5", "mass_threshold=0.9", "mutually exclusive"]),
     ({"backend": "RAINFUSION_ATTN", "block_sparse": {"start_step": -1}}, ValueError, ["start_step=-1", ">= 0"]),
     ({"backend": "RAINFUSION_ATTN", "block_sparse": {"start_step": 1.5}}, TypeError, ["start_step", "float"]),
     ({"backend": "RAINFUSION_ATTN", "block_sparse": {"skip_layers": "3-1"}}, ValueError, ["ascending"]),
@@ -144,3 +152,12 @@ def test_layer_selector():
     assert parse_layer_selector("0-3,38") == (0, 1, 2, 3, 38)
     assert parse_layer_selector(" 5 , 2-3") == (2, 3, 5)
     assert parse_layer_selector([3, 1, 3]) == (1, 3)
+
+
+def test_block_sparse_selection_rule():
+    assert BlockSparseSpec().sparsity == 0.8 and BlockSparseSpec().selection == "topk"
+    assert BlockSparseSpec() == BlockSparseSpec(sparsity=0.8)
+    mass = BlockSparseSpec(mass_threshold=0.9)
+    assert mass.sparsity is None and mass.selection == "mass" and mass.describe() == "mass threshold 0.9"
+    spec = AttentionSpec("RAINFUSION_ATTN", block_sparse=mass)
+    assert AttentionSpec.parse(spec.to_dict()) == spec

@@ -105,6 +105,8 @@ def valid_specs(draw):
         sparse = {}
         if draw(st.booleans()):
             sparse["sparsity"] = draw(unit)
+        elif draw(st.booleans()):
+            sparse["mass_threshold"] = draw(unit.filter(lambda x: 0 < x < 1))
         if draw(st.booleans()):
             sparse["start_step"] = draw(st.integers(0, 10**30))
         if draw(st.booleans()):
@@ -203,7 +205,10 @@ _MUTATIONS = [
     ("quant.dtype_vo", {"backend": "FLASHINFER_ATTN", "quant": {"dtype_qk": "float16"}}, ("quant", "dtype_vo"),
      st.one_of(st.text(max_size=8).filter(lambda v: v not in ("float16", "bfloat16", "fp8_e4m3")), st.integers())),
     ("block_sparse.sparsity", {"backend": "RAINFUSION_ATTN", "block_sparse": {}}, ("block_sparse", "sparsity"),
-     st.one_of(_BAD_NUMBERS, _NOT_NUMBERS)),
+     st.one_of(_BAD_NUMBERS, _NOT_NUMBERS.filter(lambda v: v is not None))),
+    ("block_sparse.mass_threshold", {"backend": "RAINFUSION_ATTN", "block_sparse": {}},
+     ("block_sparse", "mass_threshold"),
+     st.one_of(_BAD_NUMBERS, st.sampled_from([0, 0.0, 1, 1.0, 1.5]), _NOT_NUMBERS.filter(lambda v: v is not None))),
     ("block_sparse.start_step", {"backend": "RAINFUSION_ATTN", "block_sparse": {}}, ("block_sparse", "start_step"),
      st.one_of(st.integers(max_value=-1), st.floats(), st.sampled_from([-(10**5000)]), _NOT_NUMBERS)),
     ("block_sparse.skip_layers", {"backend": "RAINFUSION_ATTN", "block_sparse": {}}, ("block_sparse", "skip_layers"),

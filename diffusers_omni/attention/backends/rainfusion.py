@@ -10,8 +10,10 @@ parallelism (blocks are ranked over the whole key sequence): ``check_sequence_pa
 On CUDA (``diffusers_omni.attention.block_sparse``) each (batch, head) keeps, per 128-row query block, the
 ``round((1 - sparsity) · blocks)`` key blocks with the best pooled score ``mean(q_block) · mean(k_block)``; with a
 published geometry the prefix (text) rows attend densely and the prefix and first-frame key blocks are always kept;
-without one (geometry-free) the same data-dependent selection runs on the natural row order. Rows keep their order
-(a block is a strip of consecutive latent rows), so K and V are read in place.
+without one (geometry-free) the same data-dependent selection runs on the natural row order. With
+``block_sparse.mass_threshold`` (instead of ``sparsity``) each query block keeps the smallest set of key blocks whose
+share of ``softmax(scale · pooled scores)`` reaches the threshold (forced blocks first). Rows keep their order (a
+block is a strip of consecutive latent rows), so K and V are read in place.
 
 The kernel call (``_rf_v2``) follows the contract's description of rf_v2 (128-row blocks, kept prefix, first-frame
 blocks kept, nominal sparsity); its exact MindIE-SD entry point and argument names are NOT verified — no NPU or
@@ -157,6 +159,12 @@ class RainFusionBackend(AttentionBackend):
 
         # Which kernel path runs: MindIE-SD rf_v2 on Ascend, the FlashInfer block-sparse path elsewhere.
         self.kernel = "rf_v2" if current_platform().device_type == "npu" else "block_sparse"
+        if self.kernel == "rf_v2" and self.block_sparse.mass_threshold is not None:
+            raise ValueError(
+                f"block_sparse.mass_threshold={self.block_sparse.mass_threshold} is not supported by MindIE-SD rf_v2 "
+                "(Ascend), which selects a fixed share of blocks; set block_sparse.sparsity instead (the "
+                "cumulative-mass selection runs on the CUDA path only)"
+            )
 
     @classmethod
     def extra_availability_reasons(cls, platform) -> list[str]:
@@ -185,7 +193,7 @@ class RainFusionBackend(AttentionBackend):
         return bound
 
     def why_dense(self, query: torch.Tensor, key: torch.Tensor) -> str | None:
-        if self.block_sparse.sparsity == 0:
+        if self.block_sparse.mass_threshold is None and self.block_sparse.sparsity == 0:
             return "block_sparse.sparsity is 0"
         state = self.state
         plan = state.plan if state is not None else None
@@ -223,7 +231,8 @@ class RainFusionBackend(AttentionBackend):
 
     def why_dense_cuda(self, query: torch.Tensor, key: torch.Tensor) -> str | None:
         """Why this call runs dense on the CUDA path (``None``: it runs block-sparse)."""
-        if self.block_sparse.sparsity == 0:
+        mass = self.block_sparse.mass_threshold is not None
+        if not mass and self.block_sparse.sparsity == 0:
             return "block_sparse.sparsity is 0"
         state = self.state
         if state is not None and state.step < self.block_sparse.start_step:
@@ -243,7 +252,7 @@ class RainFusionBackend(AttentionBackend):
         if blocks < MIN_VIDEO_BLOCKS:
             return f"the sequence has {blocks} whole 128-row blocks; block-sparse attention needs at least {MIN_VIDEO_BLOCKS}"
         layout = self.layout_for(q_len)
-        if kept_blocks(layout, self.block_sparse.sparsity) >= layout.full_key_blocks:
+        if not mass and kept_blocks(layout, self.block_sparse.sparsity) >= layout.full_key_blocks:
             return f"block_sparse.sparsity={self.block_sparse.sparsity} keeps every key block at {q_len} rows"
         return None
 
@@ -264,10 +273,16 @@ class RainFusionBackend(AttentionBackend):
         if not cuda:
             return self._rf_v2(query, key, value, self.state.plan, scale)
         layout = self.layout_for(query.shape[1])
+        spec = self.block_sparse
+        if spec.mass_threshold is not None:
+            self._log_once(("sparse", layout.source), "RAINFUSION_ATTN (%s): block-sparse on CUDA, %s layout, each "
+                           "query block keeps the key blocks holding %s of its pooled attention mass (of %d)",
+                           self.site_name, layout.source, spec.mass_threshold, layout.full_key_blocks)
+            return self.runner(query, key, value, layout, scale=scale, mass_threshold=spec.mass_threshold)
         self._log_once(("sparse", layout.source), "RAINFUSION_ATTN (%s): block-sparse on CUDA, %s layout, %d of %d "
                        "key blocks kept per query block", self.site_name, layout.source,
-                       kept_blocks(layout, self.block_sparse.sparsity), layout.full_key_blocks)
-        return self.runner(query, key, value, layout, self.block_sparse.sparsity, scale)
+                       kept_blocks(layout, spec.sparsity), layout.full_key_blocks)
+        return self.runner(query, key, value, layout, spec.sparsity, scale)
 
     def _rf_v2(self, query, key, value, plan: RainFusionPlan, scale):
         prefix = plan.geometry.prefix_len
@@ -293,8 +308,9 @@ class RainFusionBackend(AttentionBackend):
         if self.kernel == "rf_v2":
             implementation = "mindiesd rf_v2 (unverified entry point)"
         else:
-            implementation = ("diffusers_omni.attention.block_sparse: pooled top-k block selection + "
+            selection = "cumulative-mass" if self.block_sparse.mass_threshold is not None else "top-k"
+            implementation = (f"diffusers_omni.attention.block_sparse: pooled {selection} block selection + "
                               "flashinfer.BatchPrefillWithPagedKVCacheWrapper(backend='fa3')")
         return {**super().describe(), "implementation": implementation, "lossy": True,
-                "sparsity": self.block_sparse.sparsity, "start_step": self.block_sparse.start_step,
-                "skip_layers": list(self.block_sparse.skip_layers or ())}
+                "sparsity": self.block_sparse.sparsity, "mass_threshold": self.block_sparse.mass_threshold,
+                "start_step": self.block_sparse.start_step, "skip_layers": list(self.block_sparse.skip_layers or ())}
