@@ -28,6 +28,14 @@ ALIGN_BYTES = 512
 _PAGE = 4096
 
 
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _aligned(numel: int, dtype: torch.dtype) -> int:
     step = max(ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size(), 1)
     return (numel + step - 1) // step * step
@@ -45,13 +53,17 @@ class TensorSlot:
     stride: tuple[int, ...] | None = None  # a permuted dense layout kept as is; None: contiguous
     leaf: Leaf | None = None
 
+    def __post_init__(self) -> None:
+        self.strides = self.stride if self.stride is not None else _contiguous_strides(self.shape)
+
     @property
     def numel(self) -> int:
         return self.shape.numel()
 
     def view_of(self, buffer: torch.Tensor) -> torch.Tensor:
-        flat = buffer.narrow(0, self.offset, self.shape.numel())
-        return flat.view(self.shape) if self.stride is None else flat.as_strided(self.shape, self.stride)
+        """The leaf's view into ``buffer`` (flat, dense, this slot's dtype): one ``as_strided`` call, a third of
+        ``narrow`` + ``view`` on the host, which adds up at ~1,500 leaves per quantized FLUX step."""
+        return buffer.as_strided(self.shape, self.strides, buffer.storage_offset() + self.offset)
 
     def flat_source(self) -> torch.Tensor:
         """The leaf's current bytes in buffer order, 1-D."""
