@@ -112,19 +112,35 @@ class PackedWeights:
     def pack(self, host_memory: "HostMemory") -> None:
         """Copy every tensor into fresh host buffers and rebind it to its host view, tensor by tensor, so the
         original storage can be freed as we go (no second full copy). Callers record ``restore`` as the undo
-        *before* calling this: if it fails part-way, ``restore`` puts back exactly the tensors already rebound."""
+        *before* calling this: if it fails part-way, ``restore`` puts back exactly the tensors already rebound.
+
+        Tensors on an accelerator are copied into buffers page-locked beforehand, asynchronously, with one wait per
+        module: into pageable memory every copy is staged by the driver (about 1 GB/s for a FLUX-size quantized
+        model on an H200, against tens of GB/s by DMA). Host tensors are copied first and page-locked after
+        (a memcpy faults the pages in, and registering touched pages is faster)."""
         self.rebound = 0
         self.host = {dtype: host_memory.allocate(numel, dtype) for dtype, numel in self.numel.items()}
         self.host_views = self.views_into(self.host)
-        for slot, view in zip(self.slots, self.host_views):
-            view.copy_(slot.leaf.data())
+        sources = [slot.leaf.data() for slot in self.slots]
+        devices = {source.device for source in sources if source.device.type not in ("cpu", "meta")}
+        direct = bool(devices) and host_memory.page_locked
+        if direct:
+            for buffer in self.host.values():
+                host_memory.pin(buffer)
+        for slot, view, source in zip(self.slots, self.host_views, sources):
+            view.copy_(source, non_blocking=direct)
             with torch._C.DisableTorchFunctionSubclass():
                 for target in slot.leaf.targets:
                     target.data = view
             self.rebound += 1
+        if direct:  # ``sources`` keeps the device memory alive until the copies are done
+            for device in devices:
+                torch.get_device_module(device).current_stream(device).synchronize()
+        del sources
         self.tensors.park(self.host_views)
-        for buffer in self.host.values():
-            host_memory.pin(buffer)
+        if not direct:
+            for buffer in self.host.values():
+                host_memory.pin(buffer)
 
     def bind(self, views: list[torch.Tensor]) -> None:
         """Compute on ``views`` (device views): tensors are rebound, wrapper subclasses rebuilt around them."""
@@ -342,6 +358,11 @@ class HostMemory:
     @property
     def needs_clone_on_release(self) -> bool:
         return self.mode == "pinned"
+
+    @property
+    def page_locked(self) -> bool:
+        """Whether buffers are page-locked (torch-pinned at allocation, or registered by ``pin``)."""
+        return self.mode in ("pinned", "registered")
 
 
 def _cuda_ok(result: object) -> bool:
