@@ -163,18 +163,20 @@ class Wrapper:
         if rebuilt is not None and rebuilt.device == device:
             return rebuilt.rebind(views)
         self.drop_rebuilt()
-        if not self.reusable:
-            return self.build(views)
-        with torch.inference_mode(False):  # holders must accept normal tensors' .data later
+        # Normal (not inference) tensors even when called under inference mode (model-level onload): the object is
+        # installed as a parameter and, when kept, reused outside inference mode.
+        with torch.inference_mode(False):
+            if not self.reusable:
+                return self.build(views)
             holders = {index: _holder(views[index]) for index in indices}
-        tensor = self.build(holders)
-        inner = self._held(tensor, holders)
-        if inner is None:
-            self.reusable = False
-            for holder in holders.values():
-                holder.data = torch.empty(0, dtype=holder.dtype, device=holder.device)
-            return self.build(views)
-        placeholders = [torch.empty(0, dtype=holder.dtype, device=device) for _, holder in inner]
+            tensor = self.build(holders)
+            inner = self._held(tensor, holders)
+            if inner is None:
+                self.reusable = False
+                for holder in holders.values():
+                    holder.data = torch.empty(0, dtype=holder.dtype, device=holder.device)
+                return self.build(views)
+            placeholders = [torch.empty(0, dtype=holder.dtype, device=device) for _, holder in inner]
         self.rebuilt = Rebuilt(device, tensor, inner, placeholders)
         return tensor
 

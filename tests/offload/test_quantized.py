@@ -188,6 +188,26 @@ def test_wrapper_built_once_then_rebound_and_released_between_uses(fmt):
     qh.assert_same_weights(before, model)
 
 
+def test_model_level_under_inference_mode_keeps_normal_wrapper_objects():
+    """Model-level onloads inside the DiT's forward, here under ``inference_mode``: the objects kept for the next
+    onload are normal tensors (a parameter must never be an inference tensor), reused across onloads."""
+    model = qh.quantized("flux", "torchao-int8")
+    with torch.inference_mode():
+        reference = qh.run(model, "flux")
+    backend = apply_offload(model, OffloadConfig("model_level", device="cpu"))
+    linear = next(n for n, _ in qh.quantized_linears(model) if n.startswith("transformer_blocks.1"))
+    seen, remove = qh.capture_during_forward(model, [linear])
+    with torch.inference_mode():
+        outputs = qh.run(model, "flux")
+    remove()
+    assert all(torch.equal(a, b) for a, b in zip(reference, outputs))
+    wrappers = backend._state.exclusives[0].weights.tensors.wrappers
+    assert wrappers and all(w.rebuilt is not None and not torch.is_inference(w.rebuilt.tensor) for w in wrappers)
+    assert len({weight_id for weight_id, *_ in seen[linear]}) == 1
+    backend.disable()
+    assert all(w.rebuilt is None for w in wrappers)
+
+
 def test_wrapper_that_copies_its_inner_tensors_is_rebuilt_on_every_bind():
     """A subclass whose ``__tensor_unflatten__`` does not keep the tensors it is given cannot be moved by rebinding
     them: it is rebuilt on every bind (still computing on the current views); one that keeps them is reused."""
