@@ -90,6 +90,8 @@ class PackedWeights:
                 TensorSlot(leaf.targets[0], leaf.dtype, offset, leaf.shape, leaf.device, leaf.stride, leaf)
             )
             self.numel[leaf.dtype] = offset + _aligned(leaf.shape.numel(), leaf.dtype)
+        # (dtype, shape, strides, offset) per slot: what ``views_into`` needs, without a call per slot.
+        self._layout = [(s.dtype, s.shape, s.strides, s.offset) for s in self.slots]
         self.host: dict[torch.dtype, torch.Tensor] = {}
         self.host_views: list[torch.Tensor] = []
         # How many slots (in order) ``pack`` has rebound to host views: what ``restore`` undoes, also after a
@@ -107,7 +109,12 @@ class PackedWeights:
     def views_into(self, buffers: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
         """Views of ``buffers`` (one flat tensor per dtype, at least as long as this layout) shaped like each
         leaf, in ``slots`` order."""
-        return [s.view_of(buffers[s.dtype]) for s in self.slots]
+        bases = {dtype: (buffer.as_strided, buffer.storage_offset()) for dtype, buffer in buffers.items()}
+        views = []
+        for dtype, shape, strides, offset in self._layout:
+            as_strided, base = bases[dtype]
+            views.append(as_strided(shape, strides, base + offset))
+        return views
 
     def pack(self, host_memory: "HostMemory") -> None:
         """Copy every tensor into fresh host buffers and rebind it to its host view, tensor by tensor, so the

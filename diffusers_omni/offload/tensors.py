@@ -260,6 +260,9 @@ class TensorSet:
             self._add_weight(where, tensor, owners[id(tensor)])
         self.direct = [leaf for leaf in self.leaves if not leaf.inner]
         self._direct_index = [i for i, leaf in enumerate(self.leaves) if not leaf.inner]
+        # (tensor, leaf index) of every tensor rebound on each bind / park: flat, for the per-block hot path.
+        self._direct_targets = [(t, i) for i in self._direct_index for t in self.leaves[i].targets]
+        self._all_targets = [(t, i) for i, leaf in enumerate(self.leaves) for t in leaf.targets]
         self._parked_on: list[torch.Tensor] | None = None  # the views inner leaves were last parked on
 
     # Discovery -------------------------------------------------------------------------------------------------
@@ -357,10 +360,8 @@ class TensorSet:
         """Compute on ``views`` (one per leaf): plain leaves are rebound, wrapper subclasses rebuilt around them (or
         the object kept from the last bind on that device rebound to them)."""
         with torch._C.DisableTorchFunctionSubclass():
-            for index in self._direct_index:
-                view = views[index]
-                for target in self.leaves[index].targets:
-                    target.data = view
+            for target, index in self._direct_targets:
+                target.data = views[index]
         for wrapper in self.wrappers:
             wrapper.install(wrapper.for_views(views))
 
@@ -373,10 +374,8 @@ class TensorSet:
         # already hold (a streamed block's placeholders, every step) rebinds the direct leaves only.
         again = views is self._parked_on and not final
         with torch._C.DisableTorchFunctionSubclass():
-            for index in self._direct_index if again else range(len(self.leaves)):
-                view = views[index]
-                for target in self.leaves[index].targets:
-                    target.data = view
+            for target, index in self._direct_targets if again else self._all_targets:
+                target.data = views[index]
         for wrapper in self.wrappers:
             if final:
                 wrapper.drop_rebuilt()
