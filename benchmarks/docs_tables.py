@@ -542,37 +542,45 @@ def _short_error(error: str) -> str:
     return kind
 
 
-# The quantized offload run the docs show: the full-size run once it exists, else the full-width 1-block run.
+# The quantized offload runs the docs show: the full-size FLUX run (else the full-width 1-block run), plus the
+# Wan-14B-size run once it exists.
 QUANT_OFFLOAD_RUN = "quant_offload_h200" if (RESULTS / "quant_offload_h200.json").exists() else "quant_offload_h200_1block"
+QUANT_OFFLOAD_RUNS = [QUANT_OFFLOAD_RUN] + [r for r in ("quant_offload_h200_wan",) if (RESULTS / f"{r}.json").exists()]
 
 
 def quant_offload() -> str:
-    report = result(QUANT_OFFLOAD_RUN)
+    reports = [(run, result(run)) for run in QUANT_OFFLOAD_RUNS]
     rows = []
-    for entry in report["entries"]:
-        variants = {v["variant"]: v for v in entry["variants"]}
-        resident, omni, diffusers = (variants[n] for n in ("resident", "omni layerwise", "diffusers group_offload"))
-        diffusers_step = f"{diffusers['step_s']:.3f}" if "step_s" in diffusers else _short_error(diffusers["error"])
-        meets = [omni.get(k) for k in ("meets_step_target", "meets_peak_target", "meets_setup_target")]
-        missed = [k for k, m in zip(("step", "peak", "setup"), meets) if m is False]
-        rows.append([
-            entry["model"], entry["format"], gib(entry["packed_bytes"]), f"{resident['step_s']:.3f}", diffusers_step,
-            f"{omni['step_s']:.3f}", f"{omni['target_step_s']:.3f}", "NO: " + ", ".join(missed) if missed else "yes",
-            f"{gib(omni['peak_device_bytes'])} / " + (gib(diffusers["peak_device_bytes"]) if "step_s" in diffusers
-                                                      else "—"),
-            f"{omni['setup_s']:.1f}", "yes" if omni["bitwise_equal_to_resident"] else "NO",
-        ])
+    for run, report in reports:
+        for entry in report["entries"]:
+            variants = {v["variant"]: v for v in entry["variants"]}
+            resident, omni, diffusers = (variants[n] for n in ("resident", "omni layerwise", "diffusers group_offload"))
+            from_host = variants.get("omni layerwise from host", {})
+            diffusers_step = f"{diffusers['step_s']:.3f}" if "step_s" in diffusers else _short_error(diffusers["error"])
+            meets = [omni.get(k) for k in ("meets_step_target", "meets_peak_target", "meets_setup_target")]
+            missed = [k for k, m in zip(("step", "peak", "setup"), meets) if m is False]
+            rows.append([
+                entry["model"], entry["format"], gib(entry["packed_bytes"]), f"{resident['step_s']:.3f}",
+                diffusers_step, f"{omni['step_s']:.3f}", f"{omni['target_step_s']:.3f}",
+                "NO: " + ", ".join(missed) if missed else "yes",
+                f"{gib(omni['peak_device_bytes'])} / " + (gib(diffusers["peak_device_bytes"]) if "step_s" in diffusers
+                                                          else "—"),
+                f"{omni['setup_s']:.1f}" + (f" / {from_host['setup_s']:.1f}" if "setup_s" in from_host else ""),
+                "yes" if omni["bitwise_equal_to_resident"] else "NO", f"`{run}.md`",
+            ])
+    report = reports[0][1]
     env, versions = report["environment"], report["versions"]
     return table(["Model", "Format", "Packed", "Resident step (s)", "Diffusers group offload (s)",
-                  "omni layerwise (s)", "Target (s)", "Meets", "Peak omni / Diffusers", "Setup (s)",
-                  "Bitwise = resident"], rows) + (
+                  "omni layerwise (s)", "Target (s)", "Meets", "Peak omni / Diffusers",
+                  "Setup from device / host (s)", "Bitwise = resident", "Run"], rows) + (
         f"\n{env['device_name']}, torch {env['torch']}, torchao {versions['torchao']}, bitsandbytes "
         f"{versions['bitsandbytes']}, gguf {versions['gguf']}; pinned host→device "
         f"{report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s in the same run; median of {report['args']['repeats']} "
         f"steps after {report['args']['warmup']} warm-up. Target = 1.05 × max(resident step, streamed bytes ÷ "
-        "bandwidth); peak ≤ Diffusers' (where it runs); setup ≤ 10 s for FLUX size. Run: "
-        f"`{QUANT_OFFLOAD_RUN}.md`" + (f" ({report['args']['layers']} block(s) per stack at full width, not the full "
-                                      "model)" if report["args"].get("layers") else "") + ".\n")
+        "bandwidth); peak ≤ Diffusers' (where it runs); setup ≤ 10 s for FLUX size, enabled from the device (the "
+        "model quantized there) and again from the host (after `disable()`), where the run has it"
+        + (f" ({report['args']['layers']} block(s) per stack at full width, not the full model)"
+           if report["args"].get("layers") else "") + ".\n")
 
 
 def _mib(n: float) -> str:

@@ -132,19 +132,62 @@ def quantize(model: nn.Module, fmt: str, device: torch.device) -> dict[str, Any]
 
 
 def time_steps(model: nn.Module, inputs: dict, device: torch.device, warmup: int, repeats: int) -> tuple[dict, Any]:
-    times, first = [], None
+    """Median step time; ``host_s`` is how long the forward took to return on the host (kernels launched, before
+    the wait): when it is close to ``step_s`` the step is bound by the host, not the GPU."""
+    times, hosts, first = [], [], None
     with torch.inference_mode():
         for index in range(warmup + repeats):
             synchronize(device)
             start = time.perf_counter()
             out = model(**inputs)[0]
+            launched = time.perf_counter()
             synchronize(device)
             if index >= warmup:
                 times.append(time.perf_counter() - start)
+                hosts.append(launched - start)
             if first is None:
                 first = out.clone()
             del out
-    return {"step_s": statistics.median(times), "step_all_s": times}, first
+    return {"step_s": statistics.median(times), "step_all_s": times, "host_s": statistics.median(hosts)}, first
+
+
+def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The transformer blocks in execution order (FLUX: double then single; Wan: blocks)."""
+    names = ("transformer_blocks", "single_transformer_blocks") if hasattr(model, "single_transformer_blocks") \
+        else ("blocks",)
+    return [(f"{name}.{i}", block) for name in names for i, block in enumerate(getattr(model, name))]
+
+
+def peak_trace(model: nn.Module, inputs: dict, device: torch.device) -> dict[str, Any] | None:
+    """One more forward with the device memory allocated while each block runs (the caching allocator counts in
+    host order, so no wait is needed): where a variant's peak is, and how far above the allocation before the
+    first block (weights that stay resident, inputs) each block goes."""
+    if device.type != "cuda":
+        return None
+    rows: list[list] = []
+    handles = []
+    for label, block in block_modules(model):
+        def before(module, args, kwargs, label=label):
+            torch.cuda.reset_peak_memory_stats(device)
+            rows.append([label, torch.cuda.memory_allocated(device)])
+
+        def after(module, args, kwargs, output):
+            rows[-1].append(torch.cuda.max_memory_allocated(device))
+
+        handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(block.register_forward_hook(after, with_kwargs=True))
+    try:
+        synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        with torch.inference_mode():
+            model(**inputs)
+        synchronize(device)
+    finally:
+        for handle in handles:
+            handle.remove()
+    top = max(rows, key=lambda row: row[-1])
+    return {"allocated_before_forward": start, "peak_bytes": top[-1], "peak_block": top[0],
+            "blocks": [{"block": r[0], "allocated_at_start": r[1], "peak": r[2]} for r in rows if len(r) == 3]}
 
 
 def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], None], model: nn.Module,
@@ -178,7 +221,15 @@ def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], 
     if stats is not None and hasattr(stats, "streamed_bytes_per_pass"):
         result.update({"streamed_bytes": stats.streamed_bytes_per_pass, "streamed_blocks": stats.streamed_blocks,
                        "slot_bytes": stats.slot_bytes, "on_demand_loads": stats.on_demand_loads,
-                       "host_memory_mode": stats.host_memory_mode})
+                       "host_memory_mode": stats.host_memory_mode,
+                       "in_flight_blocks": getattr(stats, "in_flight_blocks", None),
+                       "max_in_flight_bytes": getattr(stats, "max_in_flight_bytes", None),
+                       "hook_s_per_step": getattr(stats, "hook_seconds", 0.0) / max(args.warmup + args.repeats, 1)})
+    if "step_s" in result and args.peak_trace:
+        try:
+            result["peak_trace"] = peak_trace(model, inputs, device)
+        except Exception as error:  # noqa: BLE001 - a diagnostic; the measurement stands without it
+            result["peak_trace_error"] = f"{type(error).__name__}: {error}"[:300]
     start = time.perf_counter()
     try:
         teardown(handle)
@@ -225,6 +276,11 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
     _, omni = run_variant("omni layerwise", omni_setup, lambda backend: backend.disable(), model, inputs, device,
                           args, reference)
     entry["variants"].append(omni)
+    # disable() left the block weights on the host: enabling again packs from the host (a GGUF file read with
+    # from_single_file, a torchao model quantized on the CPU), not from the device.
+    _, from_host = run_variant("omni layerwise from host", omni_setup, lambda backend: backend.disable(), model,
+                               inputs, device, args, reference)
+    entry["variants"].append(from_host)
 
     use_stream = device.type == "cuda"
 
@@ -253,6 +309,8 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
             else omni["peak_device_bytes"] <= diffusers["peak_device_bytes"],
             "meets_setup_target": None if name != "flux" else omni["setup_s"] <= SETUP_TARGET_S,
         })
+        if "setup_s" in from_host:
+            from_host["meets_setup_target"] = None if name != "flux" else from_host["setup_s"] <= SETUP_TARGET_S
     del model, inputs, reference
     free_memory(device)
     return entry
@@ -278,11 +336,13 @@ def markdown(report: dict) -> str:
         "streamed bytes ÷ bandwidth); peak ≤ Diffusers'; setup ≤ 10 s (FLUX size).",
         "",
         "| Model | Format | Packed | Resident step | Diffusers group offload | omni layerwise | Target | Peak omni / "
-        "Diffusers | Setup omni | Bitwise omni / Diffusers | Meets |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "Diffusers | Setup omni from device / host | Host launch resident / omni, omni hooks per step | Bitwise "
+        "omni / Diffusers | Meets |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in report["entries"]:
         resident, omni, diff = (_variant(entry, n) for n in ("resident", "omni layerwise", "diffusers group_offload"))
+        from_host = next((v for v in entry["variants"] if v["variant"] == "omni layerwise from host"), {})
         diff_step = f"{diff['step_s']:.3f}" if "step_s" in diff else f"error: {diff.get('error', '')[:90]}"
         meets = [omni.get(k) for k in ("meets_step_target", "meets_peak_target", "meets_setup_target")]
         verdict = "yes" if all(m is not False for m in meets) and meets[0] is not None else "NO: " + ", ".join(
@@ -291,8 +351,23 @@ def markdown(report: dict) -> str:
             f"| {entry['model']} | {entry['format']} | {_gib(entry['packed_bytes'])} | {_fmt(resident.get('step_s'))} | "
             f"{diff_step} | {_fmt(omni.get('step_s'))} | {_fmt(omni.get('target_step_s'))} | "
             f"{_gib(omni.get('peak_device_bytes'))} / {_gib(diff.get('peak_device_bytes'))} | "
-            f"{_fmt(omni.get('setup_s'), '.1f')} | {_fmt(omni.get('bitwise_equal_to_resident'))} / "
+            f"{_fmt(omni.get('setup_s'), '.1f')} / {_fmt(from_host.get('setup_s'), '.1f')} | "
+            f"{_fmt(resident.get('host_s'))} / {_fmt(omni.get('host_s'))}, {_fmt(omni.get('hook_s_per_step'), '.4f')} | "
+            f"{_fmt(omni.get('bitwise_equal_to_resident'))} / "
             f"{_fmt(diff.get('bitwise_equal_to_resident'))} | {verdict} |")
+    traced = [(entry, v) for entry in report["entries"] for v in entry["variants"] if v.get("peak_trace")]
+    if traced:
+        lines += ["", "Where the peak is (one more forward, device memory allocated while each block runs):", "",
+                  "| Model | Format | Variant | Before the first block | Peak | At block | In flight at most |",
+                  "|---|---|---|---|---|---|---|"]
+        for entry, v in traced:
+            trace = v["peak_trace"]
+            lines.append(f"| {entry['model']} | {entry['format']} | {v['variant']} | "
+                         f"{_gib(trace['allocated_before_forward'])} | {_gib(trace['peak_bytes'])} | "
+                         f"{trace['peak_block']} | {_gib(v.get('max_in_flight_bytes'))} |")
+    if report.get("skipped"):
+        lines += ["", f"Not measured (time budget of {report['args']['time_budget']} s spent): "
+                  + ", ".join(report["skipped"])]
     lines += ["", "Errors:", ""]
     for entry in report["entries"]:
         for v in entry["variants"]:
@@ -349,6 +424,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bandwidth-bytes", type=int, default=4 * GiB)
     parser.add_argument("--layers", type=int, default=None, help="fewer blocks at full width (quick checks)")
+    parser.add_argument("--no-peak-trace", dest="peak_trace", action="store_false",
+                        help="skip the per-block device-memory trace (one more forward per variant)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds: start no further format after this (what was measured is written)")
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -378,12 +457,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     report = {"environment": environment(device), "versions": versions(), "args": vars(args),
               "bandwidth_bytes_per_s": bandwidth, "entries": []}
+    started = time.perf_counter()
+    report["skipped"] = []
     for name in args.models:
         for fmt in args.formats:
+            if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
+                report["skipped"].append(f"{name}/{fmt}")
+                continue
             report["entries"].append(benchmark_format(name, fmt, args, device, bandwidth))
             # Written after every format, so a later failure keeps what was measured.
             out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
             out.with_suffix(".md").write_text(markdown(report))
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    out.with_suffix(".md").write_text(markdown(report))
     chart(report, out.with_suffix(".png"))
     print(markdown(report))
     print(f"wrote {out.with_suffix('.json')}, .md, .png")

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device call that installs the carried wheels and runs every pending H200 measurement, writing under $OUT.
 # Budget: FlashInfer JIT-compiles ~90 s per kernel variant on a fresh machine; the offload runs take ~4 min per model.
-#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|offload-lifecycle|alignment|hopper|quant-offload
+#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|offload-lifecycle|alignment|hopper|quant-offload|quant-offload-wan|quant-offload-check
 # offload-lifecycle: 20 delete-and-rebuild cycles per strategy + 100 denoising steps, ~6-7 min on an H200.
+# quant-offload (FLUX size) and quant-offload-wan (Wan-14B size): 5 formats each, one device call each; a format
+# starts only within the time budget and results are written after every format, so a call stays under 10 min.
+# quant-offload-check: every format x strategy on tiny models + the quantized pipelines (correctness only).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
@@ -26,8 +29,11 @@ for job in "$@"; do
     hopper) # FlashInfer paged FA3 bf16 d128 (~90 s on a fresh machine) while Triton compiles the benchmark's kernels
             python3 -m benchmarks.h200.prewarm_block_sparse & python3 -m benchmarks.h200.prewarm_triton & wait
             python3 -m benchmarks.hopper_bench --out "$out/hopper_fp8_sparse_h200" --e2e "$out/e2e_attention_h200.json" ;;
-    quant-offload) python3 -m benchmarks.quant_offload_check --out "$out/quant_offload_h200_check"
-                   python3 -m benchmarks.quant_offload_bench --warmup 1 --repeats 2 --out "$out/quant_offload_h200" ;;
+    quant-offload) python3 -m benchmarks.quant_offload_bench --models flux --warmup 1 --repeats 2 --time-budget 400 \
+                     --out "$out/quant_offload_h200" ;;
+    quant-offload-wan) python3 -m benchmarks.quant_offload_bench --models wan --warmup 1 --repeats 2 --time-budget 380 \
+                         --out "$out/quant_offload_h200_wan" ;;
+    quant-offload-check) python3 -m benchmarks.quant_offload_check --out "$out/quant_offload_h200_check" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done

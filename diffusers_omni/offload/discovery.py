@@ -12,7 +12,7 @@ import torch.nn as nn
 from ..config.offload import OffloadPlan
 from ..models.base import blocks_attrs_for
 from ..utils.modules import get_submodule_path
-from .hooks import DIFFUSERS_OFFLOAD_HOOKS, OMNI_OFFLOAD_HOOKS, hook_names
+from .hooks import DIFFUSERS_OFFLOAD_HOOKS, OMNI_OFFLOAD_HOOKS, ExecutionDeviceHint, hook_names
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -175,7 +175,7 @@ def foreign_offload_reasons(component: Component) -> list[str]:
     reasons = []
     for name, module in component.module.named_modules():
         where = _join(component.label, name)
-        if hasattr(module, "_hf_hook"):
+        if hasattr(module, "_hf_hook") and not isinstance(module._hf_hook, ExecutionDeviceHint):
             reasons.append(
                 f"{where!r} has an Accelerate hook ({type(module._hf_hook).__name__}), set by Diffusers' "
                 "enable_model_cpu_offload / enable_sequential_cpu_offload; call pipe.remove_all_hooks() first"

@@ -154,15 +154,27 @@ class _ShardedBlock:
         self.host = {d: host_memory.allocate(n, d) for d, n in self.shard.items()}
         for buffer in self.host.values():
             buffer.zero_()
+        # As in ``PackedWeights.pack``: slices on an accelerator go by DMA into buffers page-locked first.
+        devices = {s.leaf.data().device for s in self.weights.slots} - {torch.device("cpu"), torch.device("meta")}
+        direct = bool(devices) and host_memory.page_locked
+        if direct:
+            for buffer in self.host.values():
+                host_memory.pin(buffer)
+        sources = []
         for slot in self.weights.slots:
             start, end = shard_range(self.weights.numel[slot.dtype], self.world_size, self.rank)
             numel = slot.shape.numel()
             lo, hi = max(slot.offset, start), min(slot.offset + numel, end)
             if lo < hi:
                 source = slot.flat_source()[lo - slot.offset : hi - slot.offset]
-                self.host[slot.dtype][lo - start : hi - start].copy_(source)
-        for buffer in self.host.values():
-            host_memory.pin(buffer)
+                self.host[slot.dtype][lo - start : hi - start].copy_(source, non_blocking=direct)
+                sources.append(source)
+        if direct:  # ``sources`` keeps the device memory (and reshaped copies) alive until the copies are done
+            for device in devices:
+                torch.get_device_module(device).current_stream(device).synchronize()
+        else:
+            for buffer in self.host.values():
+                host_memory.pin(buffer)
 
     def attach(self, slot: _GatherSlot) -> None:
         self.slot = slot

@@ -32,6 +32,29 @@ DIFFUSERS_OFFLOAD_HOOKS: frozenset[str] = frozenset(
 )
 
 
+class ExecutionDeviceHint:
+    """Set as ``_hf_hook`` on every module model-level offload parks on the host, while the offload is enabled.
+
+    Diffusers pipelines put a component's inputs where ``diffusers.utils.torch_utils.get_module_execution_device``
+    says (FLUX's CLIP prompt path in 0.42, about 30 pipelines): an offloader's onload device when it finds one
+    (Diffusers' group-offload hook, or the ``execution_device`` of an Accelerate hook on the module), else the
+    device of the module's weights. Parked on the host, the weights say ``cpu``: the inputs went to the host and the
+    onloaded module failed with ``index is on cpu`` (the H200 check of a bitsandbytes FLUX pipeline). This object
+    answers that one question. It is no Accelerate hook: Diffusers' checks for its own CPU offload
+    (``isinstance(_hf_hook, CpuOffload / AlignDevicesHook)``) still find none, and ``remove_hook_from_module``
+    only detaches it.
+    """
+
+    def __init__(self, execution_device: Any) -> None:
+        self.execution_device = execution_device
+
+    def detach_hook(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def __repr__(self) -> str:
+        return f"ExecutionDeviceHint(execution_device={str(self.execution_device)!r})"
+
+
 class CallbackHook(ModelHook):
     """Calls ``before()`` ahead of the module's forward and ``after()`` once it returns; arguments pass through."""
 

@@ -1,10 +1,13 @@
 """Layerwise offload: DiT blocks stream from flat host buffers onto the device, one prefetch ring per DiT.
 
-Each block's tensors live in one contiguous (pinned) host buffer per dtype. At most ``prefetch_depth + 1`` blocks
-are on the device at once. When a block starts, its tensors are rebound to views of its device buffer and the
-next streamed blocks are copied on a copy stream; when it ends, its tensors go back to empty placeholders and
-its buffer is released. Device buffers are taken from PyTorch's caching allocator at the size of each block, so
-device memory follows the blocks actually in flight (a small block does not hold a slot sized for the largest).
+Each block's tensors live in one contiguous (pinned) host buffer per dtype. Without a device-memory budget at most
+``prefetch_depth + 1`` streamed blocks are on the device at once (the running one and those prefetched, as
+Diffusers' group offload holds its running and next group); with a budget, the reserve of ``prefetch_depth + 1``
+largest blocks is filled with as many smaller blocks as fit. When a block starts, its tensors are rebound to views
+of its device buffer and the next streamed blocks are copied on a copy stream; when it ends, its tensors go back
+to empty placeholders and its buffer is released. Device buffers are taken from PyTorch's caching allocator at the
+size of each block, so device memory follows the blocks actually in flight (a small block does not hold a slot
+sized for the largest).
 Ordering needs no host synchronisation: a buffer is allocated on the compute stream and the copy stream waits
 for an event recorded right after the allocation (so the memory's previous users have finished), the compute
 stream waits for the copy's ``ready`` event before the block runs, and ``record_stream`` tells the allocator
@@ -17,6 +20,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -129,6 +133,9 @@ class LayerwiseStats:
     slot_count: int = 0  # largest blocks that fit in the in-flight window (prefetch depth + 1)
     slot_bytes: int = 0  # the largest streamed block
     in_flight_capacity: int = 0  # bytes of streamed blocks on the device at once, at most
+    in_flight_blocks: int | None = None  # streamed blocks on the device at once, at most (None: bytes only)
+    max_in_flight_bytes: int = 0  # the most bytes of streamed blocks that were on the device at once
+    hook_seconds: float = 0.0  # host time spent in the block hooks (loads, rebinding, releasing)
     streamed_bytes_per_pass: int = 0
     resident_device_bytes: int = 0
     host_bytes: int = 0
@@ -141,22 +148,30 @@ class LayerwiseStats:
 class _Streamer:
     """The in-flight window and the per-stack rings that feed it. Hot-path methods run on every block call.
 
-    The window holds at most ``capacity`` bytes (``prefetch_depth + 1`` largest blocks), so smaller blocks can
-    have more loads in flight: a run of small streamed blocks keeps the copy engine ahead of a compute-heavy
-    stretch instead of waiting for a fixed slot.
+    The window holds at most ``capacity`` bytes (``prefetch_depth + 1`` largest blocks) and, when ``max_blocks`` is
+    set, at most that many blocks. With a budget (no block limit) smaller blocks can have more loads in flight, so
+    a run of small streamed blocks or of resident blocks keeps the copy engine ahead within the reserved bytes.
+    Without one, the block limit keeps device memory at the running block plus ``prefetch_depth`` prefetched ones.
     """
 
-    def __init__(self, capacity: int, transfers: Transfers, stats: LayerwiseStats) -> None:
+    def __init__(self, capacity: int, transfers: Transfers, stats: LayerwiseStats,
+                 max_blocks: int | None = None) -> None:
         self.capacity = capacity
+        self.max_blocks = max_blocks
         self.transfers = transfers
         self.stats = stats
         self.in_flight: deque[_Slot] = deque()  # load order
         self.in_flight_bytes = 0
         self._spare: list[_Slot] = []
 
+    def _full(self, nbytes: int) -> bool:
+        if self.in_flight_bytes + nbytes > self.capacity:
+            return True
+        return self.max_blocks is not None and len(self.in_flight) >= self.max_blocks
+
     def _take_slot(self, nbytes: int, evict: bool) -> _Slot | None:
         # Prefetches only use free room; evicting a prefetched block that has not run yet would waste its copy.
-        while self.in_flight_bytes + nbytes > self.capacity:
+        while self._full(nbytes):
             oldest = self.in_flight[0] if self.in_flight else None
             if oldest is None or oldest.owner.running or not evict:
                 return None
@@ -165,6 +180,8 @@ class _Streamer:
         slot.nbytes = nbytes
         self.in_flight.append(slot)
         self.in_flight_bytes += nbytes
+        if self.in_flight_bytes > self.stats.max_in_flight_bytes:
+            self.stats.max_in_flight_bytes = self.in_flight_bytes
         return slot
 
     def free(self, slot: _Slot) -> None:
@@ -193,6 +210,11 @@ class _Streamer:
 
     @torch.compiler.disable(reason=EAGER_ONLY)
     def begin(self, block: _StreamedBlock | None, lookahead: tuple[_StreamedBlock, ...]) -> None:
+        start = perf_counter()
+        self._begin(block, lookahead)
+        self.stats.hook_seconds += perf_counter() - start
+
+    def _begin(self, block: _StreamedBlock | None, lookahead: tuple[_StreamedBlock, ...]) -> None:
         if block is not None:
             if block.slot is None:
                 self.stats.on_demand_loads += 1
@@ -211,10 +233,12 @@ class _Streamer:
 
     @torch.compiler.disable(reason=EAGER_ONLY)
     def end(self, block: _StreamedBlock) -> None:
+        start = perf_counter()
         block.weights.park(block.placeholders)
         block.running = False
         if block.slot is not None:
             self.free(block.slot)
+        self.stats.hook_seconds += perf_counter() - start
 
     @torch.compiler.disable(reason=EAGER_ONLY)
     def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...]) -> None:
@@ -373,13 +397,19 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.stats.slot_count = count
         state.stats.slot_bytes = max((b.weights.nbytes for b in blocks), default=0)
         state.stats.in_flight_capacity = count * state.stats.slot_bytes
-        state.streamer = _Streamer(state.stats.in_flight_capacity, state.transfers, state.stats)
+        # Without a budget, hold no more blocks than Diffusers' group offload would (running + prefetched); with one,
+        # the reserve is paid for, so smaller blocks fill it.
+        state.stats.in_flight_blocks = count if self.config.max_device_memory is None else None
+        state.streamer = _Streamer(state.stats.in_flight_capacity, state.transfers, state.stats,
+                                   max_blocks=state.stats.in_flight_blocks)
         logger.info(
-            "layerwise offload: up to %s of blocks on %s at once (%d × the largest block, %s; prefetch depth %d)",
+            "layerwise offload: up to %s of blocks on %s at once (%d × the largest block, %s; %s; prefetch depth %d)",
             format_bytes(state.stats.in_flight_capacity),
             self.device,
             count,
             format_bytes(state.stats.slot_bytes),
+            "as many smaller blocks as fit" if state.stats.in_flight_blocks is None
+            else f"at most {count} blocks",
             self.config.prefetch_depth,
         )
 
@@ -387,6 +417,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         journal.record("remove hooks", state.hooks.remove_all)
         depth = self.config.prefetch_depth
         capacity = state.stats.in_flight_capacity
+        limit = state.stats.in_flight_blocks
         streamer = state.streamer
         for stack, row in zip(state.stacks, state.streamed):
             ring = [b for b in row if b is not None]
@@ -399,7 +430,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
             for position, ((_, module), block) in enumerate(zip(stack.blocks, row)):
                 # As far ahead as the window could ever hold: each upcoming block loads as soon as room frees up
                 # (e.g. while resident blocks run), so the copy engine never idles waiting for the next one.
-                lookahead = _lookahead(row, position, capacity)
+                lookahead = _lookahead(row, position, capacity, limit)
                 after = partial(streamer.end, block) if block is not None else None
                 state.hooks.install(
                     module,
@@ -461,9 +492,10 @@ class LayerwiseOffloadBackend(OffloadBackend):
         logger.info("layerwise offload disabled: block weights are ordinary host tensors again")
 
 
-def _lookahead(row: list[_StreamedBlock | None], position: int, capacity: int) -> tuple[_StreamedBlock, ...]:
+def _lookahead(row: list[_StreamedBlock | None], position: int, capacity: int,
+               limit: int | None = None) -> tuple[_StreamedBlock, ...]:
     """The streamed blocks after ``position`` (wrapping to the stack's start: the next step) that fit in
-    ``capacity`` bytes together; at least one when there is another block."""
+    ``capacity`` bytes together, at most ``limit`` of them; at least one when there is another block."""
     ring = [(i, b) for i, b in enumerate(row) if b is not None]
     after = [b for i, b in ring if i > position] + [b for i, b in ring if i <= position]
     current = row[position]
@@ -472,7 +504,7 @@ def _lookahead(row: list[_StreamedBlock | None], position: int, capacity: int) -
         if block is current:
             continue
         total += block.weights.nbytes
-        if chosen and total > capacity:
+        if chosen and (total > capacity or (limit is not None and len(chosen) >= limit)):
             break
         chosen.append(block)
     return tuple(chosen)

@@ -31,7 +31,14 @@ from .discovery import (
     discover_components,
     named_tensors,
 )
-from .hooks import EAGER_ONLY, MODEL_LEVEL_HOOK, CallbackHook, InstalledHooks, refresh_registry_caches
+from .hooks import (
+    EAGER_ONLY,
+    MODEL_LEVEL_HOOK,
+    CallbackHook,
+    ExecutionDeviceHint,
+    InstalledHooks,
+    refresh_registry_caches,
+)
 from .memory import HostMemory, PackedWeights, release_freed_host_memory
 from .tensors import move_tensors
 
@@ -136,6 +143,12 @@ class ModelLevelOffloadBackend(OffloadBackend):
 
     def _managed_modules(self, state: _State) -> list[tuple[str, nn.Module]]:
         return [(e.component.label, e.component.module) for e in state.exclusives]
+
+    def _stage_install_guards(self, state: _State, journal: Journal) -> None:
+        super()._stage_install_guards(state, journal)
+        # Parked weights are host tensors; pipelines must still put these modules' inputs on the device.
+        for exclusive in state.exclusives:
+            self._guards.set(exclusive.component.module, "_hf_hook", ExecutionDeviceHint(self.device))
 
     def _stage_discover(self, state: _State, journal: Journal) -> None:
         state.topology = discover_components(state.target, self.config.plan)

@@ -15,7 +15,12 @@ rebound to a host view, a device view or an empty placeholder. Three kinds of we
   rebuilt around the device views with ``__tensor_unflatten__`` (same outer metadata, the original's extra
   attributes such as ``_is_param`` copied, same ``requires_grad``) and set on every module that holds it. While
   *parked* (host copy, empty placeholder) the original object is set back with its inner tensors rebound, so after
-  offload is disabled the weights are the same objects as before.
+  offload is disabled the weights are the same objects as before. The rebuilt object is kept for the next bind on
+  the same device: it holds tensors of its own as its inner tensors (not the views), so the next bind only rebinds
+  their ``.data`` and parking rebinds them to empty placeholders, which releases the device memory. Building a
+  wrapper is heavy Python (``AffineQuantizedTensor`` runs its constructor and deprecation checks), and a FLUX step
+  binds ~500 of them; a subclass whose ``__tensor_unflatten__`` does not keep the tensors it is given is rebuilt
+  on every bind instead.
 
 Anything else (a ``__torch_dispatch__`` subclass without the flatten protocol, tensor subclasses or tensors in
 containers hanging off a weight) is refused with ``UnsupportedTensorError`` before anything is changed.
@@ -99,6 +104,27 @@ class Leaf:
 
 
 @dataclass
+class Rebuilt:
+    """A wrapper subclass rebuilt on one device and kept between binds: ``inner`` pairs each leaf index with the
+    plain tensor inside ``tensor`` that holds that leaf's bytes (rebound with ``.data``)."""
+
+    device: torch.device
+    tensor: torch.Tensor
+    inner: list[tuple[int, torch.Tensor]]
+    placeholders: list[torch.Tensor]  # one zero-element tensor per entry of ``inner``, on ``device``
+
+    def rebind(self, views: list[torch.Tensor]) -> torch.Tensor:
+        for index, holder in self.inner:
+            holder.data = views[index]
+        return self.tensor
+
+    def release(self) -> None:
+        """Point the inner tensors at empty placeholders, so the kept object holds no device memory."""
+        for (_, holder), empty in zip(self.inner, self.placeholders):
+            holder.data = empty
+
+
+@dataclass
 class Wrapper:
     """A wrapper subclass weight: how to rebuild it around new inner tensors and where modules hold it."""
 
@@ -108,8 +134,12 @@ class Wrapper:
     context: Any
     extras: dict[str, Any] = field(default_factory=dict)
     locations: list[tuple[dict, str]] = field(default_factory=list)
+    rebuilt: Rebuilt | None = None  # the object last built for computing, while it can be reused
+    reusable: bool = True  # False once ``__tensor_unflatten__`` was seen not to keep the tensors it is given
+    _indices: list[int] | None = field(default=None, repr=False)
 
-    def build(self, views: list[torch.Tensor]) -> torch.Tensor:
+    def build(self, views: "list[torch.Tensor] | dict[int, torch.Tensor]") -> torch.Tensor:
+        """A new object of the original's class around ``views`` (indexed by leaf index)."""
         inner = {
             name: child.build(views) if isinstance(child, Wrapper) else views[child]
             for name, child in self.children.items()
@@ -122,9 +152,81 @@ class Wrapper:
             rebuilt.requires_grad_(True)
         return rebuilt
 
+    def for_views(self, views: list[torch.Tensor]) -> torch.Tensor:
+        """The weight to compute on ``views``: the kept object rebound to them when it lives on their device, else
+        a new object (kept for the next call when its inner tensors are the ones it was given)."""
+        indices = self.leaf_indices()
+        if not indices:
+            return self.build(views)
+        device = views[indices[0]].device
+        rebuilt = self.rebuilt
+        if rebuilt is not None and rebuilt.device == device:
+            return rebuilt.rebind(views)
+        self.drop_rebuilt()
+        # Normal (not inference) tensors even when called under inference mode (model-level onload): the object is
+        # installed as a parameter and, when kept, reused outside inference mode.
+        with torch.inference_mode(False):
+            if not self.reusable:
+                return self.build(views)
+            holders = {index: _holder(views[index]) for index in indices}
+            tensor = self.build(holders)
+            inner = self._held(tensor, holders)
+            if inner is None:
+                self.reusable = False
+                for holder in holders.values():
+                    holder.data = torch.empty(0, dtype=holder.dtype, device=holder.device)
+                return self.build(views)
+            placeholders = [torch.empty(0, dtype=holder.dtype, device=device) for _, holder in inner]
+        self.rebuilt = Rebuilt(device, tensor, inner, placeholders)
+        return tensor
+
+    def drop_rebuilt(self) -> None:
+        """Release the kept object's views and forget it (``disable``, or binding on another device)."""
+        if self.rebuilt is not None:
+            self.rebuilt.release()
+            self.rebuilt = None
+
+    def leaf_indices(self) -> list[int]:
+        """Indices of this wrapper's leaves, nested wrappers included, in flatten order."""
+        if self._indices is None:
+            self._indices = [i for child in self.children.values()
+                             for i in (child.leaf_indices() if isinstance(child, Wrapper) else [child])]
+        return self._indices
+
+    def _held(self, tensor: torch.Tensor, holders: dict[int, torch.Tensor]) -> list[tuple[int, torch.Tensor]] | None:
+        """(leaf index, inner tensor) for every leaf of ``tensor``; ``None`` when rebinding the holders would not
+        be all it takes to move ``tensor`` to new views: an inner tensor is not the holder it was built with (the
+        subclass copied or reshaped it) or ``tensor`` keeps another tensor derived from them."""
+        found: list[tuple[int, torch.Tensor]] = []
+        for name, child in self.children.items():
+            inner = getattr(tensor, name, None)
+            if isinstance(child, Wrapper):
+                if inner is None or type(inner) is not type(child.original):
+                    return None
+                nested = child._held(inner, holders)
+                if nested is None:
+                    return None
+                found.extend(nested)
+            elif inner is holders[child]:
+                found.append((child, inner))
+            else:
+                return None
+        names = set(self.children)
+        if any(isinstance(value, torch.Tensor) and key not in names for key, value in vars(tensor).items()):
+            return None
+        return found
+
     def install(self, tensor: torch.Tensor) -> None:
         for table, key in self.locations:
             table[key] = tensor
+
+
+def _holder(view: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of its own showing ``view``'s bytes (not an autograd view of the buffer: it does not keep the
+    buffer object alive once its ``.data`` is rebound)."""
+    holder = torch.empty(0, dtype=view.dtype, device=view.device)
+    holder.data = view
+    return holder
 
 
 class TensorSet:
@@ -158,6 +260,10 @@ class TensorSet:
             self._add_weight(where, tensor, owners[id(tensor)])
         self.direct = [leaf for leaf in self.leaves if not leaf.inner]
         self._direct_index = [i for i, leaf in enumerate(self.leaves) if not leaf.inner]
+        # (tensor, leaf index) of every tensor rebound on each bind / park: flat, for the per-block hot path.
+        self._direct_targets = [(t, i) for i in self._direct_index for t in self.leaves[i].targets]
+        self._all_targets = [(t, i) for i, leaf in enumerate(self.leaves) for t in leaf.targets]
+        self._parked_on: list[torch.Tensor] | None = None  # the views inner leaves were last parked on
 
     # Discovery -------------------------------------------------------------------------------------------------
 
@@ -220,7 +326,7 @@ class TensorSet:
             if isinstance(value, torch.Tensor) and key not in names:
                 raise _refuse(*self._weight, f"holds tensor attribute {where}.{key} outside __tensor_flatten__")
         wrapper = Wrapper(where, tensor, children, context)
-        current = [leaf.data() for leaf in self.leaves]
+        current = {index: self.leaves[index].data() for index in wrapper.leaf_indices()}
         try:
             trial = wrapper.build(current)
         except Exception as error:  # noqa: BLE001 - reported as the refusal's cause
@@ -251,28 +357,35 @@ class TensorSet:
     # Rebinding ------------------------------------------------------------------------------------------------
 
     def bind(self, views: list[torch.Tensor]) -> None:
-        """Compute on ``views`` (one per leaf): plain leaves are rebound, wrapper subclasses rebuilt around them."""
+        """Compute on ``views`` (one per leaf): plain leaves are rebound, wrapper subclasses rebuilt around them (or
+        the object kept from the last bind on that device rebound to them)."""
         with torch._C.DisableTorchFunctionSubclass():
-            for index in self._direct_index:
-                view = views[index]
-                for target in self.leaves[index].targets:
-                    target.data = view
+            for target, index in self._direct_targets:
+                target.data = views[index]
         for wrapper in self.wrappers:
-            wrapper.install(wrapper.build(views))
+            wrapper.install(wrapper.for_views(views))
 
     def park(self, views: list[torch.Tensor], final: bool = False) -> None:
         """Hold ``views`` (host copies, placeholders): every leaf is rebound and wrapper subclasses are their
-        original objects again. With ``final``, a wrapper whose original object lives on another device than the
-        views is rebuilt around them instead (an object cannot change device), so nothing is left inconsistent."""
+        original objects again; the objects kept for computing release their views. With ``final``, a wrapper
+        whose original object lives on another device than the views is rebuilt around them instead (an object
+        cannot change device), so nothing is left inconsistent, and nothing is kept."""
+        # Inner leaves (the original wrappers' tensors) change only here, so parking again on the views they
+        # already hold (a streamed block's placeholders, every step) rebinds the direct leaves only.
+        again = views is self._parked_on and not final
         with torch._C.DisableTorchFunctionSubclass():
-            for leaf, view in zip(self.leaves, views):
-                for target in leaf.targets:
-                    target.data = view
+            for target, index in self._direct_targets if again else self._all_targets:
+                target.data = views[index]
         for wrapper in self.wrappers:
+            if final:
+                wrapper.drop_rebuilt()
+            elif wrapper.rebuilt is not None:
+                wrapper.rebuilt.release()
             if final and views and wrapper.original.device != views[0].device:
                 wrapper.install(wrapper.build(views))
             else:
                 wrapper.install(wrapper.original)
+        self._parked_on = None if final else views
 
     def current(self) -> list[torch.Tensor]:
         return [leaf.data() for leaf in self.leaves]

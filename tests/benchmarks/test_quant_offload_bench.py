@@ -19,9 +19,12 @@ def test_smoke_run_on_cpu(tmp_path):
     assert [(e["model"], e["format"]) for e in report["entries"]] == [("flux", "torchao-int8"), ("flux", "gguf-q4_k")]
     for entry in report["entries"]:
         variants = {v["variant"]: v for v in entry["variants"]}
-        assert set(variants) == {"resident", "omni layerwise", "diffusers group_offload"}
+        assert set(variants) == {"resident", "omni layerwise", "omni layerwise from host", "diffusers group_offload"}
         omni = variants["omni layerwise"]
         assert omni["bitwise_equal_to_resident"] is True and omni["on_demand_loads"] == 0
+        assert variants["omni layerwise from host"]["bitwise_equal_to_resident"] is True
+        assert omni["in_flight_blocks"] == 2 and 0 < omni["max_in_flight_bytes"] <= 2 * omni["slot_bytes"]
+        assert 0 < omni["hook_s_per_step"] < omni["step_s"] and 0 < omni["host_s"] <= omni["step_s"]
         # Packed bytes stream, not a dequantized copy.
         assert entry["packed_bytes"] < 0.6 * entry["bf16_bytes"]
         assert 0 < omni["streamed_bytes"] <= entry["packed_bytes"] + 512 * 1000

@@ -135,6 +135,35 @@ def test_omni_offload_after_diffusers_offload_is_refused(strategy, offloader):
     assert pipe.omni_offload_backend is None
 
 
+def test_model_level_tells_diffusers_where_parked_components_run():
+    """Diffusers 0.42 places inputs with ``get_module_execution_device`` (FLUX's CLIP prompt path among ~30): an
+    offloader's onload device if it finds one, else the module's weights' device, which for a component model-level
+    offload parks on the host says ``cpu`` (on the H200 the CLIP ids went to the host: ``index is on cpu``). Each
+    parked component answers with the offload device while enabled; nothing is left after disable; the hint is
+    not mistaken for an Accelerate hook (re-enable works, Diffusers sees no CPU offload of its own)."""
+    from diffusers.utils.torch_utils import get_module_execution_device
+
+    from diffusers_omni.offload.hooks import ExecutionDeviceHint
+
+    pipe = flux_pipe()
+    reference = generate(pipe, steps=1)
+    components = ("transformer", "text_encoder", "text_encoder_2")
+    for _ in range(2):
+        backend = pipe.enable_model_level_offload(device="cpu")
+        for name in components:
+            module = getattr(pipe, name)
+            assert isinstance(module._hf_hook, ExecutionDeviceHint)
+            assert module._hf_hook.execution_device == backend.execution_device
+            assert get_module_execution_device(module) == backend.execution_device
+        assert not hasattr(pipe.vae, "_hf_hook")  # resident on the device: its weights say so
+        assert torch.equal(generate(pipe, steps=1), reference)
+        pipe.disable_omni_offload()
+        assert not any(hasattr(getattr(pipe, name), "_hf_hook") for name in components)
+    layerwise = pipe.enable_layerwise_offload(device="cpu")  # encoders stay on the device: no hint needed
+    assert layerwise is not None and not any(hasattr(getattr(pipe, name), "_hf_hook") for name in components)
+    pipe.disable_omni_offload()
+
+
 # #13 item 11 / #18 item 5: dtype and device moves --------------------------------------------------------------
 
 

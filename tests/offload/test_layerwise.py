@@ -129,15 +129,8 @@ def test_budget_prefetch_fills_slots_freed_during_resident_blocks():
     backend.disable()
 
 
-def test_window_holds_more_small_blocks_but_never_more_bytes():
-    # FLUX's single blocks are smaller than its double blocks: the window of 2 largest blocks holds more of them.
-    model = bare_flux(num_layers=1, num_single_layers=6)
-    with torch.no_grad():
-        reference = model(**flux_inputs())[0]
-    backend = apply_offload(model, CPU)
+def _watch_window(backend):
     streamer = backend._state.streamer
-    stats = backend.stats
-    assert stats.in_flight_capacity == 2 * stats.slot_bytes
     seen = []
     original_load = streamer.load
 
@@ -147,6 +140,42 @@ def test_window_holds_more_small_blocks_but_never_more_bytes():
         return loaded
 
     streamer.load = watching_load
+    return seen
+
+
+def test_without_budget_at_most_prefetch_depth_plus_one_blocks_in_flight():
+    # As Diffusers' group offload (running group + the next one): FLUX's small single blocks do not fill the room
+    # of two double blocks, which would raise peak device memory where activations are largest.
+    model = bare_flux(num_layers=1, num_single_layers=6)
+    with torch.no_grad():
+        reference = model(**flux_inputs())[0]
+    backend = apply_offload(model, CPU)
+    stats = backend.stats
+    assert stats.in_flight_capacity == 2 * stats.slot_bytes and stats.in_flight_blocks == 2
+    seen = _watch_window(backend)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(**flux_inputs())[0], reference)
+    assert max(count for count, _ in seen) == 2
+    assert max(nbytes for _, nbytes in seen) <= stats.in_flight_capacity
+    assert stats.max_in_flight_bytes == max(nbytes for _, nbytes in seen)
+    assert stats.on_demand_loads == 0
+    backend.disable()
+
+
+def test_budget_reserve_holds_more_small_blocks_but_never_more_bytes():
+    # With a budget the reserve of two largest blocks is paid for: FLUX's smaller single blocks fill it.
+    model = bare_flux(num_layers=1, num_single_layers=6)
+    with torch.no_grad():
+        reference = model(**flux_inputs())[0]
+    probe = apply_offload(model, CPU)
+    fixed, largest = probe.stats.resident_device_bytes, probe.stats.slot_bytes
+    probe.disable()
+    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu", max_device_memory=fixed + 2 * largest + 1024))
+    stats = backend.stats
+    assert stats.resident_blocks == 0 and stats.in_flight_blocks is None
+    assert stats.in_flight_capacity == 2 * stats.slot_bytes
+    seen = _watch_window(backend)
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(model(**flux_inputs())[0], reference)

@@ -145,6 +145,96 @@ def test_packed_layout_keeps_strides_and_shares_aliased_bytes():
     backend.disable()
 
 
+@pytest.mark.parametrize("fmt", ["torchao-int8", "torchao-float8"])
+def test_wrapper_built_once_then_rebound_and_released_between_uses(fmt):
+    """Layerwise builds each torchao weight once for the device and afterwards only rebinds its inner tensors (a
+    FLUX step binds ~500 of them): one object per weight for every step, the original object between uses, the
+    kept one holding zero-element tensors, every load's device buffers freed as soon as the block ends (no
+    reference cycle keeps them), nothing kept after disable."""
+    import weakref
+
+    model = qh.quantized("flux", fmt)
+    reference = qh.run(model, "flux")
+    before = qh.weights_state(model)
+    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu"))
+    state = backend._state
+    streamed = {id(module): block for stack, row in zip(state.stacks, state.streamed)
+                for (_, module), block in zip(stack.blocks, row) if block is not None}
+    buffers: list[weakref.ref] = []
+
+    def keep_buffer_refs(module, args):
+        buffers.extend(weakref.ref(b) for b in streamed[id(module)].slot.buffers.values())
+
+    hooks = [m.register_forward_pre_hook(keep_buffer_refs) for _, m in _blocks(model) if id(m) in streamed]
+    linears = [n for n, _ in qh.quantized_linears(model) if n.startswith(("transformer_blocks", "single_"))]
+    seen, remove = qh.capture_during_forward(model, linears)
+    outputs = qh.run(model, "flux")
+    remove()
+    for hook in hooks:
+        hook.remove()
+    assert all(torch.equal(a, b) for a, b in zip(reference, outputs))
+    for name, calls in seen.items():
+        ids = {weight_id for weight_id, *_ in calls}
+        assert len(calls) == 3 and len(ids) == 1 and ids != {id(before[f"{name}.weight"][0])}, name
+        assert model.get_submodule(name).weight is before[f"{name}.weight"][0], "between uses: the original object"
+    wrappers = [w for row in state.weights for weights in row for w in weights.tensors.wrappers]
+    assert len(wrappers) >= len(linears)
+    assert all(w.reusable and w.rebuilt is not None for w in wrappers)
+    assert all(held.numel() == 0 for w in wrappers for _, held in w.rebuilt.inner)
+    assert len(buffers) == 3 * sum(len(b.weights.numel) for b in streamed.values())
+    assert all(ref() is None for ref in buffers)
+    backend.disable()
+    assert all(w.rebuilt is None for w in wrappers)
+    qh.assert_same_weights(before, model)
+
+
+def test_model_level_under_inference_mode_keeps_normal_wrapper_objects():
+    """Model-level onloads inside the DiT's forward, here under ``inference_mode``: the objects kept for the next
+    onload are normal tensors (a parameter must never be an inference tensor), reused across onloads."""
+    model = qh.quantized("flux", "torchao-int8")
+    with torch.inference_mode():
+        reference = qh.run(model, "flux")
+    backend = apply_offload(model, OffloadConfig("model_level", device="cpu"))
+    linear = next(n for n, _ in qh.quantized_linears(model) if n.startswith("transformer_blocks.1"))
+    seen, remove = qh.capture_during_forward(model, [linear])
+    with torch.inference_mode():
+        outputs = qh.run(model, "flux")
+    remove()
+    assert all(torch.equal(a, b) for a, b in zip(reference, outputs))
+    wrappers = backend._state.exclusives[0].weights.tensors.wrappers
+    assert wrappers and all(w.rebuilt is not None and not torch.is_inference(w.rebuilt.tensor) for w in wrappers)
+    assert len({weight_id for weight_id, *_ in seen[linear]}) == 1
+    backend.disable()
+    assert all(w.rebuilt is None for w in wrappers)
+
+
+def test_wrapper_that_copies_its_inner_tensors_is_rebuilt_on_every_bind():
+    """A subclass whose ``__tensor_unflatten__`` does not keep the tensors it is given cannot be moved by rebinding
+    them: it is rebuilt on every bind (still computing on the current views); one that keeps them is reused."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    class CopyingTwoTensor(TwoTensor):
+        @staticmethod
+        def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+            return CopyingTwoTensor(inner["a"].clone(), inner["b"].clone(), outer_size, outer_stride)
+
+    for cls, reused in ((TwoTensor, True), (CopyingTwoTensor, False)):
+        module = torch.nn.Module()
+        module.w = torch.nn.Parameter(cls(torch.zeros(4), torch.zeros(4)), requires_grad=False)
+        original = module.w
+        tensors = TensorSet(module)
+        built = []
+        for value in (1.0, 2.0):
+            views = [torch.full((4,), value), torch.full((4,), value + 10)]
+            tensors.bind(views)
+            built.append(module.w)
+            assert type(module.w) is cls and module.w is not original
+            assert torch.equal(module.w.a, views[0]) and torch.equal(module.w.b, views[1])
+        assert (built[0] is built[1]) is reused and tensors.wrappers[0].reusable is reused
+        tensors.park([torch.empty(0), torch.empty(0)])
+        assert module.w is original
+
+
 def test_pipeline_quantization_config_just_works(tmp_path):
     from diffusers import PipelineQuantizationConfig, TorchAoConfig
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig
