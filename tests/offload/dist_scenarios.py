@@ -16,6 +16,7 @@ from diffusers_omni.offload.distributed import shard_numel
 from diffusers_omni.offload.layerwise import stack_modules
 from diffusers_omni.offload.loading import load_transformer_mmap
 
+from dist_harness import note
 from offload_helpers import (
     assert_same_snapshot,
     block_bytes,
@@ -269,6 +270,7 @@ def main_suite(rank: int, world: int, single: str, sharded: str) -> dict[str, An
         ("mmap", lambda: mmap_loading(rank, world, single, sharded)),
         ("progress", lambda: progress_bars(rank, world)),
     ):
+        note(f"scenario {name}")
         try:
             out[name] = {"ok": True, "value": call()}
         except Exception as error:  # noqa: BLE001 - reported per scenario

@@ -64,7 +64,7 @@ def suite(tmp_path_factory):
         # Known intermittent hang of the two-rank gloo suite (2 of ~7 CI runs; see issue 13's notes): one retry.
         results = launch(dist_scenarios.main_suite, WORLD, str(single), str(sharded), deadline=240)
     for rank, result in enumerate(results):
-        assert result["ok"], (rank, result)
+        assert result["ok"], "\n".join(dist_harness.describe(r, x) for r, x in enumerate(results))
     return [r["value"] for r in results]
 
 
@@ -123,7 +123,7 @@ def test_gathered_weights_are_byte_identical(suite):
 def test_three_ranks_remainder_padding_byte_identical():
     results = launch(dist_scenarios.dtypes_round_trip, 3, deadline=120)
     for rank, result in enumerate(results):
-        assert result["ok"], (rank, result)
+        assert result["ok"], dist_harness.describe(rank, result)
         value = result["value"]
         assert value["byte_identical"] and value["restored_equal"]
         assert value["host_bytes_per_dtype"] == value["expected"]
