@@ -280,6 +280,17 @@ def main_suite(rank: int, world: int, single: str, sharded: str) -> dict[str, An
     return out
 
 
+def collect_garbage(rank: int, world: int) -> dict[str, Any]:
+    """A full garbage collection, then a collective (see test_ranks_do_not_inherit_the_test_process_garbage)."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    return {"barrier": True}
+
+
 def rank_dies(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 exits after enabling; the others must fail in their next collective, not hang."""
     pipe = flux_pipe()
