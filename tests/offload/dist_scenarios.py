@@ -16,6 +16,7 @@ from diffusers_omni.offload.distributed import shard_numel
 from diffusers_omni.offload.layerwise import stack_modules
 from diffusers_omni.offload.loading import load_transformer_mmap
 
+from dist_harness import note
 from offload_helpers import (
     assert_same_snapshot,
     block_bytes,
@@ -269,6 +270,7 @@ def main_suite(rank: int, world: int, single: str, sharded: str) -> dict[str, An
         ("mmap", lambda: mmap_loading(rank, world, single, sharded)),
         ("progress", lambda: progress_bars(rank, world)),
     ):
+        note(f"scenario {name}")
         try:
             out[name] = {"ok": True, "value": call()}
         except Exception as error:  # noqa: BLE001 - reported per scenario
@@ -276,6 +278,17 @@ def main_suite(rank: int, world: int, single: str, sharded: str) -> dict[str, An
 
             out[name] = {"ok": False, "error": f"{type(error).__name__}: {error}", "tb": traceback.format_exc()}
     return out
+
+
+def collect_garbage(rank: int, world: int) -> dict[str, Any]:
+    """A full garbage collection, then a collective (see test_ranks_do_not_inherit_the_test_process_garbage)."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
+    return {"barrier": True}
 
 
 def rank_dies(rank: int, world: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from diffusers_omni.offload.memory import ALIGN_BYTES, PackedWeights
 from diffusers_omni.offload.tensors import TensorSet, UnsupportedTensorError, storage_nbytes, tensor_nbytes
 
 import quant_helpers as qh
-from dist_harness import launch
+from dist_harness import describe, launch
 from offload_helpers import flux_pipe, generate, pipeline_modules
 
 STRATEGIES = ("model_level", "layerwise", "layerwise_budget")
@@ -281,7 +281,7 @@ def test_gguf_transformer_in_a_pipeline(tmp_path):
 def test_distributed_layerwise_quantized(world, tmp_path):
     results = launch(qh.distributed_parity, world, str(tmp_path), deadline=300)
     for rank, result in enumerate(results):
-        assert result["ok"], (rank, result)
+        assert result["ok"], describe(rank, result)
         value = result["value"]
         for key, r in value.items():
             if key.startswith("refusal"):
