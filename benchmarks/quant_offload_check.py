@@ -64,14 +64,21 @@ def check_model(name: str, fmt: str, device: torch.device, fresh_only: bool = Fa
     inputs = make_inputs(name, model, device, smoke=True)
     reference = _run(model, inputs)
     kinds = sorted({type(p).__name__ for p in model.parameters()})
-    blocks = (list(model.transformer_blocks) + list(model.single_transformer_blocks)) if name == "flux" \
+    block_modules = (list(model.transformer_blocks) + list(model.single_transformer_blocks)) if name == "flux" \
         else list(model.blocks)
-    largest = max(PackedWeights("", b).nbytes for b in blocks)
-    resident_bytes = sum(PackedWeights("", model).numel.get(d, 0) * d.itemsize for d in PackedWeights("", model).numel)
+
+    def budget_config() -> OffloadConfig:
+        # From the model as it is now: a bitsandbytes 8-bit model on the host holds other tensors than on the
+        # device (its Linear8bitLt state), so a budget sized on the device can be below what the host layout needs.
+        largest = max(PackedWeights("", b).nbytes for b in block_modules)
+        packed = PackedWeights("", model)
+        resident_bytes = sum(packed.numel.get(d, 0) * d.itemsize for d in packed.numel)
+        return OffloadConfig("layerwise", device=device, max_device_memory=resident_bytes // 2 + 3 * largest)
+
     strategies = {
         "model_level": OffloadConfig("model_level", device=device),
         "layerwise": OffloadConfig("layerwise", device=device),
-        "layerwise_budget": OffloadConfig("layerwise", device=device, max_device_memory=resident_bytes // 2 + 3 * largest),
+        "layerwise_budget": budget_config(),
         "distributed_allgather": OffloadConfig("distributed_layerwise", device=device),
         "distributed_no_allgather": OffloadConfig("distributed_layerwise", device=device, use_allgather=False),
     }
@@ -108,6 +115,8 @@ def check_model(name: str, fmt: str, device: torch.device, fresh_only: bool = Fa
             phase, backend = "move", None
             try:
                 move(model, "cpu" if start == "host" else device)
+                if label == "layerwise_budget":
+                    config = budget_config()
                 before = _state(model)
                 phase = "enable"
                 backend = apply_offload(model, config)
