@@ -11,8 +11,9 @@ One process, one GPU (run on the H200):
   dense FA3 vs the block-sparse call (selection, plan lookup and layout copies included) at 50% and 20% kept,
   geometry-free and with a Wan geometry, and at the Wan shape the cumulative-mass selection at two thresholds; each
   call's stages alone (the selection: block means + page writes, against the kernel; the Q and output copies; a
-  cumulative-mass call's plan; the paged kernel); the call with Q handed over heads-major; the first call (plan
-  built); relative error against the dense fp32 reference.
+  cumulative-mass call's per-call plan step: the host read of its largest needed count, the cached plan of its
+  bucketed count, the copy of the kept page ids; the paged kernel); the call with Q handed over heads-major; the
+  first call (plan built); relative error against the dense fp32 reference.
 * **Whole transformer** (random-weight FLUX.1 and Wan-14B size, bf16): Diffusers ``native`` and ``_flash_3``, omni
   auto, omni FP8, omni RainFusion (Wan, default sparsity), median seconds per step in the same process. The FP8
   routing used there is derived from this run's FP8 rows (``derive_routing.derive_fp8``), as the committed table is.
@@ -153,8 +154,9 @@ def kept_share(call) -> float:
 
 def stage_times(runner, q, k, v, layout, repeats: int, inner: int, **selection) -> dict:
     """Each stage of a block-sparse call alone (CUDA events), after one whole call: the selection itself (block
-    means without the Q copy + the page writes), the Q copy it shares a pass with, the plan of a cumulative-mass call
-    (host), the kernel, the output copy."""
+    means without the Q copy + the page writes), the Q copy it shares a pass with, the per-call plan step of a
+    cumulative-mass call (``plan_call``: one host read of the largest needed count, the cached plan of the bucketed
+    count, the kept page ids copied into it), the kernel, the output copy."""
     call = runner.select(runner.prepare(q, k, v, layout, **selection))
     runner.attend(call)
     times = {
@@ -171,6 +173,8 @@ def stage_times(runner, q, k, v, layout, repeats: int, inner: int, **selection) 
     times["selection_share_of_kernel"] = times["selection_ms"] / times["kernel_ms"]
     times["layout_copies_ms"] = max(times["prepare_ms"] - times["pool_ms"], 0.0) + times["finish_ms"]
     times["kept_share"] = kept_share(call)
+    if "mass_threshold" in selection:
+        times["mass_kept_blocks"] = call.kept  # the bucketed count every query block of the call keeps
     return times
 
 
@@ -230,7 +234,8 @@ def sparse_section(args, func, factory, out: dict, save=lambda: None) -> dict:
             del mask
             row = {
                 "shape": label, "H": h, "S": s, "layout": layout_name, **selection,
-                "kept_blocks": bs.kept_blocks(layout, selection["sparsity"]) if "sparsity" in selection else None,
+                "kept_blocks": (bs.kept_blocks(layout, selection["sparsity"]) if "sparsity" in selection
+                                else stages["mass_kept_blocks"]),
                 "key_blocks": layout.full_key_blocks, "kept_fraction": stages["kept_share"],
                 "dense_fa3_ms": dense_ms, "sparse_ms": whole, "first_call_ms": first_ms, "speedup": dense_ms / whole,
                 **stages, "selection_share": stages["selection_ms"] / whole,
@@ -428,8 +433,9 @@ def to_markdown(results: dict) -> str:
     sparse = results.get("sparse", {})
     lines += ["", "## Block-sparse (RAINFUSION_ATTN on CUDA)", "",
               "Whole call (selection, plan, layout copies included) against dense FA3; then its stages alone: the "
-              "selection (block means + page writes), the Q/output layout copies, the plan (cumulative mass: per "
-              "call, host), the paged kernel.", "",
+              "selection (block means + page writes), the Q/output layout copies, the plan (cumulative mass, per "
+              "call: one host read of the largest needed count, the cached plan of the bucketed count, the kept "
+              "page ids copied into it), the paged kernel.", "",
               "| Shape | Layout | selection | kept | dense FA3 ms | sparse ms | speed-up | selection ms (÷ kernel) | "
               "layout copies ms | plan ms | kernel ms | first call ms | rel err vs dense |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -9,8 +9,13 @@ picks its own key blocks:
   block's own diagonal block) rank first. Two rules pick the kept blocks among the whole key blocks:
 
   - *top-k* (``sparsity``, ``select_blocks``): each query block keeps its ``kept`` best key blocks;
-  - *cumulative mass* (``mass_threshold``, ``select_blocks_by_mass``): each query block keeps the smallest set, in
-    rank order, whose share of ``softmax(scale · scores)`` over the whole key blocks reaches the threshold.
+  - *cumulative mass* (``mass_threshold``, ``select_blocks_by_mass`` then ``mass_kept``): each query block needs
+    the smallest set, in rank order, whose share of ``softmax(scale · scores)`` over the whole key blocks reaches the
+    threshold; the call keeps ONE count for every query block, the largest needed count rounded up to a bucket
+    (``mass_kept``: a multiple of ``ceil(full blocks / 32)``, at most all of them), and each query block keeps its
+    top blocks of that count in the same rank order. That is a superset of each row's needed set (every row still
+    reaches its mass; most rows keep more than they need), and it makes the plan depend on the shape and the count
+    only, so it is cached as under top-k.
 
   Query blocks of the prefix attend to every key block. Rows past the last whole key block (``S mod 128``) form a
   partial *tail* block that every query block keeps.
@@ -23,8 +28,9 @@ picks its own key blocks:
   V in place (pages are strided views of the inputs). Under top-k the number of pages per request depends only on
   the shape and ``kept``, so the plan (FlashInfer's host-side scheduling) is made once per signature and cached;
   each call only writes the selected page ids into the planned index buffer on the device (no host
-  synchronisation). Under cumulative mass the counts vary per call: the host reads them (one synchronisation) and
-  re-plans.
+  synchronisation). Under cumulative mass the kept count varies per call: the host reads one number, the largest
+  needed count (one small synchronisation per call), buckets it and takes the cached plan of that count (planned on
+  the first call of each bucket, at most ``MASS_PLAN_CACHE_SIZE`` kept per runner); no per-row host work.
 
 A call runs in four stages (``prepare``, ``select``, ``attend``, ``finish``): one Triton launch that copies Q into
 per-head rows and mean-pools every query and key block, one Triton launch that scores, ranks and writes page ids,
@@ -52,6 +58,8 @@ logger = logging.getLogger("diffusers_omni.attention")
 
 BLOCK = 128
 PLAN_CACHE_SIZE = 16
+MASS_PLAN_CACHE_SIZE = 8  # cumulative-mass plans (one per bucketed kept count) kept per runner, least recent out
+MASS_BUCKETS = 32  # cumulative mass: the kept count is rounded up to a multiple of ceil(full blocks / MASS_BUCKETS)
 WORKSPACE_BYTES = 128 * 1024 * 1024
 LOG2E = math.log2(math.e)
 
@@ -181,8 +189,30 @@ def select_blocks_by_mass(pooled_q: torch.Tensor, pooled_k: torch.Tensor, layout
     return order, keep.sum(-1)
 
 
-def mass_indices(order: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``[G, MB, NB]`` boolean: the blocks ``select_blocks_by_mass`` keeps (``order[..., :counts]``)."""
+def mass_kept(needed: int, full: int) -> int:
+    """The one kept count of a cumulative-mass call whose largest needed count is ``needed``: rounded up to a
+    multiple of ``max(1, ceil(full / MASS_BUCKETS))`` blocks, at most ``full`` (so at most ``MASS_BUCKETS`` distinct
+    counts, hence plans, per shape)."""
+    step = max(1, -(-full // MASS_BUCKETS))
+    return min(full, -(-max(needed, 0) // step) * step)
+
+
+def mass_selection(pooled_q: torch.Tensor, pooled_k: torch.Tensor, layout: SparseLayout, threshold: float,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """What a cumulative-mass call keeps: ``(order, needed, kept)`` with ``order``/``needed`` from
+    ``select_blocks_by_mass`` and ``kept = mass_kept(max needed over the sparse query blocks)``; every sparse query
+    block keeps ``order[..., :kept]`` (a superset of its needed ``order[..., :needed]``)."""
+    order, needed = select_blocks_by_mass(pooled_q, pooled_k, layout, threshold, scale)
+    sparse = needed[:, min(layout.dense_query_blocks, needed.shape[1]):]
+    kept = mass_kept(int(sparse.max()) if sparse.numel() else 0, layout.full_key_blocks)
+    return order, needed, kept
+
+
+def mass_indices(order: torch.Tensor, counts: torch.Tensor | int) -> torch.Tensor:
+    """``[G, MB, NB]`` boolean: the blocks ``order[..., :counts]`` (per row, or one count for all rows): the needed
+    sets of ``select_blocks_by_mass``, or with ``mass_selection``'s ``kept`` what a call keeps."""
+    if isinstance(counts, int):
+        counts = torch.full(order.shape[:-1], counts, dtype=torch.int64, device=order.device)
     keep = torch.arange(order.shape[-1], device=order.device) < counts[..., None]
     mask = torch.zeros(order.shape, dtype=torch.bool, device=order.device)
     return mask.scatter_(-1, order, keep)
@@ -245,13 +275,14 @@ def reference_selection(query, key, layout: SparseLayout, sparsity: float) -> to
 def reference_mask(query, key, layout: SparseLayout, sparsity: float | None = None, *,
                    mass_threshold: float | None = None, scale: float | None = None) -> torch.Tensor:
     """The ``[B·H, query_blocks, key_pages]`` block mask either selection gives, computed in float32 PyTorch from
-    ``[B, S, H, D]`` inputs: what the tests and the H200 run compare the kernels' selection with."""
+    ``[B, S, H, D]`` inputs: what the tests and the H200 run compare the kernels' selection with (cumulative mass:
+    the call's bucketed count for every query block, ``mass_selection``)."""
     pooled_q, pooled_k = _reference_pooled(query, key, layout)
     if mass_threshold is None:
         return block_mask(select_blocks(pooled_q, pooled_k, layout, kept_blocks(layout, sparsity)), layout)
     scale = scale if scale is not None else query.shape[-1] ** -0.5
-    order, counts = select_blocks_by_mass(pooled_q, pooled_k, layout, mass_threshold, scale)
-    return keep_mask(mass_indices(order, counts), layout)
+    order, _, kept = mass_selection(pooled_q, pooled_k, layout, mass_threshold, scale)
+    return keep_mask(mass_indices(order, kept), layout)
 
 
 def _interpreting() -> bool:
@@ -378,11 +409,11 @@ def _kernels(interpret: bool):
     def _select_kernel(pooled_ptr, forced_ptr, out_ptr, count_ptr, MB, NB, dense_rows, n_sparse, kept, H,
                        base_b, base_h, mult, out_sg, out_sr, threshold, scale_log2,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, NBP: tl.constexpr, BQ: tl.constexpr,
-                       DC: tl.constexpr, MASS: tl.constexpr, TAIL: tl.constexpr):
+                       DC: tl.constexpr, MASS: tl.constexpr):
         # BQ sparse query blocks of head g: scores against every whole key block (pooled means, float32), ranked by
         # one sort of int64 keys (forced bit | order-preserving score bits | reversed block index), and the kept
         # blocks' page ids (block · mult + the head's base page) written to out[g, r, :kept] (top-k) or, with MASS,
-        # to out[g, r, :count] followed by the tail page, with the counts to count[g, r].
+        # every block's page id in rank order to out[g, r, :NB] and the count that reaches the mass to count[g, r].
         g = tl.program_id(0)
         r = tl.program_id(1) * BQ + tl.arange(0, BQ)
         r_ok = r < n_sparse
@@ -420,10 +451,7 @@ def _kernels(interpret: bool):
             keep = valid & (((key >> 53) != 0) | (before < threshold * tl.sum(p, axis=1)[:, None]))
             n_keep = tl.sum(keep.to(tl.int32), axis=1)
             tl.store(count_ptr + g * n_sparse + r, n_keep, mask=r_ok)
-            tl.store(dst, (blocks * mult + base).to(tl.int32), mask=r_ok[:, None] & (pos < n_keep[:, None]))
-            if TAIL:  # the partial tail page right after the kept ones
-                tail = tl.zeros([BQ], tl.int32) + (NB * mult + base)
-                tl.store(out_ptr + g.to(tl.int64) * out_sg + r * out_sr + n_keep, tail, mask=r_ok)
+            tl.store(dst, (blocks * mult + base).to(tl.int32), mask=r_ok[:, None] & (pos < NB))
         else:
             tl.store(dst, (blocks * mult + base).to(tl.int32), mask=r_ok[:, None] & (pos < kept))
 
@@ -530,9 +558,8 @@ def page_ids(x: torch.Tensor, blocks: torch.Tensor, groups: torch.Tensor) -> tor
 
 @dataclass
 class _Plan:
-    """A planned wrapper. Top-k: planned once per signature; ``selected`` is the view of the planned index buffer
-    where each call writes its page ids. Cumulative mass: re-planned every call; ``table`` holds every request's
-    candidate pages (dense rows constant), ``counts`` the kept count per sparse row."""
+    """A planned wrapper, planned once per signature (shape, layout, kept count, …): ``selected`` is the view of the
+    planned index buffer where each call writes its page ids (top-k, and cumulative mass at its bucketed count)."""
 
     wrapper: object
     mult: int  # page id = block · mult + base[group]
@@ -542,10 +569,19 @@ class _Plan:
     kv_indptr: torch.Tensor  # host int32, of the latest plan
     indices: torch.Tensor | None = None  # the planned device index buffer
     selected: torch.Tensor | None = None
-    table: torch.Tensor | None = None  # cumulative mass: [G, MB, key_pages] int32
-    counts: torch.Tensor | None = None  # cumulative mass: [G, sparse rows] int32
-    qo_indptr: torch.Tensor | None = None
-    last_len: torch.Tensor | None = None
+
+
+@dataclass
+class _MassState:
+    """The device buffers of cumulative-mass calls of one signature: every sparse query block's page ids in rank
+    order (``ranked``, ``[G, sparse rows, full_key_blocks]`` int32) and its needed count (``counts``)."""
+
+    mult: int
+    base: torch.Tensor  # [G] int64, on the device
+    base_b: int
+    base_h: int
+    ranked: torch.Tensor
+    counts: torch.Tensor
 
 
 @dataclass
@@ -555,14 +591,16 @@ class BlockSparseCall:
     query: torch.Tensor
     layout: SparseLayout
     scale: float | None
-    kept: int | None  # top-k count, or None for cumulative mass
+    kept: int | None  # top-k count; cumulative mass: None until ``plan_call`` sets the call's bucketed count
     mass_threshold: float | None
     order: torch.Tensor | None
     qt: torch.Tensor  # [G, S, D] query rows per head
     pooled: torch.Tensor  # [G, MB + NB, D] float32 block means
     k_pages: torch.Tensor
     v_pages: torch.Tensor
-    plan: _Plan
+    plan: _Plan | None  # cumulative mass: set by ``plan_call``
+    addressing: tuple = ()
+    mass: _MassState | None = None
     out: torch.Tensor | None = None
 
 
@@ -581,16 +619,19 @@ _announced: set[tuple] = set()
 
 
 class BlockSparseRunner:
-    """Runs a selection through a paged-prefill wrapper; top-k plans cached per (shape, layout, kept, dtype, scale,
-    page addressing), cumulative-mass calls re-planned each call on one cached wrapper.
+    """Runs a selection through a paged-prefill wrapper; plans cached per (shape, layout, kept, dtype, scale, page
+    addressing): top-k in one LRU of ``PLAN_CACHE_SIZE``, cumulative mass (one plan per bucketed kept count) in its
+    own LRU of ``MASS_PLAN_CACHE_SIZE``.
 
     A call is four stages, each a method (the H200 benchmark times them one by one):
 
     1. ``prepare``: one Triton launch copies Q into per-head rows (no copy when Q is already heads-major) and
        mean-pools every query block and every whole key block; K and V are read in place as pages.
     2. ``select``: one Triton launch scores each query block against every key block, ranks them and writes the
-       kept blocks' page ids into the planned index buffer (top-k: no host synchronisation). Cumulative mass also
-       writes the kept counts, which the host reads (one synchronisation) to plan the call.
+       kept blocks' page ids into the planned index buffer (top-k: no host synchronisation). Cumulative mass
+       writes every block's page id in rank order and each query block's needed count; the host reads their
+       maximum (one small synchronisation), buckets it (``mass_kept``) and copies that many page ids per query block
+       into the cached plan of that count.
     3. ``attend``: the wrapper's ``run``.
     4. ``finish``: the output rows back to ``[B, S, H, D]``.
 
@@ -602,9 +643,11 @@ class BlockSparseRunner:
     def __init__(self, wrapper_factory: Callable | None = None) -> None:
         self._factory = wrapper_factory or flashinfer_paged_factory
         self._plans: OrderedDict[tuple, _Plan] = OrderedDict()
+        self._mass_plans: OrderedDict[tuple, _Plan] = OrderedDict()
+        self._mass_states: OrderedDict[tuple, _MassState] = OrderedDict()
         self._orders: dict[tuple, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.plan_count = 0
-        self.host_syncs = 0  # host synchronisations of the selection (cumulative mass: one per call)
+        self.host_syncs = 0  # host synchronisations of the selection (cumulative mass: one small read per call)
 
     def _order(self, layout: SparseLayout, device) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(query order [S] or ``None``, key order padded to key_pages·128 rows with repeats of real rows)."""
@@ -627,11 +670,12 @@ class BlockSparseRunner:
                         "use on a machine compiles it, ~90 s; `diffusers-omni warmup` does it ahead of time)",
                         str(dtype).replace("torch.", ""), head_dim)
 
-    def _cache(self, key: tuple, plan: _Plan) -> _Plan:
-        self._plans[key] = plan
-        if len(self._plans) > PLAN_CACHE_SIZE:
-            self._plans.popitem(last=False)
-        return plan
+    @staticmethod
+    def _cache(store: OrderedDict, key: tuple, value, size: int):
+        store[key] = value
+        if len(store) > size:
+            store.popitem(last=False)
+        return value
 
     @staticmethod
     def _bases(groups: int, layout: SparseLayout, addressing: tuple) -> tuple[int, int, int, torch.Tensor]:
@@ -645,11 +689,13 @@ class BlockSparseRunner:
         return mult, base_b, base_h, (g // heads) * base_b + (g % heads) * base_h
 
     def _plan(self, groups: int, layout: SparseLayout, kept: int, head_dim: int, dtype, scale, device,
-              addressing: tuple) -> _Plan:
+              addressing: tuple, mass: bool = False) -> _Plan:
+        """The plan of ``kept`` pages (plus the tail) per sparse request, cached (``mass``: in the mass LRU)."""
+        store, size = (self._mass_plans, MASS_PLAN_CACHE_SIZE) if mass else (self._plans, PLAN_CACHE_SIZE)
         key = (groups, layout.signature(), kept, head_dim, dtype, scale, str(device), addressing)
-        plan = self._plans.get(key)
+        plan = store.get(key)
         if plan is not None:
-            self._plans.move_to_end(key)
+            store.move_to_end(key)
             return plan
         s, mb, pages, full = layout.seq_len, layout.query_blocks, layout.key_pages, layout.full_key_blocks
         tail = 1 if layout.tail_rows else 0
@@ -674,7 +720,7 @@ class BlockSparseRunner:
                      q_data_type=dtype, kv_data_type=dtype, o_data_type=dtype)
         self.plan_count += 1
         plan = _Plan(wrapper, mult, base.to(device), base_b, base_h, kv_indptr, indices=indices, selected=selected)
-        return self._cache(key, plan)
+        return self._cache(store, key, plan, size)
 
     @staticmethod
     def _request_rows(groups: int, layout: SparseLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -686,31 +732,25 @@ class BlockSparseRunner:
         last_len = torch.full((groups * mb,), layout.tail_rows or BLOCK, dtype=torch.int32)
         return qo_indptr, last_len
 
-    def _mass_plan(self, groups: int, layout: SparseLayout, head_dim: int, dtype, device,
-                   addressing: tuple) -> _Plan:
-        """The cached state of cumulative-mass calls of one signature: one wrapper, re-planned every call, and the
-        page table whose dense prefix rows are constant (the selection writes the sparse rows)."""
-        key = ("mass", groups, layout.signature(), head_dim, dtype, str(device), addressing)
-        plan = self._plans.get(key)
-        if plan is not None:
-            self._plans.move_to_end(key)
-            return plan
-        mb, pages = layout.query_blocks, layout.key_pages
-        dense_rows = min(layout.dense_query_blocks, mb)
+    def _mass_state(self, groups: int, layout: SparseLayout, device, addressing: tuple) -> _MassState:
+        """The ranked page ids and needed counts of cumulative-mass calls of one signature (cached)."""
+        key = (groups, layout.signature(), str(device), addressing)
+        state = self._mass_states.get(key)
+        if state is not None:
+            self._mass_states.move_to_end(key)
+            return state
+        n_sparse = layout.query_blocks - min(layout.dense_query_blocks, layout.query_blocks)
         mult, base_b, base_h, base = self._bases(groups, layout, addressing)
-        table = torch.zeros(groups, mb, pages, dtype=torch.int32)
-        table[:, :dense_rows] = (torch.arange(pages)[None, None, :] * mult + base[:, None, None]).to(torch.int32)
-        qo_indptr, last_len = self._request_rows(groups, layout)
-        self._announce(dtype, head_dim)
-        plan = _Plan(self._factory(device), mult, base.to(device), base_b, base_h, torch.zeros(1, dtype=torch.int32),
-                     table=table.to(device), counts=torch.empty(groups, mb - dense_rows, dtype=torch.int32,
-                                                                device=device),
-                     qo_indptr=qo_indptr, last_len=last_len)
-        return self._cache(key, plan)
+        state = _MassState(mult, base.to(device), base_b, base_h,
+                           ranked=torch.empty(groups, n_sparse, layout.full_key_blocks, dtype=torch.int32,
+                                              device=device),
+                           counts=torch.zeros(groups, n_sparse, dtype=torch.int32, device=device))
+        return self._cache(self._mass_states, key, state, MASS_PLAN_CACHE_SIZE)
 
     def prepare(self, query, key, value, layout: SparseLayout, sparsity: float | None = None, scale=None, *,
                 mass_threshold: float | None = None) -> BlockSparseCall:
-        """Stage 1: pages of K and V, Q rows per head, block means; the plan (top-k: cached)."""
+        """Stage 1: pages of K and V, Q rows per head, block means; the plan (top-k: cached; cumulative mass: the
+        ranking buffers, the plan comes with the call's count in ``plan_call``)."""
         b, s, h, d = query.shape
         groups = b * h
         order, padded = self._order(layout, query.device)
@@ -731,17 +771,19 @@ class BlockSparseRunner:
         qt_gathered, pooled = pool_and_gather(query, key, layout, padded if order is not None else None,
                                               gather_q=qt is None)
         qt = qt if qt is not None else qt_gathered
+        mass = None
         if mass_threshold is None:
             kept = kept_blocks(layout, sparsity)
             plan = self._plan(groups, layout, kept, d, query.dtype, scale, query.device, addressing)
         else:
-            kept = None
-            plan = self._mass_plan(groups, layout, d, query.dtype, query.device, addressing)
-        return BlockSparseCall(query, layout, scale, kept, mass_threshold, order, qt, pooled, k_pages, v_pages, plan)
+            kept = plan = None
+            mass = self._mass_state(groups, layout, query.device, addressing)
+        return BlockSparseCall(query, layout, scale, kept, mass_threshold, order, qt, pooled, k_pages, v_pages, plan,
+                               addressing, mass)
 
     def select(self, call: BlockSparseCall) -> BlockSparseCall:
-        """Stage 2: write the selected page ids (``write_pages``) and, for cumulative mass, plan the call
-        (``plan_call``)."""
+        """Stage 2: write the selected page ids (``write_pages``) and, for cumulative mass, pick the call's kept
+        count and its cached plan (``plan_call``)."""
         self.write_pages(call)
         if call.mass_threshold is not None:
             self.plan_call(call)
@@ -749,15 +791,16 @@ class BlockSparseRunner:
 
     def write_pages(self, call: BlockSparseCall) -> BlockSparseCall:
         """The selection itself: score, rank and write the kept page ids (one Triton launch; PyTorch without
-        Triton); cumulative mass also writes the kept counts."""
-        layout, plan = call.layout, call.plan
+        Triton); cumulative mass writes every block's page id in rank order and the needed counts instead."""
+        layout = call.layout
+        plan = call.mass if call.mass_threshold is not None else call.plan
         groups = call.qt.shape[0]
         mb, nb = layout.query_blocks, layout.full_key_blocks
         dense_rows = min(layout.dense_query_blocks, mb)
         n_sparse = mb - dense_rows
         mass = call.mass_threshold is not None
         scale = call.scale if call.scale is not None else call.query.shape[-1] ** -0.5
-        out = plan.table[:, dense_rows:] if mass else plan.selected
+        out = plan.ranked if mass else plan.selected
         if n_sparse and _use_triton(call.pooled) and nb <= MAX_TRITON_KEY_BLOCKS:
             kernel = _kernels(_interpreting())[3]
             nbp = max(16, 1 << max(nb - 1, 0).bit_length())
@@ -769,7 +812,7 @@ class BlockSparseRunner:
                 plan.base_b, plan.base_h, plan.mult, out.stride(0), out.stride(1),
                 float(call.mass_threshold or 0.0), scale * LOG2E,
                 D=d, BLOCK_D=block_d, NBP=nbp, BQ=_SELECT_ROWS, DC=16 if block_d == 16 else 32, MASS=mass,
-                TAIL=bool(layout.tail_rows), num_warps=min(16, max(4, nbp // 32)),  # ≤ 32 sort keys a thread
+                num_warps=min(16, max(4, nbp // 32)),  # ≤ 32 sort keys a thread
             )
         elif n_sparse:
             pooled_q, pooled_k = call.pooled[:, :mb], call.pooled[:, mb:]
@@ -778,43 +821,28 @@ class BlockSparseRunner:
                 out.copy_(chosen * plan.mult + plan.base[:, None, None])
             else:
                 order, counts = select_blocks_by_mass(pooled_q, pooled_k, layout, call.mass_threshold, scale)
-                order, counts = order[:, dense_rows:], counts[:, dense_rows:]
-                pages = order * plan.mult + plan.base[:, None, None]
-                if layout.tail_rows:  # the partial tail page right after the kept ones
-                    tail = torch.full_like(pages[..., :1], nb * plan.mult) + plan.base[:, None, None]
-                    pages = torch.cat([pages, tail], dim=-1)
-                    position = torch.arange(pages.shape[-1], device=pages.device)
-                    pages = torch.where(position == counts[..., None], tail, pages)
-                out.copy_(pages.to(torch.int32))
-                plan.counts.copy_(counts)
+                out.copy_(order[:, dense_rows:] * plan.mult + plan.base[:, None, None])
+                plan.counts.copy_(counts[:, dense_rows:])
         return call
 
     def plan_call(self, call: BlockSparseCall) -> BlockSparseCall:
-        """The variable page counts of a cumulative-mass call: read them (one host synchronisation), build the
-        request layout and the compact index buffer on the device, and plan the wrapper."""
-        layout, plan = call.layout, call.plan
+        """The kept count of a cumulative-mass call: read the largest needed count (one small host
+        synchronisation), bucket it (``mass_kept``), take the cached plan of that count (planned on a bucket's first
+        call) and copy each query block's first ``kept`` ranked page ids into it, on the device. Every query block
+        keeps that many blocks: a superset of its needed set, so each still reaches the mass."""
+        layout, state = call.layout, call.mass
         groups, _, d = call.qt.shape
-        mb, pages = layout.query_blocks, layout.key_pages
-        dense_rows = min(layout.dense_query_blocks, mb)
-        tail = 1 if layout.tail_rows else 0
-        counts = plan.counts.cpu()  # the host synchronisation
-        self.host_syncs += 1
-        per_request = torch.full((groups, mb), pages, dtype=torch.int32)
-        per_request[:, dense_rows:] = counts + tail
-        lengths = per_request.reshape(-1)
-        kv_indptr = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-        total = int(kv_indptr[-1])
-        device = plan.table.device
-        lengths_dev = lengths.to(device, non_blocking=True)
-        rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths_dev, output_size=total)
-        starts = kv_indptr[:-1].to(device, non_blocking=True)
-        flat = rows * pages + (torch.arange(total, device=device) - starts[rows])
-        indices = plan.table.view(-1)[flat]
-        plan.wrapper.plan(plan.qo_indptr, kv_indptr, indices, plan.last_len, 1, 1, d, BLOCK, causal=False,
-                          sm_scale=call.scale, q_data_type=call.query.dtype, kv_data_type=call.query.dtype,
-                          o_data_type=call.query.dtype)
-        plan.kv_indptr, plan.indices = kv_indptr, indices
-        self.plan_count += 1
+        if state.counts.numel():
+            needed = int(state.counts.max())  # the host synchronisation (one int32)
+            self.host_syncs += 1
+        else:  # every query block is a dense prefix row
+            needed = 0
+        kept = mass_kept(needed, layout.full_key_blocks)
+        plan = self._plan(groups, layout, kept, d, call.query.dtype, call.scale, call.query.device, call.addressing,
+                          mass=True)
+        if kept:
+            plan.selected.copy_(state.ranked[..., :kept])
+        call.kept, call.plan = kept, plan
         return call
 
     _forced_vectors: dict[tuple, torch.Tensor] = {}

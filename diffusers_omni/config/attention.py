@@ -282,8 +282,10 @@ class BlockSparseSpec:
         start_step (`int`, defaults to 0): denoising steps before sparsity starts.
         skip_layers (`str` or `list[int]`, *optional*): layers that stay dense, e.g. ``"0-3,38"``.
         mass_threshold (`float`, *optional*): cumulative-mass selection instead of a fixed count, in (0, 1): each
-            query block keeps the smallest set of key blocks whose share of the softmax of its pooled scores reaches
-            this value (at least its forced blocks). CUDA path only; an extension of the contract.
+            query block needs the smallest set of key blocks whose share of the softmax of its pooled scores reaches
+            this value (at least its forced blocks); a call keeps, for every query block, its top blocks of one
+            count, the largest needed count rounded up to a bucket (a superset of each needed set). CUDA path only;
+            an extension of the contract.
     """
 
     sparsity: float | None = None

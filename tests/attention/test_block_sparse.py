@@ -117,10 +117,26 @@ def test_cumulative_mass_selection_follows_its_definition(threshold):
     keep = bs.mass_indices(order, counts)
     assert torch.equal(keep, _mass_by_definition(pooled_q, pooled_k, (0, 3), threshold, 0.25))
     assert (counts >= 2).all()  # at least the forced blocks (and the diagonal)
+    assert counts.min() < counts.max()  # the needed count is per query block
+    # The call keeps one count for every query block: the largest needed count, bucketed (12 blocks: a bucket of 1).
+    _, needed, kept = bs.mass_selection(pooled_q, pooled_k, layout, threshold, 0.25)
+    assert torch.equal(needed, counts) and kept == bs.mass_kept(int(counts.max()), 12) == int(counts.max())
     mask = bs.reference_mask(q, k, layout, mass_threshold=threshold, scale=0.25)
-    assert mask[:, :, -1].all() and torch.equal(mask[:, :, :-1], keep)  # plus the partial tail block
+    assert mask[:, :, -1].all()  # plus the partial tail block
+    chosen = mask[:, :, :-1]
+    assert (chosen.sum(-1) == kept).all()
+    assert not (keep & ~chosen).any()  # each row's kept set holds its minimal mass set (rows may keep more)
+    # ... and is its top-`kept` blocks in rank order, forced first: the top-k selection at that count.
+    assert torch.equal(chosen, bs.block_mask(bs.select_blocks(pooled_q, pooled_k, layout, kept), layout)[:, :, :-1])
     fractions = [bs.reference_mask(q, k, layout, mass_threshold=t, scale=0.25).float().mean() for t in (0.3, 0.6, 0.9)]
-    assert fractions[0] < fractions[1] < fractions[2]
+    assert fractions[0] <= fractions[1] <= fractions[2] and fractions[0] < fractions[2]
+
+
+def test_mass_kept_buckets_the_largest_needed_count():
+    assert [bs.mass_kept(n, 255) for n in (0, 1, 8, 9, 17, 248, 250, 255)] == [0, 8, 8, 16, 24, 248, 255, 255]
+    assert [bs.mass_kept(n, 12) for n in (1, 5, 12)] == [1, 5, 12]  # fewer than 32 blocks: exact counts
+    assert [bs.mass_kept(n, 64) for n in (3, 4, 63)] == [4, 4, 64]
+    assert len({bs.mass_kept(n, 255) for n in range(1, 256)}) == 32  # at most 32 plans per shape
 
 
 @pytest.mark.parametrize("order", [None, "perm"])
@@ -133,16 +149,48 @@ def test_cumulative_mass_runner_matches_the_same_mask_through_sdpa(order, dense_
     out, mask = runner(q, k, v, layout, mass_threshold=0.7, return_mask=True)
     assert torch.equal(mask, bs.reference_mask(q, k, layout, mass_threshold=0.7))
     torch.testing.assert_close(out, bs.block_sparse_reference(q, k, v, layout, mask), rtol=2e-5, atol=2e-5)
-    counts = mask[:, dense_prefix:, :-1].sum(-1)
-    assert counts.min() < counts.max()  # a count per query block, not one for all
-    # The counts vary per call, so each call is planned (one host synchronisation each); the wrapper is reused.
+    pooled_q, pooled_k = bs._reference_pooled(q, k, layout)
+    order, needed, kept = bs.mass_selection(pooled_q, pooled_k, layout, 0.7, q.shape[-1] ** -0.5)
+    sparse = needed[:, dense_prefix:]
+    assert sparse.min() < sparse.max()  # rows need different counts ...
+    assert (mask[:, dense_prefix:, :-1].sum(-1) == kept).all() and kept == int(sparse.max())  # ... and keep one
+    assert not (bs.mass_indices(order, needed) & ~mask[:, :, :-1]).any()  # every row's minimal mass set is kept
+    # One small host read per call (the largest needed count); plans are cached per kept count.
     q2, k2, v2 = _structured(b=2, s=8 * 128 + 30, h=3, seed=5)
     out2, mask2 = runner(q2, k2, v2, layout, mass_threshold=0.7, scale=0.3, return_mask=True)
     assert torch.equal(mask2, bs.reference_mask(q2, k2, layout, mass_threshold=0.7, scale=0.3))
     torch.testing.assert_close(out2, bs.block_sparse_reference(q2, k2, v2, layout, mask2, 0.3), rtol=2e-5, atol=2e-5)
-    assert runner.plan_count == 2 and runner.host_syncs == 2
+    assert runner.host_syncs == 2 and runner.plan_count == 2  # another scale: another plan
+    out3, mask3 = runner(q, k, v, layout, mass_threshold=0.7, return_mask=True)  # the first call's count and scale
+    assert runner.host_syncs == 3 and runner.plan_count == 2 and torch.equal(mask3, mask)
+    torch.testing.assert_close(out3, out, rtol=0, atol=0)
     with pytest.raises(ValueError, match="one of sparsity"):
         runner(q, k, v, layout, 0.5, mass_threshold=0.7)
+
+
+def test_cumulative_mass_plans_are_cached_per_bucketed_count(monkeypatch):
+    """Different thresholds (or inputs) give different kept counts; each bucketed count is planned once and the
+    plans are kept in a bounded LRU (``MASS_PLAN_CACHE_SIZE``)."""
+    q, k, v = _structured(s=40 * 128, h=1, d=8, strength=3.0)
+    layout = bs.SparseLayout(q.shape[1])
+    pooled_q, pooled_k = bs._reference_pooled(q, k, layout)
+    counts = {t: bs.mass_selection(pooled_q, pooled_k, layout, t, 8 ** -0.5)[2] for t in (0.2, 0.5, 0.8, 0.95)}
+    assert len(set(counts.values())) >= 3 and all(c % 2 == 0 or c == 40 for c in counts.values())  # buckets of 2
+    runner = _runner()
+    for t in counts:
+        out, mask = runner(q, k, v, layout, mass_threshold=t, return_mask=True)
+        assert (mask.sum(-1) == counts[t]).all()  # no tail, no dense rows
+        torch.testing.assert_close(out, bs.block_sparse_reference(q, k, v, layout, mask), rtol=2e-5, atol=2e-5)
+    distinct = len(set(counts.values()))
+    assert runner.plan_count == distinct and runner.host_syncs == 4
+    for t in counts:  # every count again: all cached
+        runner(q, k, v, layout, mass_threshold=t)
+    assert runner.plan_count == distinct and runner.host_syncs == 8
+    monkeypatch.setattr(bs, "MASS_PLAN_CACHE_SIZE", 1)
+    small = _runner()
+    for t in (0.2, 0.8, 0.2):  # two counts alternating through a cache of one: planned each time
+        small(q, k, v, layout, mass_threshold=t)
+    assert small.plan_count == 3 and len(small._mass_plans) == 1
 
 
 def test_strided_pages_read_inputs_in_place():
@@ -225,7 +273,8 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
 @interpreted
 def test_interpreted_selection_is_one_launch_and_top_k_never_synchronises(monkeypatch):
     """The selection stage: one Triton launch; top-k writes into the planned index buffer with no PyTorch operator
-    (so nothing that could synchronise with the host); cumulative mass adds exactly one host read of its counts."""
+    (so nothing that could synchronise with the host); cumulative mass adds exactly one host read (the largest
+    needed count)."""
     names = ("gather", "scatter", "prepare", "select")
     real = bs._kernels(True)
     launches, ops = [], _Ops()
@@ -293,7 +342,7 @@ def test_triton_kernels_compile_for_sm90():
         signature = {**prepare_sig, **{name: "constexpr" for name in constants}}
         assert triton_compile(ASTSource(prepare, signature, constants), target=target).asm["cubin"]
     for mass in (False, True):
-        constants = {"D": 64, "BLOCK_D": 64, "NBP": 64, "BQ": 16, "DC": 32, "MASS": mass, "TAIL": True}
+        constants = {"D": 64, "BLOCK_D": 64, "NBP": 64, "BQ": 16, "DC": 32, "MASS": mass}
         signature = {**select_sig, **{name: "constexpr" for name in constants}}
         assert triton_compile(ASTSource(select, signature, constants), target=target).asm["cubin"]
 

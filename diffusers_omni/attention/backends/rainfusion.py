@@ -11,8 +11,10 @@ On CUDA (``diffusers_omni.attention.block_sparse``) each (batch, head) keeps, pe
 ``round((1 - sparsity) · blocks)`` key blocks with the best pooled score ``mean(q_block) · mean(k_block)``; with a
 published geometry the prefix (text) rows attend densely and the prefix and first-frame key blocks are always kept;
 without one (geometry-free) the same data-dependent selection runs on the natural row order. With
-``block_sparse.mass_threshold`` (instead of ``sparsity``) each query block keeps the smallest set of key blocks whose
-share of ``softmax(scale · pooled scores)`` reaches the threshold (forced blocks first). Rows keep their order (a
+``block_sparse.mass_threshold`` (instead of ``sparsity``) each query block needs the smallest set of key blocks whose
+share of ``softmax(scale · pooled scores)`` reaches the threshold (forced blocks first); a call keeps one count, the
+largest needed one rounded up to a bucket, for every query block (a superset of each needed set; the plan is cached
+per count). Rows keep their order (a
 block is a strip of consecutive latent rows), so K and V are read in place.
 
 The kernel call (``_rf_v2``) follows the contract's description of rf_v2 (128-row blocks, kept prefix, first-frame
