@@ -316,3 +316,52 @@ def test_state_dict_under_layerwise_reads_quantized_host_copies(fmt, gguf_folder
         assert _state(model).keys() == before.keys()  # a second call finds the blocks parked again
     finally:
         backend.disable()
+
+
+def _weight_signature(weight) -> tuple:
+    """What can select a different dispatch path for a torchao weight: its class, autograd/inference flags, its
+    non-tensor attributes (kernel preference, mm config, block size...) and its inner tensors' classes and flags."""
+    names, _ = weight.__tensor_flatten__()
+    attrs = tuple(sorted((k, repr(v)) for k, v in vars(weight).items() if not isinstance(v, torch.Tensor)))
+    inner = tuple(
+        (n, type(t), t.dtype, tuple(t.shape), t.is_contiguous(), t.requires_grad, torch.is_inference(t))
+        for n in names for t in [getattr(weight, n)]
+    )
+    return (type(weight), weight.requires_grad, torch.is_inference(weight), weight.is_leaf, attrs, inner)
+
+
+@pytest.mark.parametrize("fmt", ["torchao-float8", "torchao-int8"])
+def test_layerwise_inference_mode_forward_sees_weights_like_the_resident_ones(fmt):
+    """During an offloaded ``inference_mode`` forward every quantized linear sees a weight with the same class,
+    flags, extra attributes and inner-tensor flags as the resident model's (the kept, rebound object included), so
+    torchao's dispatch takes the same path; the same torchao functions run as many times as resident."""
+    import cProfile
+    import pstats
+
+    model = qh.quantized("flux", fmt)
+    linears = [m for _, m in qh.quantized_linears(model)]
+    seen: dict[int, list] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, _a: seen.setdefault(id(mod), []).append(
+        _weight_signature(mod.weight))) for m in linears]
+
+    def torchao_calls() -> dict:
+        profile = cProfile.Profile()
+        with torch.inference_mode():
+            profile.runcall(qh.run, model, "flux", (0,))
+        stats = pstats.Stats(profile).stats
+        return {key: value[0] for key, value in stats.items() if "torchao" in key[0]}
+
+    resident_calls = torchao_calls()
+    resident = {k: v[0] for k, v in seen.items()}
+    seen.clear()
+    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu"))
+    torchao_calls()  # first bind builds the kept objects
+    seen.clear()
+    offloaded_calls = torchao_calls()
+    for h in hooks:
+        h.remove()
+    backend.disable()
+    assert seen.keys() == resident.keys()
+    for key, signatures in seen.items():
+        assert all(s == resident[key] for s in signatures), (signatures[0], resident[key])
+    assert offloaded_calls == resident_calls
