@@ -131,13 +131,31 @@ def quantize(model: nn.Module, fmt: str, device: torch.device) -> dict[str, Any]
 # Measurements -----------------------------------------------------------------------------------------------------
 
 
-def time_steps(model: nn.Module, inputs: dict, device: torch.device, warmup: int, repeats: int) -> tuple[dict, Any]:
+ALLOC_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def allocator_counters(device: torch.device) -> dict[str, int] | None:
+    """The caching allocator's counters that say whether a step went to cudaMalloc/cudaFree (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {key: int(stats.get(key, 0)) for key in ALLOC_KEYS}
+
+
+def time_steps(model: nn.Module, inputs: dict, device: torch.device, warmup: int, repeats: int,
+               alloc_stats: bool = False) -> tuple[dict, Any]:
     """Median step time; ``host_s`` is how long the forward took to return on the host (kernels launched, before
-    the wait): when it is close to ``step_s`` the step is bound by the host, not the GPU."""
+    the wait): when it is close to ``step_s`` the step is bound by the host, not the GPU. ``alloc_stats``: also
+    the allocator counters' deltas over the timed steps (``alloc_deltas``) and the reserved bytes before them."""
     times, hosts, first = [], [], None
+    counters = extra = None
     with torch.inference_mode():
         for index in range(warmup + repeats):
             synchronize(device)
+            if alloc_stats and index == warmup:
+                counters = allocator_counters(device)
+                extra = {"reserved_before_timed_steps": torch.cuda.memory_reserved(device)
+                         if device.type == "cuda" else None}
             start = time.perf_counter()
             out = model(**inputs)[0]
             launched = time.perf_counter()
@@ -148,7 +166,17 @@ def time_steps(model: nn.Module, inputs: dict, device: torch.device, warmup: int
             if first is None:
                 first = out.clone()
             del out
-    return {"step_s": statistics.median(times), "step_all_s": times, "host_s": statistics.median(hosts)}, first
+    result = {"step_s": statistics.median(times), "step_all_s": times, "host_s": statistics.median(hosts)}
+    if alloc_stats:
+        synchronize(device)
+        after = allocator_counters(device)
+        result.update(extra or {})
+        if counters is None or after is None:
+            result["alloc_deltas"] = None
+            result["alloc_note"] = "torch.cuda.memory_stats skipped: not a CUDA device"
+        else:
+            result["alloc_deltas"] = {key: after[key] - counters[key] for key in ALLOC_KEYS}
+    return result, first
 
 
 def block_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -190,9 +218,116 @@ def peak_trace(model: nn.Module, inputs: dict, device: torch.device) -> dict[str
             "blocks": [{"block": r[0], "allocated_at_start": r[1], "peak": r[2]} for r in rows if len(r) == 3]}
 
 
+def block_compute_times(model: nn.Module, inputs: dict, device: torch.device, repeats: int) -> list[float]:
+    """Each block's forward time (median over ``repeats`` forwards of the resident model): CUDA events recorded on
+    the current stream by forward pre/post hooks (so a block's time includes any gap while the host is still
+    launching its kernels), ``perf_counter`` on the CPU."""
+    blocks = block_modules(model)
+    marks: list[list] = [[] for _ in blocks]
+    handles = []
+    cuda = device.type == "cuda"
+
+    def stamp():
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    for index, (_, block) in enumerate(blocks):
+        def before(module, args, kwargs, index=index):
+            marks[index].append([stamp()])
+
+        def after(module, args, kwargs, output, index=index):
+            marks[index][-1].append(stamp())
+
+        handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(block.register_forward_hook(after, with_kwargs=True))
+    try:
+        with torch.inference_mode():
+            for _ in range(repeats):
+                model(**inputs)
+        synchronize(device)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    def elapsed(pair) -> float:
+        return pair[0].elapsed_time(pair[1]) / 1e3 if cuda else pair[1] - pair[0]
+
+    return [statistics.median(elapsed(pair) for pair in rows) for rows in marks]
+
+
+def block_copy_times(sizes: list[int], device: torch.device, repeats: int = 3) -> list[float]:
+    """Each block's packed bytes copied host→device in one piece (pinned host tensor → device tensor, CUDA events;
+    median of ``repeats`` after one warm-up copy); ``perf_counter`` around a host copy on the CPU."""
+    biggest = max(sizes)
+    cuda = device.type == "cuda"
+    src = torch.empty(biggest, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(biggest, dtype=torch.uint8, device=device)
+    times = []
+    for size in sizes:
+        runs = []
+        for attempt in range(repeats + 1):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst[:size].copy_(src[:size], non_blocking=True)
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                start = time.perf_counter()
+                dst[:size].copy_(src[:size])
+                seconds = time.perf_counter() - start
+            if attempt:
+                runs.append(seconds)
+        times.append(statistics.median(runs))
+    del src, dst
+    return times
+
+
+def cyclic_window_bound(compute: list[float], copy: list[float]) -> float:
+    """Σ_i max(compute_i, copy_{i+1}) with block n+1 = block 0 (the next step's first block): with a window of two
+    blocks (the one running and the one loading), block i+1 can only load while block i runs."""
+    n = len(compute)
+    return sum(max(compute[i], copy[(i + 1) % n]) for i in range(n))
+
+
+def per_block_bound(model: nn.Module, inputs: dict, device: torch.device, bandwidth: float,
+                    repeats: int) -> dict[str, Any]:
+    """compute_i (resident quantized model), copy_i (block i's packed bytes from pinned memory) and the 2-block
+    cyclic bound on a streamed step."""
+    from diffusers_omni.offload.tensors import storage_nbytes
+
+    start = time.perf_counter()
+    blocks = block_modules(model)
+    sizes = [storage_nbytes(block) for _, block in blocks]
+    compute = block_compute_times(model, inputs, device, repeats)
+    copy = block_copy_times(sizes, device)
+    n = len(blocks)
+    deficits = sorted(((copy[(i + 1) % n] - compute[i], i) for i in range(n)), reverse=True)[:3]
+    return {
+        "blocks": [{"block": label, "packed_bytes": size, "compute_s": c, "copy_s": k}
+                   for (label, _), size, c, k in zip(blocks, sizes, compute, copy)],
+        "sum_compute_s": sum(compute),
+        "sum_copy_s": sum(copy),
+        "sum_bytes_over_bandwidth_s": sum(sizes) / bandwidth,
+        "block_bytes": sum(sizes),
+        "bound_s": cyclic_window_bound(compute, copy),
+        "largest_deficits": [{"running": blocks[i][0], "loading": blocks[(i + 1) % n][0],
+                              "compute_s": compute[i], "copy_s": copy[(i + 1) % n], "deficit_s": d}
+                             for d, i in deficits],
+        "repeats": repeats,
+        "timer": "cuda events" if device.type == "cuda" else "perf_counter (CPU: checks the logic, not a bound)",
+        "seconds": time.perf_counter() - start,
+    }
+
+
 def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], None], model: nn.Module,
                 inputs: dict, device: torch.device, args: argparse.Namespace,
-                reference: torch.Tensor | None) -> tuple[torch.Tensor | None, dict]:
+                reference: torch.Tensor | None, alloc_stats: bool = False,
+                trace: bool = True) -> tuple[torch.Tensor | None, dict]:
     print(f"  [{label}] setting up", flush=True)
     gc.collect()
     reset_peak(device)
@@ -208,7 +343,7 @@ def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], 
     result["setup_s"] = time.perf_counter() - start
     reset_peak(device)
     try:
-        timing, first = time_steps(model, inputs, device, args.warmup, args.repeats)
+        timing, first = time_steps(model, inputs, device, args.warmup, args.repeats, alloc_stats)
     except Exception as error:  # noqa: BLE001 - recorded
         result["error"] = f"{type(error).__name__}: {error}"[:400]
         print(f"  [{label}] step failed: {result['error']}", flush=True)
@@ -225,7 +360,7 @@ def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], 
                        "in_flight_blocks": getattr(stats, "in_flight_blocks", None),
                        "max_in_flight_bytes": getattr(stats, "max_in_flight_bytes", None),
                        "hook_s_per_step": getattr(stats, "hook_seconds", 0.0) / max(args.warmup + args.repeats, 1)})
-    if "step_s" in result and args.peak_trace:
+    if "step_s" in result and args.peak_trace and trace:
         try:
             result["peak_trace"] = peak_trace(model, inputs, device)
         except Exception as error:  # noqa: BLE001 - a diagnostic; the measurement stands without it
@@ -269,17 +404,26 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
 
     reference, resident = run_variant("resident", lambda: None, lambda _: None, model, inputs, device, args, None)
     entry["variants"].append(resident)
+    if args.per_block and "step_s" in resident:
+        try:
+            entry["per_block"] = per_block_bound(model, inputs, device, bandwidth, max(args.repeats, 3))
+            pb = entry["per_block"]
+            print(f"  [per block] Σ compute {pb['sum_compute_s']:.4f} s, Σ copy {pb['sum_copy_s']:.4f} s, 2-block "
+                  f"bound {pb['bound_s']:.4f} s ({pb['seconds']:.1f} s)", flush=True)
+        except Exception as error:  # noqa: BLE001 - a diagnostic; the measurement stands without it
+            entry["per_block_error"] = f"{type(error).__name__}: {error}"[:300]
+            print(f"  [per block] failed: {entry['per_block_error']}", flush=True)
 
     def omni_setup():
         return apply_offload(model, OffloadConfig("layerwise", device=device))
 
     _, omni = run_variant("omni layerwise", omni_setup, lambda backend: backend.disable(), model, inputs, device,
-                          args, reference)
+                          args, reference, alloc_stats=args.cache_probe)
     entry["variants"].append(omni)
     # disable() left the block weights on the host: enabling again packs from the host (a GGUF file read with
     # from_single_file, a torchao model quantized on the CPU), not from the device.
     _, from_host = run_variant("omni layerwise from host", omni_setup, lambda backend: backend.disable(), model,
-                               inputs, device, args, reference)
+                               inputs, device, args, reference, alloc_stats=args.cache_probe)
     entry["variants"].append(from_host)
 
     use_stream = device.type == "cuda"
@@ -311,6 +455,44 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
         })
         if "setup_s" in from_host:
             from_host["meets_setup_target"] = None if name != "flux" else from_host["setup_s"] <= SETUP_TARGET_S
+    pb = entry.get("per_block")
+    if pb is not None:
+        target = omni.get("target_step_s")
+        pb["target_step_s"] = target
+        pb["bound_over_target"] = None if not target else pb["bound_s"] / target
+        pb["omni_step_over_bound"] = None if "step_s" not in omni else omni["step_s"] / pb["bound_s"]
+        pb["omni_from_host_step_over_bound"] = None if "step_s" not in from_host else \
+            from_host["step_s"] / pb["bound_s"]
+
+    if args.cache_probe:
+        # The first pass again on a fresh model (same seed: the same weights, so the same reference), with the
+        # caching allocator emptied right before apply_offload and again right after it (packing frees the
+        # device weights during apply_offload, so only the second empty_cache returns those to the driver).
+        model = None  # the closures above share this name: rebinding (not del) frees the old model
+        free_memory(device)
+        model = build_model(name, device, args.smoke, layers=args.layers)
+        quantize(model, fmt, device)
+        synchronize(device)
+        free_memory(device)
+        reserved: dict[str, int | None] = {}
+
+        def probe_setup():
+            cuda = device.type == "cuda"
+            if cuda:
+                torch.cuda.empty_cache()
+            reserved["before_apply_offload"] = torch.cuda.memory_reserved(device) if cuda else None
+            backend = apply_offload(model, OffloadConfig("layerwise", device=device))
+            if cuda:
+                torch.cuda.synchronize(device)
+                reserved["after_apply_offload"] = torch.cuda.memory_reserved(device)
+                torch.cuda.empty_cache()
+            reserved["after_second_empty_cache"] = torch.cuda.memory_reserved(device) if cuda else None
+            return backend
+
+        _, probe = run_variant("omni layerwise, empty_cache", probe_setup, lambda backend: backend.disable(),
+                               model, inputs, device, args, reference, alloc_stats=True, trace=False)
+        probe["reserved_bytes"] = reserved
+        entry["variants"].append(probe)
     del model, inputs, reference
     free_memory(device)
     return entry
@@ -365,6 +547,39 @@ def markdown(report: dict) -> str:
             lines.append(f"| {entry['model']} | {entry['format']} | {v['variant']} | "
                          f"{_gib(trace['allocated_before_forward'])} | {_gib(trace['peak_bytes'])} | "
                          f"{trace['peak_block']} | {_gib(v.get('max_in_flight_bytes'))} |")
+    bounded = [entry for entry in report["entries"] if entry.get("per_block")]
+    if bounded:
+        lines += ["", "## Per-block bound", "",
+                  "compute_i: block i's forward in the resident quantized model (timer around the block, median); "
+                  "copy_i: block i's packed bytes in one pinned host→device copy (median). With a window of two "
+                  "blocks, block i+1 loads only while block i runs, so a streamed step takes at least "
+                  "Σ_i max(compute_i, copy_i+1) (cyclic: the last block runs while the next step's first loads).",
+                  "",
+                  "| Model | Format | Σ compute | Σ copy | Bound | Bound / target | omni step / bound | Largest "
+                  "copy−compute deficits (running → loading: deficit) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for entry in bounded:
+            pb = entry["per_block"]
+            worst = "; ".join(f"{d['running']} → {d['loading']}: {d['deficit_s'] * 1e3:+.2f} ms"
+                              for d in pb["largest_deficits"])
+            lines.append(f"| {entry['model']} | {entry['format']} | {_fmt(pb['sum_compute_s'], '.4f')} | "
+                         f"{_fmt(pb['sum_copy_s'], '.4f')} | {_fmt(pb['bound_s'], '.4f')} | "
+                         f"{_fmt(pb.get('bound_over_target'), '.2f')} | {_fmt(pb.get('omni_step_over_bound'), '.2f')} | {worst} |")
+    probed = [(entry, v) for entry in report["entries"] for v in entry["variants"] if "alloc_deltas" in v]
+    if probed:
+        lines += ["", "## Cache probe", "",
+                  "Allocator counters over the timed steps (num_alloc_retries / num_device_alloc / num_device_free "
+                  "deltas) and the bytes reserved by PyTorch's caching allocator before them. \"omni layerwise, "
+                  "empty_cache\": the from-device pass again on a fresh model, torch.cuda.empty_cache() right before "
+                  "and right after apply_offload.", "",
+                  "| Model | Format | Variant | Step | Host launch | Reserved before steps | Retries / mallocs / "
+                  "frees |", "|---|---|---|---|---|---|---|"]
+        for entry, v in probed:
+            d = v["alloc_deltas"]
+            counts = v.get("alloc_note", "n/a") if d is None else \
+                f"{d['num_alloc_retries']} / {d['num_device_alloc']} / {d['num_device_free']}"
+            lines.append(f"| {entry['model']} | {entry['format']} | {v['variant']} | {_fmt(v.get('step_s'))} | "
+                         f"{_fmt(v.get('host_s'))} | {_gib(v.get('reserved_before_timed_steps'))} | {counts} |")
     if report.get("skipped"):
         lines += ["", f"Not measured (time budget of {report['args']['time_budget']} s spent): "
                   + ", ".join(report["skipped"])]
@@ -426,6 +641,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None, help="fewer blocks at full width (quick checks)")
     parser.add_argument("--no-peak-trace", dest="peak_trace", action="store_false",
                         help="skip the per-block device-memory trace (one more forward per variant)")
+    parser.add_argument("--per-block", action="store_true",
+                        help="per-block compute (resident) and packed-bytes copy times, and the 2-block cyclic bound "
+                             "Σ max(compute_i, copy_i+1)")
+    parser.add_argument("--cache-probe", action="store_true",
+                        help="allocator counters over the omni steps, and the from-device pass once more on a fresh "
+                             "model with torch.cuda.empty_cache() before (and after) apply_offload")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: start no further format after this (what was measured is written)")
     args = parser.parse_args(argv)

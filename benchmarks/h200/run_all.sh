@@ -5,6 +5,8 @@
 # offload-lifecycle: 20 delete-and-rebuild cycles per strategy + 100 denoising steps, ~6-7 min on an H200.
 # quant-offload (FLUX size) and quant-offload-wan (Wan-14B size): 5 formats each, one device call each; a format
 # starts only within the time budget and results are written after every format, so a call stays under 10 min.
+# Both also time each block (--per-block: the 2-block cyclic bound) and probe the allocator (--cache-probe: one more
+# from-device omni pass on a fresh model with torch.cuda.empty_cache() around apply_offload).
 # quant-offload-check: every format x strategy on tiny models + the quantized pipelines (correctness only).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -30,9 +32,9 @@ for job in "$@"; do
             python3 -m benchmarks.h200.prewarm_block_sparse & python3 -m benchmarks.h200.prewarm_triton & wait
             python3 -m benchmarks.hopper_bench --out "$out/hopper_fp8_sparse_h200" --e2e "$out/e2e_attention_h200.json" ;;
     quant-offload) python3 -m benchmarks.quant_offload_bench --models flux --warmup 1 --repeats 2 --time-budget 400 \
-                     --out "$out/quant_offload_h200" ;;
+                     --per-block --cache-probe --out "$out/quant_offload_h200" ;;
     quant-offload-wan) python3 -m benchmarks.quant_offload_bench --models wan --warmup 1 --repeats 2 --time-budget 380 \
-                         --out "$out/quant_offload_h200_wan" ;;
+                         --per-block --cache-probe --out "$out/quant_offload_h200_wan" ;;
     quant-offload-check) python3 -m benchmarks.quant_offload_check --out "$out/quant_offload_h200_check" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
