@@ -492,9 +492,10 @@ def sparse_targets() -> str:
          f"{share(top_k):.1%} (worst)", _verdict(share(top_k) <= 0.10)],
     ]
     if mass:
-        plan = max(r["plan_ms"] for r in mass)
-        rows.append(["cumulative-mass selection time ÷ sparse kernel", "≤ 10%",
-                     f"{share(mass):.1%} (worst; plus a per-call plan of ≤ {plan:.2f} ms)", _verdict(share(mass) <= 0.10)])
+        # Its per-call plan step is part of what the selection costs.
+        cost = max((r["selection_ms"] + (r.get("plan_ms") or 0.0)) / r["kernel_ms"] for r in mass)
+        rows.append(["cumulative-mass selection + per-call plan ÷ sparse kernel", "≤ 10%", f"{cost:.1%} (worst)",
+                     _verdict(cost <= 0.10)])
     rows.append(["Wan-14B-size step at sparsity 0.8 ÷ dense FA3 step", "≥ 1.4×", f"{step:.3f}×", _verdict(step >= 1.4)])
     return table(["Target (issue 15)", "wanted", "measured", "met"], rows)
 
