@@ -314,19 +314,16 @@ def _kernels(interpret: bool):
     import triton.language as tl
 
     @triton.jit
-    def _gather_kernel(src_ptr, order_ptr, dst_ptr, pooled_ptr, rows_out, valid, H, n_blocks,
-                       stride_b, stride_s, stride_h,
+    def _gather_kernel(src_ptr, order_ptr, dst_ptr, rows_out, H, stride_b, stride_s, stride_h,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, TILE: tl.constexpr,
-                       ORDERED: tl.constexpr, POOL: tl.constexpr):
-        # [B, S, H, D] (any strides) -> dst [B*H, rows_out, D]: row r of head g is source row order[r] (or r);
-        # with POOL, the mean of the block's rows below ``valid`` goes to pooled[g, block].
+                       ORDERED: tl.constexpr):
+        # [B, S, H, D] (any strides) -> dst [B*H, rows_out, D]: row r of head g is source row order[r] (or r).
         g = tl.program_id(0)
         blk = tl.program_id(1)
         b = g // H
         h = g % H
         cols = tl.arange(0, BLOCK_D)
         col_ok = cols < D
-        acc = tl.zeros([BLOCK_D], tl.float32)
         for r in range(0, BLOCK_ROWS, TILE):
             pos = blk * BLOCK_ROWS + r + tl.arange(0, TILE)
             row_ok = pos < rows_out
@@ -338,12 +335,6 @@ def _kernels(interpret: bool):
             x = tl.load(src_ptr + b * stride_b + h * stride_h + src_row[:, None] * stride_s + cols[None, :], mask=ok,
                         other=0.0)
             tl.store(dst_ptr + (g * rows_out + pos)[:, None] * D + cols[None, :], x, mask=ok)
-            if POOL:
-                acc += tl.sum(tl.where((pos < valid)[:, None] & ok, x.to(tl.float32), 0.0), axis=0)
-        if POOL:
-            count = tl.minimum(valid - blk * BLOCK_ROWS, BLOCK_ROWS)
-            if count > 0:
-                tl.store(pooled_ptr + (g * n_blocks + blk) * D + cols, acc / count, mask=col_ok)
 
     @triton.jit
     def _scatter_kernel(src_ptr, order_ptr, dst_ptr, S, H, stride_b, stride_s, stride_h,
@@ -462,26 +453,19 @@ def _block_d(d: int) -> int:
     return 1 << max(d - 1, 0).bit_length()
 
 
-def gather_heads(x: torch.Tensor, order: torch.Tensor | None, rows_out: int, pool_rows: int | None = None):
-    """``[B, S, H, D]`` → ``[B·H, rows_out, D]`` (row ``r`` of a head is input row ``order[r]``, or ``r``), and with
-    ``pool_rows`` the float32 means of its 128-row blocks over the first ``pool_rows`` rows (``pool_blocks``)."""
+def gather_heads(x: torch.Tensor, order: torch.Tensor | None, rows_out: int) -> torch.Tensor:
+    """``[B, S, H, D]`` → ``[B·H, rows_out, D]`` (row ``r`` of a head is input row ``order[r]``, or ``r``)."""
     b, s, h, d = x.shape
     if not _use_triton(x):
         rows = order if order is not None else torch.arange(rows_out, device=x.device)
-        out = x.permute(0, 2, 1, 3).index_select(2, rows).reshape(b * h, rows_out, d)
-        return out, (pool_blocks(out, pool_rows) if pool_rows is not None else None)
+        return x.permute(0, 2, 1, 3).index_select(2, rows).reshape(b * h, rows_out, d)
     gather = _kernels(_interpreting())[0]
-    n_blocks = -(-rows_out // BLOCK)
     out = torch.empty(b * h, rows_out, d, device=x.device, dtype=x.dtype)
-    pooled = torch.empty(b * h, n_blocks, d, device=x.device, dtype=torch.float32) if pool_rows is not None else out
-    gather[(b * h, n_blocks)](
-        x, order if order is not None else out, out, pooled, rows_out, pool_rows or 0, h, n_blocks,
-        x.stride(0), x.stride(1), x.stride(2),
-        D=d, BLOCK_D=_block_d(d), BLOCK_ROWS=BLOCK, TILE=32, ORDERED=order is not None, POOL=pool_rows is not None,
+    gather[(b * h, -(-rows_out // BLOCK))](
+        x, order if order is not None else out, out, rows_out, h, x.stride(0), x.stride(1), x.stride(2),
+        D=d, BLOCK_D=_block_d(d), BLOCK_ROWS=BLOCK, TILE=32, ORDERED=order is not None,
     )
-    if pool_rows is None:
-        return out, None
-    return out, pooled[:, : -(-pool_rows // BLOCK)]
+    return out
 
 
 def scatter_heads(src: torch.Tensor, order: torch.Tensor | None, batch: int) -> torch.Tensor:
@@ -762,8 +746,8 @@ class BlockSparseRunner:
             addressing = ("strided", sb // sh, BLOCK * ss // sh, h)
         else:  # copies of K and V in blocked row order (a layout with a row order, or strides FlashInfer cannot page)
             rows = layout.key_pages * BLOCK
-            kt, _ = gather_heads(key, padded, rows)
-            vt, _ = gather_heads(value, padded, rows)
+            kt = gather_heads(key, padded, rows)
+            vt = gather_heads(value, padded, rows)
             k_pages = kt.view(groups * layout.key_pages, BLOCK, 1, d)
             v_pages = vt.view(groups * layout.key_pages, BLOCK, 1, d)
             addressing = ("copied", h)
