@@ -29,7 +29,10 @@ Usage (results go to ``<out>.json``, ``<out>.md`` and ``<out>.png``)::
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import json
 import statistics
 import sys
@@ -324,6 +327,20 @@ def per_block_bound(model: nn.Module, inputs: dict, device: torch.device, bandwi
     }
 
 
+
+def profile_top(fn: Callable[[], Any], rows: int = 25) -> tuple[Any, dict]:
+    """Run ``fn`` under cProfile: its result and the ``rows`` costliest functions by own time and by cumulative
+    time (text, as pstats prints them) — where the host time of a setup or a step goes."""
+    profiler = cProfile.Profile()
+    result = profiler.runcall(fn)
+    tables = {}
+    for key in ("tottime", "cumulative"):
+        stream = io.StringIO()
+        pstats.Stats(profiler, stream=stream).sort_stats(key).print_stats(rows)
+        tables[key] = stream.getvalue()[-12000:]
+    return result, tables
+
+
 def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], None], model: nn.Module,
                 inputs: dict, device: torch.device, args: argparse.Namespace,
                 reference: torch.Tensor | None, alloc_stats: bool = False,
@@ -475,13 +492,24 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
         synchronize(device)
         free_memory(device)
         reserved: dict[str, int | None] = {}
+        profiles: dict[str, dict] = {}
+
+        def probe_teardown(backend):
+            # One more offloaded forward under cProfile (host side: hooks, torchao dispatch, allocator waits).
+            def step():
+                with torch.inference_mode():
+                    model(**inputs)
+                synchronize(device)
+            profiles["step"] = profile_top(step)[1]
+            backend.disable()
 
         def probe_setup():
             cuda = device.type == "cuda"
             if cuda:
                 torch.cuda.empty_cache()
             reserved["before_apply_offload"] = torch.cuda.memory_reserved(device) if cuda else None
-            backend = apply_offload(model, OffloadConfig("layerwise", device=device))
+            backend, profiles["apply_offload"] = profile_top(
+                lambda: apply_offload(model, OffloadConfig("layerwise", device=device)))
             if cuda:
                 torch.cuda.synchronize(device)
                 reserved["after_apply_offload"] = torch.cuda.memory_reserved(device)
@@ -489,9 +517,10 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
             reserved["after_second_empty_cache"] = torch.cuda.memory_reserved(device) if cuda else None
             return backend
 
-        _, probe = run_variant("omni layerwise, empty_cache", probe_setup, lambda backend: backend.disable(),
+        _, probe = run_variant("omni layerwise, empty_cache", probe_setup, probe_teardown,
                                model, inputs, device, args, reference, alloc_stats=True, trace=False)
         probe["reserved_bytes"] = reserved
+        probe["profiles"] = profiles
         entry["variants"].append(probe)
     del model, inputs, reference
     free_memory(device)
