@@ -382,10 +382,13 @@ def e2e_section(args, rows_fp8: list[dict], on_model=None) -> dict:
             "Diffusers _flash_3": ("diffusers", "_flash_3"),
             "omni auto": ("omni", None),
             "omni FP8": ("omni", fp8),
+            # The FP8 spec's bf16 fallback alone (FLUX routes every call to bf16): isolates the explicit
+            # FLASH_ATTN path from the auto route.
+            "omni FLASH_ATTN bf16": ("omni", {"default": {"backend": "FLASH_ATTN"}}),
         }
         if name == "wan":
             variants["omni RainFusion (sparsity 0.8)"] = ("omni", rainfusion)
-        steps = {}
+        steps, backends = {}, {}
         for variant, (kind, config) in variants.items():
             try:
                 if kind == "diffusers":
@@ -395,6 +398,8 @@ def e2e_section(args, rows_fp8: list[dict], on_model=None) -> dict:
                 else:
                     apply_attention(model, config)
                 steps[variant] = step_seconds(model, inputs, warmup + (1 if name == "flux" else 0), repeats)
+                if kind == "omni":
+                    backends[variant] = omni_backends(model)
                 print(f"e2e {label} {variant}: {steps[variant]:.4f} s/step", flush=True)
             except Exception as exc:  # a variant that cannot run is a result
                 report["unavailable"][f"{label}: {variant}"] = f"{type(exc).__name__}: {exc}"[:400]
@@ -407,7 +412,8 @@ def e2e_section(args, rows_fp8: list[dict], on_model=None) -> dict:
                         model.set_attention_backend("native")
                 else:
                     remove_attention(model)
-        report["models"][label] = {"tokens": tokens, "baseline": "Diffusers native", "steps": steps}
+        report["models"][label] = {"tokens": tokens, "baseline": "Diffusers native", "steps": steps,
+                                   "omni_backends": backends}
         if on_model is not None:
             on_model(report)
         del model, inputs
@@ -415,6 +421,21 @@ def e2e_section(args, rows_fp8: list[dict], on_model=None) -> dict:
             torch.cuda.empty_cache()
     report["fp8_routing"] = table["fp8"]
     return report
+
+
+def omni_backends(model) -> dict:
+    """What the omni variant ran, per role: the backend (and its implementation), and for an FP8 spec the route
+    each call shape took (``True``: FP8) — the diagnostic behind a whole-step difference between variants."""
+    seen: dict[str, dict] = {}
+    for module in model.modules():
+        for role, attention in getattr(getattr(module, "processor", None), "attend", {}).items():
+            backend = attention.backend
+            if role in seen:
+                continue
+            describe = backend.describe() if hasattr(backend, "describe") else {}
+            seen[role] = {"backend": attention.resolution.backend, "implementation": describe.get("implementation"),
+                          "fp8_routes": {str(k): v for k, v in getattr(backend, "_fp8_routes", {}).items()}}
+    return seen
 
 
 def to_markdown(results: dict) -> str:
