@@ -241,6 +241,17 @@ class _Streamer:
         self.stats.hook_seconds += perf_counter() - start
 
     @torch.compiler.disable(reason=EAGER_ONLY)
+    def end_pass(self, block: _StreamedBlock, first: tuple[_StreamedBlock, ...]) -> None:
+        """The stack's last streamed block ended: the next pass's first blocks load now, after its activations are
+        freed, not while it runs (that overlap would raise the peak above the window's)."""
+        self.end(block)
+        start = perf_counter()
+        for upcoming in first:
+            if upcoming.slot is None and not self.load(upcoming, evict=False):
+                break
+        self.stats.hook_seconds += perf_counter() - start
+
+    @torch.compiler.disable(reason=EAGER_ONLY)
     def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...]) -> None:
         # A block whose forward raised never ran its end(); settle it before the stack runs again.
         for block in blocks:
@@ -427,11 +438,20 @@ class LayerwiseOffloadBackend(OffloadBackend):
             state.hooks.install(
                 stack.owner, CallbackHook(before=partial(streamer.enter_stack, ring, first)), LAYERWISE_ENTRY_HOOK
             )
+            # Without a budget the window is Diffusers' (the running block and the next one of the same pass): the
+            # next pass's first blocks load when the last block ends, not over its activations. With a budget the
+            # lookahead wraps around (the reserve is paid for).
+            wrap = limit is None
             for position, ((_, module), block) in enumerate(zip(stack.blocks, row)):
                 # As far ahead as the window could ever hold: each upcoming block loads as soon as room frees up
                 # (e.g. while resident blocks run), so the copy engine never idles waiting for the next one.
-                lookahead = _lookahead(row, position, capacity, limit)
-                after = partial(streamer.end, block) if block is not None else None
+                lookahead = _lookahead(row, position, capacity, limit, wrap=wrap)
+                if block is None:
+                    after = None
+                elif block is ring[-1] and not wrap:
+                    after = partial(streamer.end_pass, block, first)
+                else:
+                    after = partial(streamer.end, block)
                 state.hooks.install(
                     module,
                     CallbackHook(before=partial(streamer.begin, block, lookahead), after=after),
@@ -493,11 +513,11 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
 
 def _lookahead(row: list[_StreamedBlock | None], position: int, capacity: int,
-               limit: int | None = None) -> tuple[_StreamedBlock, ...]:
-    """The streamed blocks after ``position`` (wrapping to the stack's start: the next step) that fit in
-    ``capacity`` bytes together, at most ``limit`` of them; at least one when there is another block."""
+               limit: int | None = None, wrap: bool = True) -> tuple[_StreamedBlock, ...]:
+    """The streamed blocks after ``position`` (with ``wrap``, wrapping to the stack's start: the next step) that
+    fit in ``capacity`` bytes together, at most ``limit`` of them; at least one when there is another block."""
     ring = [(i, b) for i, b in enumerate(row) if b is not None]
-    after = [b for i, b in ring if i > position] + [b for i, b in ring if i <= position]
+    after = [b for i, b in ring if i > position] + ([b for i, b in ring if i <= position] if wrap else [])
     current = row[position]
     chosen, total = [], 0
     for block in after:

@@ -163,6 +163,37 @@ def test_without_budget_at_most_prefetch_depth_plus_one_blocks_in_flight():
     backend.disable()
 
 
+def test_without_budget_next_pass_loads_after_the_last_block_ends():
+    # The wrap-around load (the next step's first block) waits for the last block to finish, so it never sits on the
+    # device next to the last block's activations (FLUX: the single blocks', the largest); with a budget it may.
+    model = bare_flux(num_layers=2, num_single_layers=3)
+    with torch.no_grad():
+        reference = model(**flux_inputs())[0]
+    probe = apply_offload(model, CPU)
+    fixed, largest = probe.stats.resident_device_bytes, probe.stats.slot_bytes
+    probe.disable()
+    budget = OffloadConfig("layerwise", device="cpu", max_device_memory=fixed + 2 * largest + 1024)
+    for config, loaded_while_last_runs in ((CPU, [False, False]), (budget, [True, True])):
+        backend = apply_offload(model, config)
+        first = next(b for b in backend._state.streamed[0] if b is not None)
+        during_last, after_last = [], []
+        # Hooks on modules inside the last block run while it computes; norm_out runs right after it.
+        hooks = [model.single_transformer_blocks[-1].proj_out.register_forward_hook(
+                     lambda *_: during_last.append(first.slot is not None)),
+                 model.norm_out.register_forward_pre_hook(lambda *_: after_last.append(first.slot is not None))]
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(**flux_inputs())[0], reference)
+        for hook in hooks:
+            hook.remove()
+        assert during_last == loaded_while_last_runs, config
+        assert after_last == [True, True], config
+        assert backend.stats.on_demand_loads == 0
+        backend.disable()
+        with torch.no_grad():
+            assert torch.equal(model(**flux_inputs())[0], reference)
+
+
 def test_budget_reserve_holds_more_small_blocks_but_never_more_bytes():
     # With a budget the reserve of two largest blocks is paid for: FLUX's smaller single blocks fill it.
     model = bare_flux(num_layers=1, num_single_layers=6)
