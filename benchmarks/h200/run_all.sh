@@ -32,9 +32,9 @@ for job in "$@"; do
             python3 -m benchmarks.h200.prewarm_block_sparse & python3 -m benchmarks.h200.prewarm_triton & wait
             python3 -m benchmarks.hopper_bench --out "$out/hopper_fp8_sparse_h200" --e2e "$out/e2e_attention_h200.json" ;;
     quant-offload) python3 -m benchmarks.quant_offload_bench --models flux --warmup 1 --repeats 2 --time-budget 400 \
-                     --per-block --cache-probe --out "$out/quant_offload_h200" ;;
+                     --per-block --cache-probe --deeper 3 --out "$out/quant_offload_h200" ;;
     quant-offload-wan) python3 -m benchmarks.quant_offload_bench --models wan --warmup 1 --repeats 2 --time-budget 380 \
-                         --per-block --cache-probe --out "$out/quant_offload_h200_wan" ;;
+                         --per-block --cache-probe --deeper 3 --out "$out/quant_offload_h200_wan" ;;
     quant-offload-check) python3 -m benchmarks.quant_offload_check --out "$out/quant_offload_h200_check" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
