@@ -6,13 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_run_on_cpu(tmp_path):
     out = tmp_path / "quant"
     command = [sys.executable, "-m", "benchmarks.quant_offload_bench", "--smoke", "--device", "cpu",
-               "--models", "flux", "--formats", "torchao-int8,gguf-q4_k", "--per-block", "--cache-probe", "--out", str(out)]
+               "--models", "flux", "--formats", "torchao-int8,gguf-q4_k", "--per-block", "--cache-probe", "--deeper", "2", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())
@@ -20,7 +22,7 @@ def test_smoke_run_on_cpu(tmp_path):
     for entry in report["entries"]:
         variants = {v["variant"]: v for v in entry["variants"]}
         assert set(variants) == {"resident", "omni layerwise", "omni layerwise from host", "diffusers group_offload",
-                                 "omni layerwise, empty_cache"}
+                                 "omni layerwise prefetch_depth=2", "omni layerwise, empty_cache"}
         omni = variants["omni layerwise"]
         assert omni["bitwise_equal_to_resident"] is True and omni["on_demand_loads"] == 0
         assert variants["omni layerwise from host"]["bitwise_equal_to_resident"] is True
@@ -41,11 +43,18 @@ def test_smoke_run_on_cpu(tmp_path):
         assert pb["bound_s"] >= max(pb["sum_compute_s"], pb["sum_copy_s"]) * (1 - 1e-12)
         assert pb["bound_s"] <= pb["sum_compute_s"] + pb["sum_copy_s"] * (1 + 1e-12)
         assert pb["target_step_s"] == omni["target_step_s"]
-        assert pb["bound_over_target"] == pb["bound_s"] / omni["target_step_s"]
-        assert pb["omni_step_over_bound"] == omni["step_s"] / pb["bound_s"]
+        # The wrap-around load after the last block (the no-budget rule) can only lengthen the bound's last term.
+        compute, copy = [b["compute_s"] for b in pb["blocks"]], [b["copy_s"] for b in pb["blocks"]]
+        between = max(variants["resident"]["step_s"] - sum(compute), 0.0)
+        assert pb["bound_after_last_s"] == pytest.approx(
+            sum(max(compute[i], copy[i + 1]) for i in range(len(compute) - 1)) + compute[-1] + max(between, copy[0]))
+        assert pb["bound_over_target"] == pb["bound_after_last_s"] / omni["target_step_s"]
+        assert pb["omni_step_over_bound"] == omni["step_s"] / pb["bound_after_last_s"]
         assert len(pb["largest_deficits"]) == 3
         assert [d["deficit_s"] for d in pb["largest_deficits"]] == sorted(
             (d["deficit_s"] for d in pb["largest_deficits"]), reverse=True)
+        # --deeper: the same model through a 3-block window, bitwise equal too.
+        assert variants["omni layerwise prefetch_depth=2"]["bitwise_equal_to_resident"] is True
         # --cache-probe: allocator counters are CUDA-only (a note on the CPU); the probe pass is bitwise equal too.
         probe = variants["omni layerwise, empty_cache"]
         assert probe["bitwise_equal_to_resident"] is True and probe["on_demand_loads"] == 0
