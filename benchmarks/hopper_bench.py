@@ -232,11 +232,15 @@ def sparse_section(args, func, factory, out: dict, save=lambda: None) -> dict:
             _, mask = runner(q, k, v, layout, return_mask=True, **selection)
             rows_equal = (mask == bs.reference_mask(q, k, layout, **selection)).all(-1).float().mean().item()
             del mask
+            kept = (bs.kept_blocks(layout, selection["sparsity"]) if "sparsity" in selection
+                    else stages["mass_kept_blocks"])
             row = {
                 "shape": label, "H": h, "S": s, "layout": layout_name, **selection,
-                "kept_blocks": (bs.kept_blocks(layout, selection["sparsity"]) if "sparsity" in selection
-                                else stages["mass_kept_blocks"]),
-                "key_blocks": layout.full_key_blocks, "kept_fraction": stages["kept_share"],
+                # Whole key blocks (the count each rule picks), and the key pages attended: the partial tail is one
+                # more page under either rule (top-k's sparsity counts it among the kept pages).
+                "kept_blocks": kept, "key_blocks": layout.full_key_blocks,
+                "kept_pages": kept + layout.key_pages - layout.full_key_blocks, "key_pages": layout.key_pages,
+                "kept_fraction": stages["kept_share"],
                 "dense_fa3_ms": dense_ms, "sparse_ms": whole, "first_call_ms": first_ms, "speedup": dense_ms / whole,
                 **stages, "selection_share": stages["selection_ms"] / whole,
                 "rel_err_vs_dense_fp32": rel_err(result, ref) if ref is not None else None,
@@ -464,7 +468,7 @@ def to_markdown(results: dict) -> str:
         err = f"{row['rel_err_vs_dense_fp32']:.2e}" if row.get("rel_err_vs_dense_fp32") is not None else "—"
         rule = (f"mass ≥ {row['mass_threshold']}" if row.get("mass_threshold") is not None
                 else f"top-k, sparsity {row['sparsity']}")
-        kept = (f"{row['kept_blocks']}/{row['key_blocks']}" if row.get("kept_blocks") is not None
+        kept = (f"{row['kept_pages']}/{row['key_pages']} pages" if row.get("kept_pages") is not None
                 else f"{row['kept_fraction']:.1%}")
         plan = f"{row['plan_ms']:.3f}" if row.get("plan_ms") is not None else "—"
         lines.append(f"| {row['shape']} | {row['layout']} | {rule} | {kept} | {row['dense_fa3_ms']:.3f} | "

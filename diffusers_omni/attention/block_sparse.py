@@ -8,7 +8,9 @@ picks its own key blocks:
   is ``mean_q_i · mean_k_j``. Forced blocks (the prefix and first-frame key blocks of a video geometry, and the query
   block's own diagonal block) rank first. Two rules pick the kept blocks among the whole key blocks:
 
-  - *top-k* (``sparsity``, ``select_blocks``): each query block keeps its ``kept`` best key blocks;
+  - *top-k* (``sparsity``, ``select_blocks``): each query block keeps ``round((1 - sparsity) · key pages)`` pages,
+    the partial tail (below) one of them, so its ``kept`` best whole key blocks are that count less the tail
+    (``kept_blocks``);
   - *cumulative mass* (``mass_threshold``, ``select_blocks_by_mass`` then ``mass_kept``): each query block needs
     the smallest set, in rank order, whose share of ``softmax(scale · scores)`` over the whole key blocks reaches the
     threshold; the call keeps ONE count for every query block, the largest needed count rounded up to a bucket
@@ -18,7 +20,8 @@ picks its own key blocks:
     only, so it is cached as under top-k.
 
   Query blocks of the prefix attend to every key block. Rows past the last whole key block (``S mod 128``) form a
-  partial *tail* block that every query block keeps.
+  partial *tail* block that every query block keeps: one of the top-k count's pages, an extra page under cumulative
+  mass (outside its count and its mass).
 * **kernel** (``BlockSparseRunner``): heads become independent "requests" of FlashInfer's
   ``BatchPrefillWithPagedKVCacheWrapper`` (``backend="fa3"`` on sm_90): each (batch·head, query block) is one
   request whose KV pages are its kept key blocks (page size 128) and whose last page is the partial tail.
@@ -112,12 +115,22 @@ class SparseLayout:
 
 
 def kept_blocks(layout: SparseLayout, sparsity: float) -> int:
-    """Whole key blocks each sparse query block keeps: ``round((1 - sparsity) · full blocks)``, at least the forced
-    blocks plus the diagonal, at most all of them."""
-    full = layout.full_key_blocks
-    wanted = round((1.0 - sparsity) * full)
+    """Whole key blocks each sparse query block keeps under top-k.
+
+    ``sparsity`` counts key pages (the whole blocks and the partial tail): a query block keeps
+    ``round((1 - sparsity) · key_pages)`` pages, the tail always one of them, so the whole blocks are that count less
+    the tail page (at S = 32,760: sparsity 0.8 keeps 50 of 255 whole blocks plus the tail, 51 of 256 pages) — the
+    nominal share is the share of pages, hence of the kernel's work, a query block attends. At least the forced
+    blocks plus the diagonal, at most all the whole blocks."""
+    full, tail = layout.full_key_blocks, (1 if layout.tail_rows else 0)
+    wanted = round((1.0 - sparsity) * layout.key_pages) - tail
     floor = min(full, len(set(layout.forced_key_blocks)) + 1)
     return max(floor, min(full, wanted))
+
+
+def kept_pages(layout: SparseLayout, sparsity: float) -> int:
+    """Key pages each sparse query block attends under top-k, of ``layout.key_pages``: ``kept_blocks`` and the tail."""
+    return kept_blocks(layout, sparsity) + (1 if layout.tail_rows else 0)
 
 
 def pool_blocks(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -308,10 +321,35 @@ MAX_TRITON_KEY_BLOCKS = 4096
 _SELECT_ROWS = 16  # query blocks per selection program (tl.dot needs 16)
 
 
+def _sort_fits(configs, named_args, **kwargs):
+    """The selection launch configurations worth timing: those whose threads hold at most 64 of a program's
+    ``BQ · NBP`` int64 sort keys (with fewer warps the sort spills to local memory: slower, and compiling it only adds
+    to the first call), else the one with the most warps."""
+    keys = kwargs["BQ"] * kwargs["NBP"]
+    fitting = [config for config in configs if keys <= 64 * 32 * config.num_warps]
+    return fitting or [max(configs, key=lambda config: config.num_warps)]
+
+
 @functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
+    """The Triton kernels, built once per ``interpret`` (``TRITON_INTERPRET=1``, what the CPU tests run).
+
+    The prepare and select kernels pick their launch configuration by timing each one on the first call of a key
+    (``triton.autotune``: the shape arguments and the dtypes): the pooling pass is bound by how many loads are in
+    flight, which its rows per tile and warps set; the selection by how many sort keys each thread holds. Both
+    overwrite their outputs and read none of them, so the repeated timing runs leave the results as one run does.
+    The interpreter gets one configuration (nothing to time on the CPU), with tiles of 32 rows so that the pooling
+    loop runs more than once per block.
+    """
     import triton
     import triton.language as tl
+
+    if interpret:
+        prepare_configs = [triton.Config({"TILE": 32}, num_warps=4)]
+        select_configs = [triton.Config({}, num_warps=4)]
+    else:
+        prepare_configs = [triton.Config({"TILE": tile}, num_warps=warps) for tile in (32, 64, 128) for warps in (4, 8)]
+        select_configs = [triton.Config({}, num_warps=warps) for warps in (4, 8, 16)]
 
     @triton.jit
     def _gather_kernel(src_ptr, order_ptr, dst_ptr, rows_out, H, stride_b, stride_s, stride_h,
@@ -358,6 +396,7 @@ def _kernels(interpret: bool):
             x = tl.load(src_ptr + (g * S + pos)[:, None] * D + cols[None, :], mask=ok, other=0.0)
             tl.store(dst_ptr + b * stride_b + h * stride_h + dst_row[:, None] * stride_s + cols[None, :], x, mask=ok)
 
+    @triton.autotune(configs=prepare_configs, key=["H", "MB", "NB", "D", "ORDERED", "GATHER_Q"])
     @triton.jit
     def _prepare_kernel(q_ptr, k_ptr, order_ptr, qt_ptr, pooled_ptr, S, H, MB, NB,
                         sqb, sqs, sqh, skb, sks, skh,
@@ -365,7 +404,9 @@ def _kernels(interpret: bool):
                         ORDERED: tl.constexpr, GATHER_Q: tl.constexpr):
         # One launch for both inputs. Programs blk < MB: query block blk of head g (copied to qt[g] in blocked row
         # order with GATHER_Q) and its mean; programs blk >= MB: the mean of whole key block blk - MB. Means go to
-        # pooled[g, blk] ([G, MB + NB, D] float32: query blocks, then key blocks).
+        # pooled[g, blk] ([G, MB + NB, D] float32: query blocks, then key blocks). The sum is kept per row of the tile
+        # (masked rows load 0) and reduced across rows once, after the loop: a reduction per tile crosses warps
+        # (shared memory and a barrier) and holds back the next tile's loads.
         g = tl.program_id(0)
         blk = tl.program_id(1)
         b = g // H
@@ -378,7 +419,7 @@ def _kernels(interpret: bool):
         stride = tl.where(is_q, sqs, sks).to(tl.int64)
         j = tl.where(is_q, blk, blk - MB)
         valid = tl.where(is_q, S, NB * BLOCK_ROWS)
-        acc = tl.zeros([BLOCK_D], tl.float32)
+        acc = tl.zeros([TILE, BLOCK_D], tl.float32)
         for r in range(0, BLOCK_ROWS, TILE):
             pos = j * BLOCK_ROWS + r + tl.arange(0, TILE)
             row_ok = pos < valid
@@ -392,10 +433,12 @@ def _kernels(interpret: bool):
                 dst = qt_ptr + (g.to(tl.int64) * S + pos)[:, None] * D + cols[None, :]
                 q_rows = tl.where(is_q, S, 0)  # (a tensor bound: the interpreter rejects scalar-bool masks)
                 tl.store(dst, x, mask=(pos < q_rows)[:, None] & col_ok[None, :])
-            acc += tl.sum(x.to(tl.float32), axis=0)
+            acc += x.to(tl.float32)
         count = tl.minimum(valid - j * BLOCK_ROWS, BLOCK_ROWS)
-        tl.store(pooled_ptr + (g.to(tl.int64) * (MB + NB) + blk) * D + cols, acc / count, mask=col_ok)
+        tl.store(pooled_ptr + (g.to(tl.int64) * (MB + NB) + blk) * D + cols, tl.sum(acc, axis=0) / count, mask=col_ok)
 
+    @triton.autotune(configs=select_configs, key=["H", "MB", "NB", "D", "MASS"],
+                     prune_configs_by={"early_config_prune": _sort_fits})
     @triton.jit
     def _select_kernel(pooled_ptr, forced_ptr, out_ptr, count_ptr, MB, NB, dense_rows, n_sparse, kept, H,
                        base_b, base_h, mult, out_sg, out_sr, threshold, scale_log2,
@@ -515,7 +558,7 @@ def pool_and_gather(query: torch.Tensor, key: torch.Tensor, layout: SparseLayout
     prepare[(groups, mb + nb)](
         query, key, order if order is not None else pooled, qt if gather_q else pooled, pooled, s, h, mb, nb,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        D=d, BLOCK_D=_block_d(d), BLOCK_ROWS=BLOCK, TILE=32, ORDERED=order is not None, GATHER_Q=gather_q,
+        D=d, BLOCK_D=_block_d(d), BLOCK_ROWS=BLOCK, ORDERED=order is not None, GATHER_Q=gather_q,
     )
     return qt, pooled
 
@@ -796,7 +839,6 @@ class BlockSparseRunner:
                 plan.base_b, plan.base_h, plan.mult, out.stride(0), out.stride(1),
                 float(call.mass_threshold or 0.0), scale * LOG2E,
                 D=d, BLOCK_D=block_d, NBP=nbp, BQ=_SELECT_ROWS, DC=16 if block_d == 16 else 32, MASS=mass,
-                num_warps=min(16, max(4, nbp // 32)),  # ≤ 32 sort keys a thread
             )
         elif n_sparse:
             pooled_q, pooled_k = call.pooled[:, :mb], call.pooled[:, mb:]

@@ -278,7 +278,8 @@ class BlockSparseSpec:
 
     Args:
         sparsity (`float`, defaults to 0.8): fraction of blocks skipped, in [0, 1]: each query block keeps a fixed
-            number of key blocks (top-k by pooled score). The default when ``mass_threshold`` is not set.
+            number of key blocks, ``round((1 - sparsity) · blocks)`` (top-k by pooled score; on CUDA a partial tail
+            block counts as one of them, and is always kept). The default when ``mass_threshold`` is not set.
         start_step (`int`, defaults to 0): denoising steps before sparsity starts.
         skip_layers (`str` or `list[int]`, *optional*): layers that stay dense, e.g. ``"0-3,38"``.
         mass_threshold (`float`, *optional*): cumulative-mass selection instead of a fixed count, in (0, 1): each

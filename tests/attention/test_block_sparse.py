@@ -69,7 +69,8 @@ def test_kept_blocks_and_forced_selection():
     layout = bs.SparseLayout(700, forced_key_blocks=(0, 1))
     assert (layout.full_key_blocks, layout.tail_rows, layout.query_blocks, layout.key_pages) == (5, 60, 6, 6)
     assert bs.kept_blocks(layout, 0.8) == 3  # at least the forced blocks plus the diagonal
-    assert bs.kept_blocks(layout, 0.0) == 5 and bs.kept_blocks(bs.SparseLayout(700), 0.6) == 2
+    assert bs.kept_blocks(layout, 0.0) == 5
+    assert bs.kept_blocks(bs.SparseLayout(700), 0.6) == 1  # round(0.4 · 6 pages) = 2, the partial tail one of them
     q, k, _ = _qkv()
     selected = bs.reference_selection(q, k, layout, 0.6)
     rows = selected.sort(-1).values.tolist()
@@ -84,6 +85,29 @@ def test_kept_blocks_and_forced_selection():
     scores = pooled_q[0, 5] @ pooled_k[0].T
     scores[[0, 1]] = -float("inf")
     assert int(scores.argmax()) in rows[0][5]
+
+
+def test_top_k_counts_the_partial_tail_among_the_kept_pages():
+    """``sparsity`` is the share of key pages skipped, the partial tail page one of the kept ones (it is always kept):
+    round((1 - sparsity) · pages) pages, the whole blocks one fewer. Without a tail: the whole blocks, as before."""
+    tailed = bs.SparseLayout(10 * 128 + 60)  # 10 whole blocks and a tail: 11 pages
+    assert (bs.kept_blocks(tailed, 0.8), bs.kept_pages(tailed, 0.8)) == (1, 2)  # round(0.2 · 11) = 2 pages
+    assert (bs.kept_blocks(tailed, 0.5), bs.kept_pages(tailed, 0.5)) == (5, 6)  # round(5.5) = 6
+    wan = bs.SparseLayout(32760)  # Wan 480p: 255 whole blocks and a 120-row tail
+    assert (bs.kept_blocks(wan, 0.8), bs.kept_pages(wan, 0.8)) == (50, 51)
+    assert (bs.kept_blocks(wan, 0.5), bs.kept_pages(wan, 0.5)) == (127, 128)
+    whole = bs.SparseLayout(10 * 128)
+    assert (bs.kept_blocks(whole, 0.8), bs.kept_pages(whole, 0.8)) == (2, 2)
+    assert (bs.kept_blocks(whole, 0.5), bs.kept_pages(whole, 0.5)) == (5, 5)
+    # The floor (forced blocks and the diagonal) and the ceiling (every whole block) stay.
+    assert bs.kept_blocks(tailed, 1.0) == 1 and bs.kept_blocks(tailed, 0.0) == 10 and bs.kept_pages(tailed, 0.0) == 11
+    assert bs.kept_blocks(bs.SparseLayout(10 * 128 + 60, forced_key_blocks=(0, 1, 2)), 0.8) == 4
+    # What the runner plans: every sparse query block attends kept_pages pages, the tail among them.
+    q, k, v = _qkv(s=10 * 128 + 60)
+    out, mask = _runner()(q, k, v, tailed, 0.8, return_mask=True)
+    assert (mask.sum(-1) == 2).all() and mask[:, :, -1].all()
+    assert torch.equal(mask, bs.reference_mask(q, k, tailed, 0.8))
+    torch.testing.assert_close(out, bs.block_sparse_reference(q, k, v, tailed, mask), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("order", [None, "perm"])
@@ -242,13 +266,18 @@ def test_interpreted_triton_layout_kernels_match_pytorch():
 @pytest.mark.parametrize("seq_len", [16 * 128 + 40, 16 * 128])  # with and without a partial tail block
 @pytest.mark.parametrize("selection", [{"sparsity": 0.75}, {"mass_threshold": 0.6}])
 def test_interpreted_pooling_and_selection_kernels_match_pytorch(seq_len, selection):
+    """The fused prepare kernel (Q rows per head, every block mean: a partial last query block averaged over its rows,
+    rows in natural or permuted order) and the selection kernel against the float32 PyTorch path."""
     q, k, v = _structured(b=2, s=seq_len, h=1, d=24)
-    for layout in (bs.SparseLayout(seq_len), bs.SparseLayout(seq_len, dense_query_blocks=2, forced_key_blocks=(0, 1, 2))):
+    perm = torch.randperm(seq_len, generator=torch.Generator().manual_seed(2))
+    for layout in (bs.SparseLayout(seq_len), bs.SparseLayout(seq_len, dense_query_blocks=2, forced_key_blocks=(0, 1, 2)),
+                   bs.SparseLayout(seq_len, perm, forced_key_blocks=(0,))):
         runner = _runner()
         call = runner.prepare(q, k, v, layout, **selection)
         pooled_q, pooled_k = bs._reference_pooled(q, k, layout)
         torch.testing.assert_close(call.pooled, torch.cat([pooled_q, pooled_k], 1), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(call.qt, q.permute(0, 2, 1, 3).reshape(2, seq_len, 24), rtol=0, atol=0)
+        rows = layout.order if layout.order is not None else torch.arange(seq_len)
+        torch.testing.assert_close(call.qt, q.permute(0, 2, 1, 3)[:, :, rows].reshape(2, seq_len, 24), rtol=0, atol=0)
         out = runner.finish(runner.attend(runner.select(call)))
         mask = runner.block_mask(call)
         assert torch.equal(mask, bs.reference_mask(q, k, layout, **selection))
@@ -328,7 +357,7 @@ def test_triton_kernels_compile_for_sm90():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    _, _, prepare, select = bs._kernels(False)
+    _, _, prepare, select = bs._kernels(False)  # autotuned: every configuration they may launch
     ints = lambda *names: {name: "i32" for name in names}  # noqa: E731
     prepare_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "order_ptr": "*i64", "qt_ptr": "*bf16", "pooled_ptr": "*fp32",
                    **ints("S", "H", "MB", "NB", "sqb", "sqs", "sqh", "skb", "sks", "skh")}
@@ -337,13 +366,20 @@ def test_triton_kernels_compile_for_sm90():
                          "out_sr"), "threshold": "fp32", "scale_log2": "fp32"}
     target = GPUTarget("cuda", 90, 32)
     for ordered, gather in ((False, True), (True, True), (False, False)):
-        constants = {"D": 128, "BLOCK_D": 128, "BLOCK_ROWS": 128, "TILE": 32, "ORDERED": ordered, "GATHER_Q": gather}
-        signature = {**prepare_sig, **{name: "constexpr" for name in constants}}
-        assert triton_compile(ASTSource(prepare, signature, constants), target=target).asm["cubin"]
+        for config in prepare.configs:
+            constants = {"D": 128, "BLOCK_D": 128, "BLOCK_ROWS": 128, "ORDERED": ordered, "GATHER_Q": gather,
+                         **config.kwargs}
+            signature = {**prepare_sig, **{name: "constexpr" for name in constants}}
+            compiled = triton_compile(ASTSource(prepare.fn, signature, constants), target=target,
+                                      options={"num_warps": config.num_warps})
+            assert compiled.asm["cubin"]
     for mass in (False, True):
-        constants = {"D": 64, "BLOCK_D": 64, "NBP": 64, "BQ": 16, "DC": 32, "MASS": mass}
-        signature = {**select_sig, **{name: "constexpr" for name in constants}}
-        assert triton_compile(ASTSource(select, signature, constants), target=target).asm["cubin"]
+        for config in select.configs:
+            constants = {"D": 64, "BLOCK_D": 64, "NBP": 64, "BQ": 16, "DC": 32, "MASS": mass}
+            signature = {**select_sig, **{name: "constexpr" for name in constants}}
+            compiled = triton_compile(ASTSource(select.fn, signature, constants), target=target,
+                                      options={"num_warps": config.num_warps})
+            assert compiled.asm["cubin"]
 
 
 class CpuRainFusion(RainFusionBackend):

@@ -37,8 +37,14 @@ def test_smoke_sparse_section_and_report(tmp_path):
     assert [c["layout"] for c in out["checks"]] == ["geometry-free", "geometry", "geometry-free, cumulative mass"]
     assert all(c["mask_rows_equal_to_float32_selection"] == 1.0 for c in out["checks"])
     assert len(out["timings"]) == 4 and saves[-1] == 4  # written as it goes
-    row = dict(out["timings"][0], mass_threshold=0.5, sparsity=None, kept_blocks=None, plan_ms=1.0)
+    for row in out["timings"]:  # top-k rows, no dense query blocks: every request attends the same pages
+        assert abs(row["kept_fraction"] - row["kept_pages"] / row["key_pages"]) < 1e-9
+        if row["layout"] == "geometry-free":
+            layout = bs.SparseLayout(row["S"])
+            assert (row["kept_pages"], row["key_pages"]) == (bs.kept_pages(layout, row["sparsity"]), layout.key_pages)
+    row = dict(out["timings"][0], mass_threshold=0.5, sparsity=None, kept_pages=None, plan_ms=1.0)
     report = hopper_bench.to_markdown({"device": "cpu", "torch": torch.__version__, "date": "today", "script": "x",
                                        "sparse": {"timings": [*out["timings"], row], "checks": out["checks"]},
                                        "elapsed_s": {"sparse": 1.0}})
     assert "top-k, sparsity 0.5" in report and "mass ≥ 0.5" in report and "elapsed: sparse 1 s" in report
+    assert f"| {out['timings'][0]['kept_pages']}/{out['timings'][0]['key_pages']} pages |" in report

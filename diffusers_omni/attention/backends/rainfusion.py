@@ -34,7 +34,7 @@ import torch
 
 from ..model_state import remember_state
 
-from ..block_sparse import BLOCK, BlockSparseRunner, SparseLayout, kept_blocks
+from ..block_sparse import BLOCK, BlockSparseRunner, SparseLayout, kept_blocks, kept_pages
 from ..rainfusion_plan import (
     MIN_VIDEO_BLOCKS,
     RainFusionPlan,
@@ -282,8 +282,8 @@ class RainFusionBackend(AttentionBackend):
                            self.site_name, layout.source, spec.mass_threshold, layout.full_key_blocks)
             return self.runner(query, key, value, layout, scale=scale, mass_threshold=spec.mass_threshold)
         self._log_once(("sparse", layout.source), "RAINFUSION_ATTN (%s): block-sparse on CUDA, %s layout, %d of %d "
-                       "key blocks kept per query block", self.site_name, layout.source,
-                       kept_blocks(layout, spec.sparsity), layout.full_key_blocks)
+                       "key blocks kept per query block (a partial tail block counts as one)", self.site_name,
+                       layout.source, kept_pages(layout, spec.sparsity), layout.key_pages)
         return self.runner(query, key, value, layout, spec.sparsity, scale)
 
     def _rf_v2(self, query, key, value, plan: RainFusionPlan, scale):
