@@ -2,7 +2,9 @@
 
 FlashInfer compiles its paged FA3 prefill (``RAINFUSION_ATTN`` on CUDA) on first use, about 90 s per (dtype, head
 dim) on a fresh machine, and caches it on disk (``~/.cache/flashinfer``, or ``FLASHINFER_WORKSPACE_BASE``); Triton
-compiles the FP8 quantisation kernels (``FLASH_ATTN`` with ``quant``) in seconds and caches them too. Running this
+compiles the FP8 quantisation kernels (``FLASH_ATTN`` with ``quant``) and the block-sparse pooling and selection
+kernels (each launch configuration they time on a first call) in seconds, and caches them too; later shapes only
+re-time the cached variants. Running this
 once per machine (or image build) moves that cost out of the first generation.
 """
 
