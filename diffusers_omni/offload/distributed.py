@@ -40,7 +40,9 @@ from .discovery import named_tensors
 from .guards import GuardInstaller, Guards, OffloadActiveError
 from .hooks import EAGER_ONLY, LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
 from .layerwise import LayerwiseOffloadBackend, LayerwiseState, LayerwiseStats
-from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
+from .memory import (
+    HostMemory, PackedWeights, Transfers, placeholder, release_freed_device_memory, release_freed_host_memory,
+)
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -400,6 +402,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
         state.stats.host_bytes = sum(per_dtype.values())
         state.stats.host_bytes_per_dtype = per_dtype
         release_freed_host_memory()
+        release_freed_device_memory(self.device)
         logger.info("distributed offload rank %d/%d: host shards %s (of %s)", self.rank, self.world_size,
                     format_bytes(state.stats.host_bytes), format_bytes(total))
 

@@ -47,7 +47,9 @@ from .hooks import (
     InstalledHooks,
     refresh_registry_caches,
 )
-from .memory import HostMemory, PackedWeights, Transfers, placeholder, release_freed_host_memory
+from .memory import (
+    HostMemory, PackedWeights, Transfers, placeholder, release_freed_device_memory, release_freed_host_memory,
+)
 from .tensors import TensorSet, tensor_nbytes
 
 logger = logging.getLogger("diffusers_omni")
@@ -380,6 +382,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 state.streamed.append(streamed_row)
         state.stats.host_bytes = total
         release_freed_host_memory()
+        release_freed_device_memory(self.device)
 
     def _pack_one(
         self, weights: PackedWeights, resident: bool, host_memory: HostMemory, journal: Journal
