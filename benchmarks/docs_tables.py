@@ -544,9 +544,10 @@ def _short_error(error: str) -> str:
 
 
 # The quantized offload runs the docs show: the full-size FLUX run (else the full-width 1-block run), plus the
-# Wan-14B-size run once it exists.
+# Wan-14B-size run and the FLUX re-run after the device cache is emptied on enable, once they exist.
 QUANT_OFFLOAD_RUN = "quant_offload_h200" if (RESULTS / "quant_offload_h200.json").exists() else "quant_offload_h200_1block"
-QUANT_OFFLOAD_RUNS = [QUANT_OFFLOAD_RUN] + [r for r in ("quant_offload_h200_wan",) if (RESULTS / f"{r}.json").exists()]
+QUANT_OFFLOAD_RUNS = [QUANT_OFFLOAD_RUN] + [r for r in ("quant_offload_h200_wan", "quant_offload_h200_after_empty_cache")
+                                            if (RESULTS / f"{r}.json").exists()]
 
 
 def quant_offload() -> str:
