@@ -163,16 +163,21 @@ def test_without_budget_at_most_prefetch_depth_plus_one_blocks_in_flight():
     backend.disable()
 
 
+def _streaming_budget(model) -> OffloadConfig:
+    """A budget that streams every block: the non-block weights plus two largest blocks (the reserve), nothing more."""
+    probe = apply_offload(model, CPU)
+    fixed, largest = probe.stats.resident_device_bytes, probe.stats.slot_bytes
+    probe.disable()
+    return OffloadConfig("layerwise", device="cpu", max_device_memory=fixed + 2 * largest + 1024)
+
+
 def test_without_budget_next_pass_loads_after_the_last_block_ends():
     # The wrap-around load (the next step's first block) waits for the last block to finish, so it never sits on the
     # device next to the last block's activations (FLUX: the single blocks', the largest); with a budget it may.
     model = bare_flux(num_layers=2, num_single_layers=3)
     with torch.no_grad():
         reference = model(**flux_inputs())[0]
-    probe = apply_offload(model, CPU)
-    fixed, largest = probe.stats.resident_device_bytes, probe.stats.slot_bytes
-    probe.disable()
-    budget = OffloadConfig("layerwise", device="cpu", max_device_memory=fixed + 2 * largest + 1024)
+    budget = _streaming_budget(model)
     for config, loaded_while_last_runs in ((CPU, [False, False]), (budget, [True, True])):
         backend = apply_offload(model, config)
         first = next(b for b in backend._state.streamed[0] if b is not None)
@@ -199,10 +204,7 @@ def test_budget_reserve_holds_more_small_blocks_but_never_more_bytes():
     model = bare_flux(num_layers=1, num_single_layers=6)
     with torch.no_grad():
         reference = model(**flux_inputs())[0]
-    probe = apply_offload(model, CPU)
-    fixed, largest = probe.stats.resident_device_bytes, probe.stats.slot_bytes
-    probe.disable()
-    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu", max_device_memory=fixed + 2 * largest + 1024))
+    backend = apply_offload(model, _streaming_budget(model))
     stats = backend.stats
     assert stats.resident_blocks == 0 and stats.in_flight_blocks is None
     assert stats.in_flight_capacity == 2 * stats.slot_bytes
@@ -336,3 +338,37 @@ def test_bare_wan_transformer():
         assert torch.equal(model(**inputs)[0], reference)
         assert torch.equal(model(**inputs)[0], reference)
     backend.disable()
+
+
+def test_enable_returns_the_freed_device_memory(monkeypatch):
+    # Packing frees the device weights; left in PyTorch's cache they made the offloaded steps from device weights
+    # host-bound on the H200 (torchao float8 FLUX: three times the step). Enabling hands them back to the driver.
+    import diffusers_omni.offload.layerwise as layerwise
+
+    calls = []
+    monkeypatch.setattr(layerwise, "release_freed_device_memory", lambda device: calls.append(device))
+    model = bare_flux(num_layers=1, num_single_layers=1)
+    backend = apply_offload(model, CPU)
+    assert calls == [torch.device("cpu")]
+    backend.disable()
+
+
+def test_release_freed_device_memory_empties_the_accelerator_cache(monkeypatch):
+    from diffusers_omni.offload import memory
+
+    done = []
+
+    class FakeCuda:
+        @staticmethod
+        def synchronize(device):
+            done.append(("synchronize", device))
+
+        @staticmethod
+        def empty_cache():
+            done.append(("empty_cache",))
+
+    monkeypatch.setattr(memory.torch, "get_device_module", lambda device: FakeCuda)
+    memory.release_freed_device_memory(torch.device("cpu"))
+    assert done == []  # nothing to return on the host
+    memory.release_freed_device_memory(torch.device("cuda", 0))
+    assert done == [("synchronize", torch.device("cuda", 0)), ("empty_cache",)]
