@@ -544,9 +544,11 @@ def _short_error(error: str) -> str:
 
 
 # The quantized offload runs the docs show: the full-size FLUX run (else the full-width 1-block run), plus the
-# Wan-14B-size run and the FLUX re-run after the device cache is emptied on enable, once they exist.
+# Wan-14B-size run, the FLUX re-run after the device cache is emptied on enable and the one after each block's views
+# are made once, once they exist.
 QUANT_OFFLOAD_RUN = "quant_offload_h200" if (RESULTS / "quant_offload_h200.json").exists() else "quant_offload_h200_1block"
-QUANT_OFFLOAD_RUNS = [QUANT_OFFLOAD_RUN] + [r for r in ("quant_offload_h200_wan", "quant_offload_h200_after_empty_cache")
+QUANT_OFFLOAD_RUNS = [QUANT_OFFLOAD_RUN] + [r for r in ("quant_offload_h200_wan", "quant_offload_h200_after_empty_cache",
+                                                      "quant_offload_h200_views_once")
                                             if (RESULTS / f"{r}.json").exists()]
 
 

@@ -372,3 +372,65 @@ def test_release_freed_device_memory_empties_the_accelerator_cache(monkeypatch):
     assert done == []  # nothing to return on the host
     memory.release_freed_device_memory(torch.device("cuda", 0))
     assert done == [("synchronize", torch.device("cuda", 0)), ("empty_cache",)]
+
+
+class _RecordingTransfers:
+    """``Transfers`` on the host that logs the stream-ordering calls (events are plain objects)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, object]] = []
+
+    def new_event(self):
+        return object()
+
+    def record_on_compute(self, event) -> None:
+        self.log.append(("record", event))
+
+    def copy(self, pairs, wait_for=None, done=None) -> None:
+        for src, dst in pairs:
+            dst.copy_(src)
+        self.log.append(("copy", done))
+
+    def compute_waits_for(self, event) -> None:
+        self.log.append(("wait", event))
+
+
+def _streamed_block(seed: int):
+    from diffusers_omni.offload.layerwise import _StreamedBlock
+    from diffusers_omni.offload.memory import HostMemory, PackedWeights
+
+    torch.manual_seed(seed)
+    weights = PackedWeights(f"block{seed}", nn.Linear(8, 8))
+    weights.pack(HostMemory(torch.device("cpu"), pin_memory=False))
+    block = _StreamedBlock(weights, torch.device("cpu"))
+    weights.park(block.placeholders)
+    return block
+
+
+def test_device_buffers_are_made_once_and_freed_between_loads_and_an_evicted_unrun_block_is_awaited():
+    """Each load allocates the block's own buffers again (same objects and views, memory freed when it ends);
+    the compute stream waits for a copy once before the block runs, and before freeing a prefetched block that
+    never ran (nothing else orders the compute stream's next use of that memory after the copy)."""
+    from diffusers_omni.offload.layerwise import LayerwiseStats, _Streamer
+
+    a, b = _streamed_block(0), _streamed_block(1)
+    transfers = _RecordingTransfers()
+    streamer = _Streamer(a.weights.nbytes, transfers, LayerwiseStats(), max_blocks=1)
+    assert streamer.load(a)
+    views = a.views
+    ready = a.slot.ready
+    streamer.begin(a, ())
+    streamer.begin(a, ())  # called again while loaded: no second wait
+    assert [entry for entry in transfers.log if entry[0] == "wait"] == [("wait", ready)]
+    streamer.end(a)
+    assert all(buffer.untyped_storage().nbytes() == 0 for buffer in a.buffers.values())
+    transfers.log.clear()
+    assert streamer.load(a) and a.views is views  # the same views over memory allocated again
+    ready = a.slot.ready
+    assert streamer.load(b, evict=True)  # evicts a, which never ran since this load
+    # a's load; then, for b's, the wait for a's copy before its memory is freed and b's copy into it.
+    assert [kind for kind, _ in transfers.log] == ["record", "copy", "wait", "record", "copy"]
+    assert transfers.log[2] == ("wait", ready)
+    assert all(buffer.untyped_storage().nbytes() == 0 for buffer in a.buffers.values())
+    streamer.begin(b, ())
+    assert torch.equal(b.weights.tensors.current()[0], b.weights.host_views[0])

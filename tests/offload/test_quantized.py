@@ -149,8 +149,8 @@ def test_packed_layout_keeps_strides_and_shares_aliased_bytes():
 def test_wrapper_built_once_then_rebound_and_released_between_uses(fmt):
     """Layerwise builds each torchao weight once for the device and afterwards only rebinds its inner tensors (a
     FLUX step binds ~500 of them): one object per weight for every step, the original object between uses, the
-    kept one holding zero-element tensors, every load's device buffers freed as soon as the block ends (no
-    reference cycle keeps them), nothing kept after disable."""
+    kept one holding zero-element tensors; each block's device buffers are made once and their memory is
+    allocated for every load and freed as soon as the block ends; nothing is kept after disable."""
     import weakref
 
     model = qh.quantized("flux", fmt)
@@ -160,10 +160,15 @@ def test_wrapper_built_once_then_rebound_and_released_between_uses(fmt):
     state = backend._state
     streamed = {id(module): block for stack, row in zip(state.stacks, state.streamed)
                 for (_, module), block in zip(stack.blocks, row) if block is not None}
-    buffers: list[weakref.ref] = []
+    buffers: dict[int, weakref.ref] = {}
+    loaded_bytes: list[tuple[int, int]] = []
 
     def keep_buffer_refs(module, args):
-        buffers.extend(weakref.ref(b) for b in streamed[id(module)].slot.buffers.values())
+        block = streamed[id(module)]
+        assert block.slot is not None, "prefetched before it runs"
+        for b in block.buffers.values():
+            buffers[id(b)] = weakref.ref(b)
+            loaded_bytes.append((b.untyped_storage().nbytes(), b.numel() * b.element_size()))
 
     hooks = [m.register_forward_pre_hook(keep_buffer_refs) for _, m in _blocks(model) if id(m) in streamed]
     linears = [n for n, _ in qh.quantized_linears(model) if n.startswith(("transformer_blocks", "single_"))]
@@ -181,11 +186,18 @@ def test_wrapper_built_once_then_rebound_and_released_between_uses(fmt):
     assert len(wrappers) >= len(linears)
     assert all(w.reusable and w.rebuilt is not None for w in wrappers)
     assert all(held.numel() == 0 for w in wrappers for _, held in w.rebuilt.inner)
-    assert len(buffers) == 3 * sum(len(b.weights.numel) for b in streamed.values())
-    assert all(ref() is None for ref in buffers)
+    assert len(buffers) == sum(len(b.weights.numel) for b in streamed.values()), "one buffer per dtype per block"
+    assert len(loaded_bytes) == 3 * len(buffers) and all(held == size for held, size in loaded_bytes)
+    # Freed when the block ended; only the next step's first blocks are loaded.
+    held = [(blk.slot is not None, b.untyped_storage().nbytes(), b.numel() * b.element_size())
+            for blk in streamed.values() for b in blk.buffers.values()]
+    assert all(nbytes == (size if loaded else 0) for loaded, nbytes, size in held)
+    assert any(not loaded for loaded, _, _ in held)
     backend.disable()
     assert all(w.rebuilt is None for w in wrappers)
     qh.assert_same_weights(before, model)
+    state = streamed = None
+    assert all(ref() is None for ref in buffers.values()), "nothing kept after disable"
 
 
 def test_model_level_under_inference_mode_keeps_normal_wrapper_objects():
