@@ -36,6 +36,8 @@ for job in "$@"; do
     quant-offload-wan) python3 -m benchmarks.quant_offload_bench --models wan --warmup 1 --repeats 2 --time-budget 380 \
                          --per-block --cache-probe --deeper 3 --out "$out/quant_offload_h200_wan" ;;
     quant-offload-check) python3 -m benchmarks.quant_offload_check --out "$out/quant_offload_h200_check" ;;
+    quant-offload-budget) python3 -m benchmarks.quant_offload_bench --models flux --formats torchao-int8,gguf-q8_0 \
+                            --warmup 1 --repeats 3 --budget 3 --no-peak-trace --out "$out/quant_offload_h200_budget" ;;
     quant-offload-rerun) python3 -m benchmarks.quant_offload_bench --models flux --warmup 1 --repeats 3 --time-budget 300 \
                            --out "$out/quant_offload_h200_views_once" ;;
     offload-timeline) python3 -m benchmarks.offload_timeline --time-budget 300 --out "$out/offload_timeline_h200" ;;
