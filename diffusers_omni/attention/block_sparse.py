@@ -6,7 +6,8 @@ picks its own key blocks:
 
 * **selection**: per block, the mean of its Q rows and of its K rows; the score of (query block *i*, key block *j*)
   is ``mean_q_i · mean_k_j``. Forced blocks (the prefix and first-frame key blocks of a video geometry, and the query
-  block's own diagonal block) rank first. Two rules pick the kept blocks among the whole key blocks:
+  block's own diagonal block) rank first, then by score; equal scores rank by block index, the lower first. Two
+  rules pick the kept blocks among the whole key blocks:
 
   - *top-k* (``sparsity``, ``select_blocks``): each query block keeps ``round((1 - sparsity) · key pages)`` pages,
     the partial tail (below) one of them, so its ``kept`` best whole key blocks are that count less the tail
@@ -36,8 +37,10 @@ picks its own key blocks:
   the first call of each bucket, at most ``MASS_PLAN_CACHE_SIZE`` kept per runner); no per-row host work.
 
 A call runs in four stages (``prepare``, ``select``, ``attend``, ``finish``): one Triton launch that copies Q into
-per-head rows and mean-pools every query and key block, one Triton launch that scores, ranks and writes page ids,
-FlashInfer's ``run``, and one Triton launch that writes the output back to ``[B, S, H, D]``.
+per-head rows and mean-pools every query and key block, one Triton launch that scores the blocks and writes the
+kept page ids (top-k: each row's kept blocks found without sorting it, written in ascending block order; cumulative
+mass: every block in rank order, a sort per row), FlashInfer's ``run``, and one Triton launch that writes the output
+back to ``[B, S, H, D]``.
 
 ``block_mask`` / ``keep_mask`` and ``block_sparse_reference`` express the same selection as a token mask through
 SDPA: the reference the tests (and the H200 benchmark) compare the kernel path against (``reference_mask`` computes
@@ -165,19 +168,37 @@ def _forced(layout: SparseLayout, mb: int, nb: int, device) -> torch.Tensor:
     return forced
 
 
-def select_blocks(pooled_q: torch.Tensor, pooled_k: torch.Tensor, layout: SparseLayout, kept: int) -> torch.Tensor:
-    """Top-``kept`` whole key blocks per (head, query block) by pooled score, forced and diagonal blocks first.
+def _rank_blocks(pooled_q: torch.Tensor, pooled_k: torch.Tensor,
+                 layout: SparseLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every (head, query block)'s whole key blocks in rank order: forced and diagonal blocks first, then by
+    descending pooled score, equal scores by ascending block index (the order the selection kernel ranks by).
 
     Args:
         pooled_q (`torch.Tensor`): ``[G, query_blocks, D]``.
         pooled_k (`torch.Tensor`): ``[G, full_key_blocks, D]``.
 
     Returns:
-        ``[G, query_blocks, kept]`` int64 key-block indices (in no particular order within a row).
+        ``(scores, forced, order)``: ``[G, query_blocks, full_key_blocks]`` float32 scores, the ``[query_blocks,
+        full_key_blocks]`` forced mask (``_forced``) and the int64 key blocks in rank order.
     """
     scores = torch.bmm(pooled_q, pooled_k.transpose(1, 2))  # [G, MB, NB]
-    scores = scores.masked_fill(_forced(layout, scores.shape[1], scores.shape[2], scores.device), float("inf"))
-    return scores.topk(kept, dim=-1, sorted=False).indices
+    forced = _forced(layout, scores.shape[1], scores.shape[2], scores.device)
+    ranked = scores.masked_fill(forced, float("inf"))
+    return scores, forced, torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+
+
+def select_blocks(pooled_q: torch.Tensor, pooled_k: torch.Tensor, layout: SparseLayout, kept: int) -> torch.Tensor:
+    """Top-``kept`` whole key blocks per (head, query block): the first ``kept`` of ``_rank_blocks``' order.
+
+    Args:
+        pooled_q (`torch.Tensor`): ``[G, query_blocks, D]``.
+        pooled_k (`torch.Tensor`): ``[G, full_key_blocks, D]``.
+
+    Returns:
+        ``[G, query_blocks, kept]`` int64 key-block indices, ascending within a row (the order the selection kernel
+        writes them in).
+    """
+    return _rank_blocks(pooled_q, pooled_k, layout)[2][..., :kept].sort(-1).values
 
 
 def select_blocks_by_mass(pooled_q: torch.Tensor, pooled_k: torch.Tensor, layout: SparseLayout, threshold: float,
@@ -187,15 +208,11 @@ def select_blocks_by_mass(pooled_q: torch.Tensor, pooled_k: torch.Tensor, layout
     blocks (the smallest such set; the forced blocks' mass counts).
 
     Returns:
-        ``(order, counts)``: ``[G, query_blocks, full_key_blocks]`` int64 key blocks, forced first then by
-        descending score, and ``[G, query_blocks]`` int64: row ``r`` keeps ``order[..., :counts]``.
+        ``(order, counts)``: ``[G, query_blocks, full_key_blocks]`` int64 key blocks in rank order (``_rank_blocks``),
+        and ``[G, query_blocks]`` int64: row ``r`` keeps ``order[..., :counts]``.
     """
-    scores = torch.bmm(pooled_q, pooled_k.transpose(1, 2))  # [G, MB, NB]
-    forced = _forced(layout, scores.shape[1], scores.shape[2], scores.device)
+    scores, forced, order = _rank_blocks(pooled_q, pooled_k, layout)
     mass = torch.softmax(scores * scale, dim=-1)
-    # Forced blocks first, then by score (descending); ties by block index.
-    ranked = scores.masked_fill(forced, float("inf"))
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     sorted_mass = mass.gather(-1, order)
     before = sorted_mass.cumsum(-1) - sorted_mass
     keep = forced.expand_as(scores).gather(-1, order) | (before < threshold)
@@ -315,18 +332,22 @@ def _use_triton(x: torch.Tensor) -> bool:
     return True
 
 
-# The selection kernel holds a row of scores per query block in registers (and sorts it): up to this many key blocks
-# (524,288 tokens); longer sequences select in PyTorch.
+# The selection kernel holds a row of scores per query block in registers (and, for cumulative mass, sorts it): up to
+# this many key blocks (524,288 tokens); longer sequences select in PyTorch.
 MAX_TRITON_KEY_BLOCKS = 4096
 _SELECT_ROWS = 16  # query blocks per selection program (tl.dot needs 16)
 
 
-def _sort_fits(configs, named_args, **kwargs):
+def _select_configs_to_time(configs, named_args, **kwargs):
     """The selection launch configurations worth timing: those whose threads hold at most 64 of a program's
-    ``BQ · NBP`` int64 sort keys (with fewer warps the sort spills to local memory: slower, and compiling it only adds
-    to the first call), else the one with the most warps."""
+    ``BQ · NBP`` int64 keys (with fewer warps they spill to local memory: slower, and compiling them only adds to the
+    first call), else the one with the most warps. Top-k (``MASS=False``) times at most 8 warps of those: it does not
+    sort but sums each row once per key bit it searches, and a row spread over more warps adds a cross-warp step to
+    every sum."""
     keys = kwargs["BQ"] * kwargs["NBP"]
     fitting = [config for config in configs if keys <= 64 * 32 * config.num_warps]
+    if not kwargs["MASS"]:
+        fitting = [config for config in fitting if config.num_warps <= 8]
     return fitting or [max(configs, key=lambda config: config.num_warps)]
 
 
@@ -336,7 +357,7 @@ def _kernels(interpret: bool):
 
     The prepare and select kernels pick their launch configuration by timing each one on the first call of a key
     (``triton.autotune``: the shape arguments and the dtypes): the pooling pass is bound by how many loads are in
-    flight, which its rows per tile and warps set; the selection by how many sort keys each thread holds. Both
+    flight, which its rows per tile and warps set; the selection by how many keys each thread holds. Both
     overwrite their outputs and read none of them, so the repeated timing runs leave the results as one run does.
     The interpreter gets one configuration (nothing to time on the CPU), with tiles of 32 rows so that the pooling
     loop runs more than once per block.
@@ -438,16 +459,17 @@ def _kernels(interpret: bool):
         tl.store(pooled_ptr + (g.to(tl.int64) * (MB + NB) + blk) * D + cols, tl.sum(acc, axis=0) / count, mask=col_ok)
 
     @triton.autotune(configs=select_configs, key=["H", "MB", "NB", "D", "MASS"],
-                     prune_configs_by={"early_config_prune": _sort_fits})
+                     prune_configs_by={"early_config_prune": _select_configs_to_time})
     @triton.jit
     def _select_kernel(pooled_ptr, forced_ptr, out_ptr, count_ptr, MB, NB, dense_rows, n_sparse, kept, H,
                        base_b, base_h, mult, out_sg, out_sr, threshold, scale_log2,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, NBP: tl.constexpr, BQ: tl.constexpr,
                        DC: tl.constexpr, MASS: tl.constexpr):
         # BQ sparse query blocks of head g: scores against every whole key block (pooled means, float32), ranked by
-        # one sort of int64 keys (forced bit | order-preserving score bits | reversed block index), and the kept
-        # blocks' page ids (block · mult + the head's base page) written to out[g, r, :kept] (top-k) or, with MASS,
-        # every block's page id in rank order to out[g, r, :NB] and the count that reaches the mass to count[g, r].
+        # one int64 key per (query block, key block). Top-k finds the kept blocks without sorting and writes their
+        # page ids (block · mult + the head's base page) in ascending block order to out[g, r, :kept]; MASS sorts the
+        # keys and writes every block's page id in rank order to out[g, r, :NB] and the count that reaches the mass
+        # to count[g, r].
         g = tl.program_id(0)
         r = tl.program_id(1) * BQ + tl.arange(0, BQ)
         r_ok = r < n_sparse
@@ -467,27 +489,47 @@ def _kernels(interpret: bool):
         forced = (tl.load(forced_ptr + j, mask=j_ok, other=0) != 0)[None, :] | (j[None, :] == i[:, None])
         bits = acc.to(tl.int32, bitcast=True).to(tl.int64)
         ordered = tl.where(bits >= 0, bits + 2147483648, -bits - 1)  # float order as unsigned 32-bit
-        key = (forced.to(tl.int64) << 53) | (ordered << 20) | (NBP - 1 - j)[None, :]
+        # One int64 key per (query block, key block), the larger the better: forced bit | score bits | reversed block
+        # index (20 bits), so equal scores rank the lower block first and the keys of a row are distinct.
+        key = (forced.to(tl.int64) << 52) | (ordered << 20) | (NBP - 1 - j)[None, :]
         key = tl.where(j_ok[None, :], key, -1)
-        key = tl.sort(key, dim=1, descending=True)
-        blocks = (NBP - 1) - (key & 1048575)
-        pos = tl.arange(0, NBP)[None, :]
         base = (g // H) * base_b + (g % H) * base_h
-        dst = out_ptr + g.to(tl.int64) * out_sg + r[:, None] * out_sr + pos
+        dst = out_ptr + g.to(tl.int64) * out_sg + r[:, None] * out_sr
         if MASS:
-            unsigned = (key >> 20) - ((key >> 52) << 32)
+            key = tl.sort(key, dim=1, descending=True)  # rank order
+            blocks = (NBP - 1) - (key & 1048575)
+            unsigned = (key >> 20) & 4294967295
             score = tl.where(unsigned >= 2147483648, unsigned - 2147483648, -unsigned - 1)
             score = score.to(tl.int32).to(tl.float32, bitcast=True)
             valid = key >= 0
             top = tl.max(tl.where(j_ok[None, :], acc, float("-inf")), axis=1)
             p = tl.where(valid, tl.exp2((score - top[:, None]) * scale_log2), 0.0)
             before = tl.cumsum(p, axis=1) - p
-            keep = valid & (((key >> 53) != 0) | (before < threshold * tl.sum(p, axis=1)[:, None]))
+            keep = valid & (((key >> 52) != 0) | (before < threshold * tl.sum(p, axis=1)[:, None]))
             n_keep = tl.sum(keep.to(tl.int32), axis=1)
             tl.store(count_ptr + g * n_sparse + r, n_keep, mask=r_ok)
-            tl.store(dst, (blocks * mult + base).to(tl.int32), mask=r_ok[:, None] & (pos < NB))
+            pos = tl.arange(0, NBP)[None, :]
+            tl.store(dst + pos, (blocks * mult + base).to(tl.int32), mask=r_ok[:, None] & (pos < NB))
         else:
-            tl.store(dst, (blocks * mult + base).to(tl.int32), mask=r_ok[:, None] & (pos < kept))
+            # No sort: per row, a threshold t that exactly `kept` keys reach (keys are distinct, so those are the row's
+            # top `kept`), found bit by bit from the top (a radix select): a bit of t stays set when at least `kept`
+            # keys still reach t with it. A row is settled once exactly `kept` do; the search stops when every row is
+            # (rows past the last sparse query block count as settled), at the latest after the last bit, where t is
+            # the kept-th largest key.
+            t = tl.zeros([BQ], tl.int64)
+            reached = tl.where(r_ok, NB, kept)  # keys >= t, per row
+            step = tl.full([], 1 << 52, tl.int64)  # the key's top bit
+            while (step > 0) & (tl.max(reached, axis=0) > kept):
+                candidate = t | step
+                count = tl.sum((key >= candidate[:, None]).to(tl.int32), axis=1)
+                t = tl.where(count >= kept, candidate, t)
+                reached = tl.where(count >= kept, count, reached)
+                step = step >> 1
+            keep = key >= t[:, None]
+            # Written compactly in ascending block order: a kept block's slot is the number of kept blocks before it
+            # (exactly `kept` are kept; the bound only guards the neighbouring rows' pages).
+            slot = tl.cumsum(keep.to(tl.int32), axis=1) - keep.to(tl.int32)
+            tl.store(dst + slot, (j[None, :] * mult + base).to(tl.int32), mask=r_ok[:, None] & keep & (slot < kept))
 
     return _gather_kernel, _scatter_kernel, _prepare_kernel, _select_kernel
 
@@ -654,11 +696,11 @@ class BlockSparseRunner:
 
     1. ``prepare``: one Triton launch copies Q into per-head rows (no copy when Q is already heads-major) and
        mean-pools every query block and every whole key block; K and V are read in place as pages.
-    2. ``select``: one Triton launch scores each query block against every key block, ranks them and writes the
-       kept blocks' page ids into the planned index buffer (top-k: no host synchronisation). Cumulative mass
-       writes every block's page id in rank order and each query block's needed count; the host reads their
-       maximum (one small synchronisation), buckets it (``mass_kept``) and copies that many page ids per query block
-       into the cached plan of that count.
+    2. ``select``: one Triton launch scores each query block against every key block and writes the kept blocks'
+       page ids, in ascending block order, into the planned index buffer (top-k: no host synchronisation).
+       Cumulative mass writes every block's page id in rank order and each query block's needed count; the host
+       reads their maximum (one small synchronisation), buckets it (``mass_kept``) and copies that many page ids per
+       query block into the cached plan of that count.
     3. ``attend``: the wrapper's ``run``.
     4. ``finish``: the output rows back to ``[B, S, H, D]``.
 
@@ -817,8 +859,9 @@ class BlockSparseRunner:
         return call
 
     def write_pages(self, call: BlockSparseCall) -> BlockSparseCall:
-        """The selection itself: score, rank and write the kept page ids (one Triton launch; PyTorch without
-        Triton); cumulative mass writes every block's page id in rank order and the needed counts instead."""
+        """The selection itself: score the blocks and write the kept page ids in ascending block order (one Triton
+        launch; PyTorch without Triton); cumulative mass writes every block's page id in rank order and the needed
+        counts instead."""
         layout = call.layout
         plan = call.mass if call.mass_threshold is not None else call.plan
         groups = call.qt.shape[0]

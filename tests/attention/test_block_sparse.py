@@ -247,6 +247,65 @@ def test_heads_major_query_is_read_without_a_copy():
     torch.testing.assert_close(_runner()(heads_major, k, v, layout, 0.5), _runner()(q, k, v, layout, 0.5))
 
 
+# Top-k selections (seq_len, dense prefix rows, forced key blocks, kept): 37 whole key blocks (not a power of two) and
+# a tail, 35 to 38 sparse query blocks (three selection programs of 16, the last one partial), one kept block, every
+# block; 20 whole blocks and no tail.
+TOP_K_CASES = [(37 * 128 + 50, 3, (0, 4), 12), (37 * 128 + 50, 0, (), 1), (37 * 128 + 50, 2, (1,), 37),
+               (20 * 128, 0, (0,), 6)]
+
+
+def _top_k_by_definition(pooled_q, pooled_k, forced_blocks, kept):
+    """Top-k selection written out row by row: forced blocks and the diagonal first, then by descending score, equal
+    scores by the lower block index."""
+    g, mb, _ = pooled_q.shape
+    nb = pooled_k.shape[1]
+    keep = torch.zeros(g, mb, nb, dtype=torch.bool)
+    for head in range(g):
+        for i in range(mb):
+            scores = (pooled_q[head, i] @ pooled_k[head].T).tolist()
+            forced = set(forced_blocks) | {i}
+            ranked = sorted(range(nb), key=lambda j: (j not in forced, -scores[j], j))
+            keep[head, i, ranked[:kept]] = True
+    return keep
+
+
+def _top_k_call(monkeypatch, seq_len, dense, forced, kept, seed=0):
+    """A prepared top-k call keeping ``kept`` whole blocks whose block means are small integers: every score is exact
+    (the kernel's and PyTorch's agree bit for bit) and many are equal."""
+    monkeypatch.setattr(bs, "kept_blocks", lambda layout, sparsity: kept)
+    q, k, v = _qkv(b=2, s=seq_len, h=1, d=16, seed=seed)
+    layout = bs.SparseLayout(seq_len, dense_query_blocks=dense, forced_key_blocks=forced)
+    runner = _runner()
+    call = runner.prepare(q, k, v, layout, 0.5)
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, call.pooled.shape, generator=g) * 2 - 1
+    call.pooled = (torch.randint(1, 3, call.pooled.shape, generator=g) * signs).float()
+    return runner, call
+
+
+def _check_top_k_pages(runner, call, forced, kept):
+    """The pages ``write_pages`` wrote: the top-k selection by its definition (forced blocks, the diagonal, ties to the
+    lower block), each row's blocks strictly ascending."""
+    layout, plan = call.layout, call.plan
+    mb = layout.query_blocks
+    pooled_q, pooled_k = call.pooled[:, :mb], call.pooled[:, mb:]
+    mask = runner.block_mask(call)
+    assert torch.equal(mask, bs.keep_mask(_top_k_by_definition(pooled_q, pooled_k, forced, kept), layout))
+    assert torch.equal(mask, bs.block_mask(bs.select_blocks(pooled_q, pooled_k, layout, kept), layout))
+    blocks = (plan.selected.long() - plan.base[:, None, None]) // plan.mult
+    assert (blocks.diff(dim=-1) > 0).all()
+    return plan.selected.clone()
+
+
+@pytest.mark.parametrize("seq_len, dense, forced, kept", TOP_K_CASES)
+def test_top_k_selection_breaks_ties_by_block_and_writes_ascending_pages(monkeypatch, seq_len, dense, forced, kept):
+    """The PyTorch selection (``write_pages`` without Triton): equal scores keep the lower block, as the kernel does,
+    and each query block's page ids are written in ascending block order, as the kernel writes them."""
+    runner, call = _top_k_call(monkeypatch, seq_len, dense, forced, kept)
+    runner.write_pages(call)
+    _check_top_k_pages(runner, call, forced, kept)
+
+
 @interpreted
 def test_interpreted_triton_layout_kernels_match_pytorch():
     q, k, v = _qkv(b=2, h=3, d=24)
@@ -282,6 +341,19 @@ def test_interpreted_pooling_and_selection_kernels_match_pytorch(seq_len, select
         mask = runner.block_mask(call)
         assert torch.equal(mask, bs.reference_mask(q, k, layout, **selection))
         torch.testing.assert_close(out, bs.block_sparse_reference(q, k, v, layout, mask), rtol=2e-5, atol=2e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("seq_len, dense, forced, kept", TOP_K_CASES)
+def test_interpreted_top_k_selection_kernel_matches_pytorch(monkeypatch, seq_len, dense, forced, kept):
+    """The selection kernel's top-k (a radix select per row, no sort) keeps exactly the PyTorch selection's blocks,
+    ties included, and writes the same page table: each row's page ids in ascending block order."""
+    runner, call = _top_k_call(monkeypatch, seq_len, dense, forced, kept, seed=1)
+    runner.write_pages(call)
+    triton_pages = _check_top_k_pages(runner, call, forced, kept)
+    monkeypatch.setattr(bs, "_use_triton", lambda x: False)
+    runner.write_pages(call)
+    assert torch.equal(call.plan.selected, triton_pages)
 
 
 class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
@@ -380,6 +452,20 @@ def test_triton_kernels_compile_for_sm90():
             compiled = triton_compile(ASTSource(select.fn, signature, constants), target=target,
                                       options={"num_warps": config.num_warps})
             assert compiled.asm["cubin"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or INTERPRETING, reason="needs Triton")
+def test_selection_launch_configurations_worth_timing():
+    """Cumulative mass sorts its keys: the configurations whose threads hold at most 64 of them, else the most warps.
+    Top-k does not sort: at most 8 warps of those."""
+    configs = bs._kernels(False)[3].configs
+
+    def warps(mass, nbp):
+        return sorted(c.num_warps for c in bs._select_configs_to_time(configs, {}, BQ=16, NBP=nbp, MASS=mass))
+
+    assert warps(True, 256) == [4, 8, 16] and warps(False, 256) == [4, 8]
+    assert warps(True, 1024) == [8, 16] and warps(False, 1024) == [8]
+    assert warps(True, 4096) == warps(False, 4096) == [16]
 
 
 class CpuRainFusion(RainFusionBackend):
