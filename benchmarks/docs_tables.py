@@ -548,7 +548,8 @@ def _short_error(error: str) -> str:
 # are made once, once they exist.
 QUANT_OFFLOAD_RUN = "quant_offload_h200" if (RESULTS / "quant_offload_h200.json").exists() else "quant_offload_h200_1block"
 QUANT_OFFLOAD_RUNS = [QUANT_OFFLOAD_RUN] + [r for r in ("quant_offload_h200_wan", "quant_offload_h200_after_empty_cache",
-                                                      "quant_offload_h200_views_once")
+                                                      "quant_offload_h200_views_once",
+                                                      "quant_offload_h200_wan_q4k_nf4")
                                             if (RESULTS / f"{r}.json").exists()]
 
 
@@ -585,6 +586,28 @@ def quant_offload() -> str:
         "model quantized there) and again from the host (after `disable()`), where the run has it"
         + (f" ({report['args']['layers']} block(s) per stack at full width, not the full model)"
            if report["args"].get("layers") else "") + ".\n")
+
+
+def quant_offload_budget() -> str:
+    """The budget variants of ``quant_offload_h200_budget``: what ``max_device_memory`` buys where the default window
+    is copy-bound."""
+    report = result("quant_offload_h200_budget")
+    rows = []
+    for entry in report["entries"]:
+        variants = {v["variant"]: v for v in entry["variants"]}
+        omni, resident = variants["omni layerwise"], variants["resident"]
+        for name, v in variants.items():
+            if not name.startswith("omni layerwise, max_device_memory=") or "step_s" not in v:
+                continue
+            rows.append([entry["model"], entry["format"], name.split("=", 1)[1], f"{resident['step_s']:.3f}",
+                         f"{omni['step_s']:.3f} ({gib(omni['peak_device_bytes'])})",
+                         f"{v['step_s']:.3f}", f"{v['target_step_s']:.3f}", _verdict(v["meets_step_target"]),
+                         gib(v["streamed_bytes"]), gib(v["peak_device_bytes"]), "yes" if v["bitwise_equal_to_resident"]
+                         else "NO"])
+    return table(["Model", "Format", "max_device_memory", "Resident step (s)", "Default window step (peak)",
+                  "Budget step (s)", "Target (s)", "Meets", "Streamed", "Peak", "Bitwise = resident"], rows) + (
+        "\nTarget = 1.05 × max(resident step, the budget run's streamed bytes ÷ bandwidth). Run: "
+        "`quant_offload_h200_budget.md`.\n")
 
 
 def _mib(n: float) -> str:
@@ -647,6 +670,7 @@ RENDERERS = {
     "fp8-targets": fp8_targets,
     "sparse-targets": sparse_targets,
     "quant-offload": quant_offload,
+    "quant-offload-budget": quant_offload_budget,
     "offload-lifecycle": offload_lifecycle,
 }
 
