@@ -224,7 +224,6 @@ def host_timers() -> HostTimers:
     timers.wrap(layerwise._Streamer, "load", "load (total)")
     timers.wrap(layerwise._StreamedBlock, "allocate", "load: allocate device buffers")
     timers.wrap(memory.Transfers, "copy", "load: copy (stream switch, wait, copies, record)")
-    timers.wrap(memory.Transfers, "used_by_copy_stream", "load: record_stream")
     timers.wrap(memory.Transfers, "record_on_compute", "load: event record on compute")
     timers.wrap(memory.Transfers, "compute_waits_for", "begin: compute waits for load")
     timers.wrap(memory.PackedWeights, "views_into", "begin: views_into")

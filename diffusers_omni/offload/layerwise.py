@@ -5,13 +5,13 @@ Each block's tensors live in one contiguous (pinned) host buffer per dtype. With
 Diffusers' group offload holds its running and next group); with a budget, the reserve of ``prefetch_depth + 1``
 largest blocks is filled with as many smaller blocks as fit. When a block starts, its tensors are rebound to views
 of its device buffer and the next streamed blocks are copied on a copy stream; when it ends, its tensors go back
-to empty placeholders and its buffer is released. Device buffers are taken from PyTorch's caching allocator at the
-size of each block, so device memory follows the blocks actually in flight (a small block does not hold a slot
-sized for the largest).
-Ordering needs no host synchronisation: a buffer is allocated on the compute stream and the copy stream waits
-for an event recorded right after the allocation (so the memory's previous users have finished), the compute
-stream waits for the copy's ``ready`` event before the block runs, and ``record_stream`` tells the allocator
-that the copy stream used the buffer.
+to empty placeholders and its buffer's memory is freed. Device memory is taken from PyTorch's caching allocator at
+the size of each block, so it follows the blocks actually in flight (a small block does not hold a slot sized for
+the largest); a block's buffers and views are made once and only their storage is allocated and freed per load.
+Ordering needs no host synchronisation: memory is allocated on the compute stream and the copy stream waits for
+an event recorded right after the allocation (so the memory's previous users have finished), and the compute
+stream waits for the copy's ``ready`` event before the block runs (or before a prefetched block that never ran is
+freed), so the compute stream's later uses of that memory come after the copy.
 """
 
 from __future__ import annotations

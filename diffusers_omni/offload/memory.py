@@ -420,12 +420,6 @@ class Transfers:
                 dst.copy_(src, non_blocking=True)
             done.record(self.copy_stream)
 
-    def used_by_copy_stream(self, tensors) -> None:
-        """Tell the caching allocator that the copy stream used ``tensors`` (allocated on the compute stream)."""
-        if self.asynchronous:
-            for tensor in tensors:
-                tensor.record_stream(self.copy_stream)
-
     def compute_waits_for(self, event) -> None:
         if event is not None:
             self._module.current_stream(self.device).wait_event(event)
