@@ -433,9 +433,9 @@ def omni_backends(model) -> dict:
     seen: dict[str, dict] = {}
     for module in model.modules():
         for role, attention in getattr(getattr(module, "processor", None), "attend", {}).items():
-            backend = attention.backend
             if role in seen:
                 continue
+            backend = attention.backend
             describe = backend.describe() if hasattr(backend, "describe") else {}
             seen[role] = {"backend": attention.resolution.backend, "implementation": describe.get("implementation"),
                           "fp8_routes": {str(k): v for k, v in getattr(backend, "_fp8_routes", {}).items()}}

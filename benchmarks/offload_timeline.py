@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import bisect
 import functools
 import gc
 import json
@@ -40,10 +41,12 @@ from benchmarks.quant_offload_bench import FORMATS, build_model, quantize, versi
 GiB = 2**30
 
 
-def cuda_step(model, inputs, device) -> float:
-    """One forward timed with CUDA events on the compute stream (seconds)."""
+def cuda_step(model, inputs, device, wait_first: bool = True) -> float:
+    """One forward timed with CUDA events on the compute stream (seconds); ``wait_first=False`` does not wait for
+    work already queued (copies running on a side stream) before it starts."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize(device)
+    if wait_first:
+        torch.cuda.synchronize(device)
     start.record()
     model(**inputs)
     end.record()
@@ -68,7 +71,7 @@ def copy_contention(model, inputs, device, repeats: int = 3) -> dict[str, Any]:
             for _ in range(copies):
                 dst.copy_(host, non_blocking=True)
             c_end.record(stream)
-        step = cuda_step_no_sync_start(model, inputs)
+        step = cuda_step(model, inputs, device, wait_first=False)
         torch.cuda.synchronize(device)
         copy_s = c_start.elapsed_time(c_end) / 1e3
         results.append((step, copies * chunk / copy_s))
@@ -87,15 +90,6 @@ def copy_contention(model, inputs, device, repeats: int = 3) -> dict[str, Any]:
     del host, dst
     return {"step_alone_s": alone, "step_with_copies_s": step, "compute_slowdown": step / alone,
             "copy_bw_alone_gbs": alone_bw / 1e9, "copy_bw_during_compute_gbs": bandwidth / 1e9}
-
-
-def cuda_step_no_sync_start(model, inputs) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    model(**inputs)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
 
 
 def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -149,8 +143,6 @@ def timeline(model, inputs, device) -> dict[str, Any]:
     for (a0, a1), (b0, _) in zip(busy, busy[1:]):
         gap = b0 - a1
         if gap > 0:
-            import bisect
-
             i = bisect.bisect_left(copy_ends, b0 - 8.0)
             waited = i < len(copy_ends) and copy_ends[i] <= b0 + 1.0
             gaps.append((gap, waited, a1))

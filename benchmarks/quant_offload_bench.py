@@ -565,6 +565,17 @@ def _variant(entry: dict, label: str) -> dict:
     return next(v for v in entry["variants"] if v["variant"] == label)
 
 
+def _variant_table(report: dict, prefix: str, intro: str, columns: list[str],
+                   cells: Callable[[dict, dict], list[str]]) -> list[str]:
+    """Markdown lines of a table of the variants named ``prefix…`` (none when no entry has one), after ``intro``."""
+    rows = [(entry, v) for entry in report["entries"] for v in entry["variants"] if v["variant"].startswith(prefix)]
+    if not rows:
+        return []
+    header = ["Model", "Format", *columns]
+    return ["", intro, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join([entry["model"], entry["format"], *cells(entry, v)]) + " |" for entry, v in rows]
+
+
 def markdown(report: dict) -> str:
     env = report["environment"]
     lines = [
@@ -597,30 +608,21 @@ def markdown(report: dict) -> str:
             f"{_fmt(resident.get('host_s'))} / {_fmt(omni.get('host_s'))}, {_fmt(omni.get('hook_s_per_step'), '.4f')} | "
             f"{_fmt(omni.get('bitwise_equal_to_resident'))} / "
             f"{_fmt(diff.get('bitwise_equal_to_resident'))} | {verdict} |")
-    deeper = [(entry, v) for entry in report["entries"] for v in entry["variants"]
-              if v["variant"].startswith("omni layerwise prefetch_depth=")]
-    if deeper:
-        lines += ["", "A deeper window (no budget, `prefetch_depth` > 1: more blocks in flight) against the same target "
-                  "and Diffusers' peak:", "",
-                  "| Model | Format | Variant | Step | Target | Peak | Diffusers' peak | Bitwise |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for entry, v in deeper:
-            omni, diff = _variant(entry, "omni layerwise"), _variant(entry, "diffusers group_offload")
-            lines.append(f"| {entry['model']} | {entry['format']} | {v['variant']} | {_fmt(v.get('step_s'))} | "
-                         f"{_fmt(omni.get('target_step_s'))} | {_gib(v.get('peak_device_bytes'))} | "
-                         f"{_gib(diff.get('peak_device_bytes'))} | {_fmt(v.get('bitwise_equal_to_resident'))} |")
-    budgeted = [(entry, v) for entry in report["entries"] for v in entry["variants"]
-                if v["variant"].startswith("omni layerwise, max_device_memory=")]
-    if budgeted:
-        lines += ["", "With a budget (`max_device_memory`: blocks kept resident, more loads in flight), against the target "
-                  "of its own streamed bytes and the peak it costs:", "",
-                  "| Model | Format | Variant | Streamed | Step | Target | Meets | Peak | Bitwise |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for entry, v in budgeted:
-            lines.append(f"| {entry['model']} | {entry['format']} | {v['variant']} | {_gib(v.get('streamed_bytes'))} | "
-                         f"{_fmt(v.get('step_s'))} | {_fmt(v.get('target_step_s'))} | "
-                         f"{_fmt(v.get('meets_step_target'))} | {_gib(v.get('peak_device_bytes'))} | "
-                         f"{_fmt(v.get('bitwise_equal_to_resident'))} |")
+    lines += _variant_table(
+        report, "omni layerwise prefetch_depth=",
+        "A deeper window (no budget, `prefetch_depth` > 1: more blocks in flight) against the same target and "
+        "Diffusers' peak:", ["Variant", "Step", "Target", "Peak", "Diffusers' peak", "Bitwise"],
+        lambda entry, v: [v["variant"], _fmt(v.get("step_s")), _fmt(_variant(entry, "omni layerwise").get("target_step_s")),
+                          _gib(v.get("peak_device_bytes")),
+                          _gib(_variant(entry, "diffusers group_offload").get("peak_device_bytes")),
+                          _fmt(v.get("bitwise_equal_to_resident"))])
+    lines += _variant_table(
+        report, "omni layerwise, max_device_memory=",
+        "With a budget (`max_device_memory`: blocks kept resident, more loads in flight), against the target of its "
+        "own streamed bytes and the peak it costs:", ["Variant", "Streamed", "Step", "Target", "Meets", "Peak", "Bitwise"],
+        lambda entry, v: [v["variant"], _gib(v.get("streamed_bytes")), _fmt(v.get("step_s")),
+                          _fmt(v.get("target_step_s")), _fmt(v.get("meets_step_target")),
+                          _gib(v.get("peak_device_bytes")), _fmt(v.get("bitwise_equal_to_resident"))])
     traced = [(entry, v) for entry in report["entries"] for v in entry["variants"] if v.get("peak_trace")]
     if traced:
         lines += ["", "Where the peak is (one more forward, device memory allocated while each block runs):", "",

@@ -135,8 +135,7 @@ class _StreamedBlock:
     def allocate(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Device memory for one load (on the current stream); returns the (host, device) copy pairs."""
         if not self.buffers:
-            self.buffers = {d: torch.empty(n, dtype=d, device=self.device) for d, n in self.weights.numel.items()}
-            self.views = self.weights.views_into(self.buffers)
+            self.buffers, self.views = self.weights.device_buffers(self.device)
             self._copy_pairs = [(host, self.buffers[dtype].narrow(0, 0, host.numel()))
                                 for dtype, host in self.weights.host.items()]
             self._storages = [(b.untyped_storage(), b.numel() * b.element_size()) for b in self.buffers.values()]
@@ -237,6 +236,12 @@ class _Streamer:
         self.stats.copied_bytes += block.weights.nbytes
         return True
 
+    def _load_ahead(self, blocks: tuple[_StreamedBlock, ...], evict: bool = False) -> None:
+        """Load ``blocks`` in order, those not loaded yet, until the window is full."""
+        for block in blocks:
+            if block.slot is None and not self.load(block, evict=evict):
+                break
+
     @torch.compiler.disable(reason=EAGER_ONLY)
     def begin(self, block: _StreamedBlock | None, lookahead: tuple[_StreamedBlock, ...]) -> None:
         start = perf_counter()
@@ -258,9 +263,7 @@ class _Streamer:
             with torch.inference_mode(False):
                 block.weights.bind(block.views)
             block.running = True
-        for upcoming in lookahead:
-            if upcoming.slot is None and not self.load(upcoming, evict=False):
-                break
+        self._load_ahead(lookahead)
 
     @torch.compiler.disable(reason=EAGER_ONLY)
     def end(self, block: _StreamedBlock) -> None:
@@ -277,9 +280,7 @@ class _Streamer:
         freed, not while it runs (that overlap would raise the peak above the window's)."""
         self.end(block)
         start = perf_counter()
-        for upcoming in first:
-            if upcoming.slot is None and not self.load(upcoming, evict=False):
-                break
+        self._load_ahead(first)
         self.stats.hook_seconds += perf_counter() - start
 
     def release_all(self) -> None:
@@ -295,9 +296,7 @@ class _Streamer:
         for block in blocks:
             if block.running:
                 self.end(block)
-        for upcoming in first:
-            if upcoming.slot is None and not self.load(upcoming):
-                break
+        self._load_ahead(first, evict=True)
 
 
 @dataclass
@@ -430,8 +429,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         journal.record(f"restore {weights.path}", lambda: weights.restore(clone=clone, to_original_device=True))
         weights.pack(host_memory)
         if resident:
-            buffers = {d: torch.empty(n, dtype=d, device=self.device) for d, n in weights.numel.items()}
-            views = weights.views_into(buffers)
+            _, views = weights.device_buffers(self.device)
             for host_view, view in zip(weights.host_views, views):
                 view.copy_(host_view)
             weights.bind(views)

@@ -112,6 +112,11 @@ class PackedWeights:
             views.append(as_strided(shape, strides, base + offset))
         return views
 
+    def device_buffers(self, device: torch.device) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
+        """New (uninitialised) flat buffers on ``device``, one per dtype, and the views of every tensor in them."""
+        buffers = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in self.numel.items()}
+        return buffers, self.views_into(buffers)
+
     def pack(self, host_memory: "HostMemory") -> None:
         """Copy every tensor into fresh host buffers and rebind it to its host view, tensor by tensor, so the
         original storage can be freed as we go (no second full copy). Callers record ``restore`` as the undo

@@ -61,8 +61,7 @@ class _Exclusive:
     @torch.compiler.disable(reason=EAGER_ONLY)
     def onload(self, device: torch.device) -> None:
         with torch.inference_mode(False):
-            self._device_buffers = {d: torch.empty(n, dtype=d, device=device) for d, n in self.weights.numel.items()}
-            views = self.weights.views_into(self._device_buffers)
+            self._device_buffers, views = self.weights.device_buffers(device)
         # Same stream as the compute that follows, so no event or host synchronisation is needed.
         for dtype, host in self.weights.host.items():
             self._device_buffers[dtype].copy_(host, non_blocking=True)
