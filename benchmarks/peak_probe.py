@@ -6,6 +6,7 @@ caching allocator's history recorded; at the start of ``transformer_blocks.0/1/2
 snapshotted, and the ones alive at block 1 but not at block 2 are listed with the frames that allocated them.
 
     python -m benchmarks.peak_probe --out benchmarks/results/peak_probe_h200
+    python -m benchmarks.peak_probe --diff --out benchmarks/results/peak_diff_h200   # vs Diffusers, at each peak
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.offload_bench import make_inputs
+from benchmarks.offload_bench import free_memory, make_inputs, remove_group_offload
 from benchmarks.quant_offload_bench import build_model, quantize
 
 
@@ -33,11 +34,98 @@ def live_blocks() -> dict[int, dict]:
     return live
 
 
+def peak_live_set(model, inputs, device) -> dict:
+    """One forward with the caching allocator's history recorded; the allocation events replayed to the moment the
+    allocated bytes peak, and what is live then (allocations made before the forward by size, the forward's own by
+    the frames that made them)."""
+    torch.cuda.synchronize(device)
+    torch.cuda.memory._record_memory_history(max_entries=400000, stacks="python")
+    try:
+        before = {b["address"]: b["size"] for s in torch.cuda.memory._snapshot()["segments"]
+                  for b in s["blocks"] if b["state"] == "active_allocated"}
+        torch.cuda.reset_peak_memory_stats(device)
+        with torch.inference_mode():
+            model(**inputs)
+        torch.cuda.synchronize(device)
+        stat_peak = torch.cuda.max_memory_allocated(device)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = [e for e in snapshot["device_traces"][device.index or 0]
+              if e["action"] in ("alloc", "free_requested")]
+    live = dict(before)
+    total = sum(live.values())
+    peak, peak_at = total, -1
+    for n, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+        elif e["addr"] in live:
+            total -= live.pop(e["addr"])
+        if total > peak:
+            peak, peak_at = total, n
+    live = {a: ("before the forward", s) for a, s in before.items()}
+    for e in events[: peak_at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = (_where(e.get("frames", [])), e["size"])
+        else:
+            live.pop(e["addr"], None)
+    groups: dict[str, list[int]] = {}
+    for where, size in live.values():
+        groups.setdefault(where, []).append(size)
+    return {"stat_peak": stat_peak, "replayed_peak": peak, "events": len(events),
+            "live_at_peak": {k: {"bytes": sum(v), "count": len(v)} for k, v in
+                             sorted(groups.items(), key=lambda kv: -sum(kv[1]))}}
+
+
+def _where(frames: list[dict]) -> str:
+    """The innermost frames outside torch's own modules (the model code, the offload hooks) that allocated."""
+    keep = [f"{f['filename'].split('site-packages/')[-1].split('/work/')[-1]}:{f['line']} {f['name']}"
+            for f in frames if ("torch/" not in f["filename"] or "nn/modules" in f["filename"])
+            and "contextlib" not in f["filename"]]
+    return " < ".join(keep[:3]) or "(no python frame)"
+
+
+def diff_main(args) -> int:
+    """Omni layerwise and Diffusers' group offload (the benchmark's settings) on one quantized model: what is live
+    at each one's peak, allocations of the forward grouped by the frames that made them."""
+    from diffusers_omni import OffloadConfig, apply_offload
+
+    device = torch.device("cuda")
+    model = build_model("flux", device, False)
+    quantize(model, args.format, device)
+    inputs = make_inputs("flux", model, device, False)
+    report = {"format": args.format}
+    backend = apply_offload(model, OffloadConfig("layerwise", device=device))
+    with torch.inference_mode():
+        model(**inputs)
+    report["omni layerwise"] = peak_live_set(model, inputs, device)
+    backend.disable()
+    free_memory(device)
+    model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",
+                               num_blocks_per_group=1, use_stream=True, record_stream=True)
+    with torch.inference_mode():
+        model(**inputs)
+    report["diffusers group_offload"] = peak_live_set(model, inputs, device)
+    remove_group_offload(model)
+    for variant in ("omni layerwise", "diffusers group_offload"):
+        r = report[variant]
+        print(f"{variant}: stat peak {r['stat_peak']}, replayed {r['replayed_peak']} ({r['events']} events)")
+        for where, g in list(r["live_at_peak"].items())[:30]:
+            print(f"  {g['bytes']:>12} {g['count']:>5}  {where}")
+    Path(args.out + ".json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", default="gguf-q4_k")
     parser.add_argument("--out", default="benchmarks/results/peak_probe_h200")
+    parser.add_argument("--diff", action="store_true",
+                        help="omni layerwise vs Diffusers' group offload: what is live at each one's peak")
     args = parser.parse_args(argv)
+    if args.diff:
+        return diff_main(args)
     from diffusers_omni import OffloadConfig, apply_offload
 
     device = torch.device("cuda")

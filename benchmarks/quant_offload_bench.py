@@ -383,6 +383,7 @@ def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], 
     if stats is not None and hasattr(stats, "streamed_bytes_per_pass"):
         result.update({"streamed_bytes": stats.streamed_bytes_per_pass, "streamed_blocks": stats.streamed_blocks,
                        "slot_bytes": stats.slot_bytes, "on_demand_loads": stats.on_demand_loads,
+                       "resident_blocks": getattr(stats, "resident_blocks", None),
                        "host_memory_mode": stats.host_memory_mode,
                        "in_flight_blocks": getattr(stats, "in_flight_blocks", None),
                        "max_in_flight_bytes": getattr(stats, "max_in_flight_bytes", None),
@@ -461,12 +462,12 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
                                 lambda backend: backend.disable(), model, inputs, device, args, reference)
         entry["variants"].append(deeper)
 
-    if args.budget:
+    for budget in args.budget:
         # The trade a budget buys: blocks kept resident and more loads in flight for more device memory (the
         # step target with its own, fewer, streamed bytes).
-        _, budgeted = run_variant(f"omni layerwise, max_device_memory={args.budget} GiB",
+        _, budgeted = run_variant(f"omni layerwise, max_device_memory={budget:g} GiB",
                                   lambda: apply_offload(model, OffloadConfig("layerwise", device=device,
-                                                                             max_device_memory=int(args.budget * GiB))),
+                                                                             max_device_memory=int(budget * GiB))),
                                   lambda backend: backend.disable(), model, inputs, device, args, reference,
                                   trace=False)
         if "step_s" in budgeted and "step_s" in resident:
@@ -735,14 +736,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "Σ max(compute_i, copy_i+1)")
     parser.add_argument("--deeper", type=int, default=0, metavar="DEPTH",
                         help="also time layerwise with this prefetch_depth (a deeper window: its step and peak)")
-    parser.add_argument("--budget", type=float, default=0.0, metavar="GIB",
-                        help="also time layerwise with max_device_memory=GIB (0: off)")
+    parser.add_argument("--budget", default="", metavar="GIB[,GIB...]",
+                        help="also time layerwise with each max_device_memory=GIB (comma-separated; empty: off)")
     parser.add_argument("--cache-probe", action="store_true",
                         help="allocator counters over the omni steps, and the from-device pass once more on a fresh "
                              "model with torch.cuda.empty_cache() before (and after) apply_offload")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: start no further format after this (what was measured is written)")
     args = parser.parse_args(argv)
+    try:
+        args.budget = [float(b) for b in args.budget.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--budget {args.budget!r}; allowed: GiB values separated by commas, e.g. 2.5,3")
+    if any(b <= 0 for b in args.budget):
+        parser.error(f"--budget {args.budget}; allowed: values above 0")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     for field, values, allowed in (("--models", args.models, ("flux", "wan")), ("--formats", args.formats, FORMATS)):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that installs the carried wheels and runs every pending H200 measurement, writing under $OUT.
 # Budget: FlashInfer JIT-compiles ~90 s per kernel variant on a fresh machine; the offload runs take ~4 min per model.
-#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|offload-lifecycle|alignment|hopper|quant-offload|quant-offload-wan|quant-offload-check
+#   device run: bash benchmarks/h200/run_all.sh attention|sage|offload-budget|offload-distributed|offload-lifecycle|alignment|hopper|quant-offload|quant-offload-wan|quant-offload-check|quant-offload-budget|peak-diff
 # offload-lifecycle: 20 delete-and-rebuild cycles per strategy + 100 denoising steps, ~6-7 min on an H200.
 # quant-offload (FLUX size) and quant-offload-wan (Wan-14B size): 5 formats each, one device call each; a format
 # starts only within the time budget and results are written after every format, so a call stays under 10 min.
@@ -37,7 +37,9 @@ for job in "$@"; do
                          --per-block --cache-probe --deeper 3 --out "$out/quant_offload_h200_wan" ;;
     quant-offload-check) python3 -m benchmarks.quant_offload_check --out "$out/quant_offload_h200_check" ;;
     quant-offload-budget) python3 -m benchmarks.quant_offload_bench --models flux --formats torchao-int8,gguf-q8_0 \
-                            --warmup 1 --repeats 3 --budget 3 --no-peak-trace --out "$out/quant_offload_h200_budget" ;;
+                            --warmup 1 --repeats 3 --budget 2.5,3 --per-block --no-peak-trace \
+                            --out "$out/quant_offload_h200_budget_largest_first" ;;
+    peak-diff) python3 -m benchmarks.peak_probe --diff --format gguf-q4_k --out "$out/peak_diff_h200" ;;
     quant-offload-rerun) python3 -m benchmarks.quant_offload_bench --models flux --warmup 1 --repeats 3 --time-budget 300 \
                            --out "$out/quant_offload_h200_views_once" ;;
     offload-timeline) python3 -m benchmarks.offload_timeline --time-budget 300 --out "$out/offload_timeline_h200" ;;

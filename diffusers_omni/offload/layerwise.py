@@ -68,8 +68,9 @@ def plan_residency(
     """Which blocks stay on the device.
 
     ``forced`` blocks are always resident. Without a budget the rest stream. With one, everything is resident if
-    it fits; otherwise ``slot_count`` slots for the largest candidate are reserved and as many other blocks as fit
-    are kept, evenly spread through the stack so the streamed ones copy while resident ones compute.
+    it fits; otherwise ``slot_count`` slots for the largest streamed block are reserved and the rest of the budget
+    keeps blocks resident, the largest first (see ``_residency_order``), each size evenly spread through the stack
+    so the streamed ones copy while resident ones compute.
     """
     resident = list(forced)
     candidates = [i for i, f in enumerate(forced) if not f]
@@ -78,22 +79,59 @@ def plan_residency(
     forced_bytes = sum(b for b, f in zip(block_bytes, forced) if f)
     if fixed_bytes + forced_bytes + sum(block_bytes[i] for i in candidates) <= budget:
         return [True] * len(block_bytes)
-    slot_bytes = slot_count * max(block_bytes[i] for i in candidates)
-    available = budget - fixed_bytes - forced_bytes - slot_bytes
-    if available < 0:
+    classes = _residency_order(block_bytes, candidates)
+    # The slots are sized for the largest *streamed* block: when whole size classes stay resident, the slots
+    # shrink to the next class and free budget for more resident blocks. Most classes kept whole first.
+    for kept in range(len(classes) - 1, -1, -1):
+        whole = [i for group in classes[:kept] for i in group]
+        slot_bytes = slot_count * max(block_bytes[i] for group in classes[kept:] for i in group)
+        available = budget - fixed_bytes - forced_bytes - slot_bytes - sum(block_bytes[i] for i in whole)
+        if available >= 0:
+            break
+    else:
         raise ValueError(
             f"max_device_memory={budget} ({format_bytes(budget)}) is too small; allowed: at least "
             f"{fixed_bytes + forced_bytes + slot_bytes} ({format_bytes(fixed_bytes + forced_bytes + slot_bytes)}) = "
             f"non-block weights {format_bytes(fixed_bytes)} + resident blocks {format_bytes(forced_bytes)} + "
             f"{slot_count} streaming slots of {format_bytes(slot_bytes // slot_count)}"
         )
-    for count in range(len(candidates) - 1, 0, -1):
-        chosen = [candidates[p] for p in spread_positions(count, len(candidates))]
-        if sum(block_bytes[i] for i in chosen) <= available:
-            for i in chosen:
-                resident[i] = True
-            break
+    for i in whole:
+        resident[i] = True
+    for group in classes[kept:]:
+        # The most blocks of this size that fit, evenly spread among them.
+        for count in range(len(group), 0, -1):
+            chosen = [group[p] for p in spread_positions(count, len(group))]
+            chosen_bytes = sum(block_bytes[i] for i in chosen)
+            if chosen_bytes <= available:
+                for i in chosen:
+                    resident[i] = True
+                available -= chosen_bytes
+                break
     return resident
+
+
+# Blocks within this fraction of a size class's largest block are one class (GGUF mixes, e.g. Q4_K_M, make blocks
+# of one kind differ by a few percent).
+_SIZE_CLASS_TOLERANCE = 0.9
+
+
+def _residency_order(block_bytes: list[int], candidates: list[int]) -> list[list[int]]:
+    """The candidates in size classes, largest first, each in stack order.
+
+    Where a stack mixes block sizes (FLUX's and HunyuanVideo's double-stream blocks are ~2.4x their single-stream
+    ones), the larger blocks carry a second stream's weights that only see the text tokens: the most bytes per
+    unit of compute, so theirs are the copies that outrun compute in a run of them. Keeping those resident first
+    leaves the streamed bytes where compute can hide them. A stack of equal blocks (Wan) is one class: an evenly
+    spread set, as before.
+    """
+    order = sorted(candidates, key=lambda i: (-block_bytes[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and block_bytes[i] >= _SIZE_CLASS_TOLERANCE * block_bytes[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [sorted(group) for group in groups]
 
 
 class _Slot:

@@ -164,7 +164,8 @@ def test_without_budget_at_most_prefetch_depth_plus_one_blocks_in_flight():
 
 
 def _streaming_budget(model) -> OffloadConfig:
-    """A budget that streams every block: the non-block weights plus two largest blocks (the reserve), nothing more."""
+    """The non-block weights plus two largest blocks (the reserve), nothing more: every block streams unless one size
+    class fits whole next to a reserve sized for the smaller blocks."""
     probe = apply_offload(model, CPU)
     fixed, largest = probe.stats.resident_device_bytes, probe.stats.slot_bytes
     probe.disable()
@@ -200,8 +201,9 @@ def test_without_budget_next_pass_loads_after_the_last_block_ends():
 
 
 def test_budget_reserve_holds_more_small_blocks_but_never_more_bytes():
-    # With a budget the reserve of two largest blocks is paid for: FLUX's smaller single blocks fill it.
-    model = bare_flux(num_layers=1, num_single_layers=6)
+    # With a budget the reserve of two largest blocks is paid for: FLUX's smaller single blocks fill it. (Two double
+    # blocks: with one, that budget keeps it resident and sizes the reserve for the singles instead.)
+    model = bare_flux(num_layers=2, num_single_layers=6)
     with torch.no_grad():
         reference = model(**flux_inputs())[0]
     backend = apply_offload(model, _streaming_budget(model))
@@ -235,6 +237,21 @@ def test_spread_and_plan():
     assert spread_positions(0, 5) == []
     resident = plan_residency([10] * 8, [False] * 8, fixed_bytes=5, budget=5 + 2 * 10 + 30, slot_count=2)
     assert sum(resident) == 3 and resident[0] is False and resident[-1] is False
+
+
+def test_plan_keeps_the_larger_blocks_first():
+    # FLUX-like: 4 double-stream blocks of 20 bytes, then 8 single-stream ones of 8. Two 20-byte slots plus 45 bytes
+    # keep two doubles (evenly spread among the doubles), not a mix spread over the whole stack.
+    sizes = [20] * 4 + [8] * 8
+    resident = plan_residency(sizes, [False] * 12, fixed_bytes=0, budget=2 * 20 + 45, slot_count=2)
+    assert resident == [False, True, False, True] + [False] * 8
+    # All doubles kept: the slots shrink to the largest streamed block (8), and the 10 bytes left keep one single.
+    resident = plan_residency(sizes, [False] * 12, fixed_bytes=0, budget=80 + 2 * 8 + 10, slot_count=2)
+    assert resident == [True] * 4 + [False] * 4 + [True] + [False] * 3
+    # Blocks within 10% of each other are one class (GGUF mixes): spread, not the few larger ones bunched.
+    resident = plan_residency([100, 95, 100, 95, 100, 95], [False] * 6, fixed_bytes=0, budget=200 + 200,
+                              slot_count=2)
+    assert sum(resident) == 2 and resident != [True, False, True, False, False, False]
 
 
 class _MixedBlock(nn.Module):
