@@ -102,13 +102,34 @@ def diff_main(args) -> int:
     report["omni layerwise"] = peak_live_set(model, inputs, device)
     backend.disable()
     free_memory(device)
+    # The same with the streamed blocks' device buffers in a private memory pool (kept apart from activations).
+    from diffusers_omni.offload import layerwise
+
+    pool = torch.cuda.MemPool()
+    original = layerwise._StreamedBlock.allocate
+
+    def allocate_in_pool(self):
+        with torch.cuda.use_mem_pool(pool):
+            return original(self)
+
+    layerwise._StreamedBlock.allocate = allocate_in_pool
+    try:
+        backend = apply_offload(model, OffloadConfig("layerwise", device=device))
+        with torch.inference_mode():
+            model(**inputs)
+        report["omni layerwise, private pool"] = peak_live_set(model, inputs, device)
+        backend.disable()
+    finally:
+        layerwise._StreamedBlock.allocate = original
+    del pool
+    free_memory(device)
     model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",
                                num_blocks_per_group=1, use_stream=True, record_stream=True)
     with torch.inference_mode():
         model(**inputs)
     report["diffusers group_offload"] = peak_live_set(model, inputs, device)
     remove_group_offload(model)
-    for variant in ("omni layerwise", "diffusers group_offload"):
+    for variant in ("omni layerwise", "omni layerwise, private pool", "diffusers group_offload"):
         r = report[variant]
         print(f"{variant}: stat peak {r['stat_peak']}, replayed {r['replayed_peak']} ({r['events']} events)")
         for where, g in list(r["live_at_peak"].items())[:30]:

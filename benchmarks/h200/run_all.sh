@@ -39,6 +39,9 @@ for job in "$@"; do
     quant-offload-budget) python3 -m benchmarks.quant_offload_bench --models flux --formats torchao-int8,gguf-q8_0 \
                             --warmup 1 --repeats 3 --budget 2.5,3 --per-block --no-peak-trace \
                             --out "$out/quant_offload_h200_budget_largest_first" ;;
+    quant-offload-budget-more) python3 -m benchmarks.quant_offload_bench --models flux --formats gguf-q8_0,torchao-int8 \
+                                 --warmup 1 --repeats 5 --budget 3.5,4,5 --no-peak-trace \
+                                 --out "$out/quant_offload_h200_budget_more" ;;
     peak-diff) python3 -m benchmarks.peak_probe --diff --format gguf-q4_k --out "$out/peak_diff_h200" ;;
     quant-offload-rerun) python3 -m benchmarks.quant_offload_bench --models flux --warmup 1 --repeats 3 --time-budget 300 \
                            --out "$out/quant_offload_h200_views_once" ;;
