@@ -588,26 +588,58 @@ def quant_offload() -> str:
            if report["args"].get("layers") else "") + ".\n")
 
 
+QUANT_OFFLOAD_BUDGET_RUNS = (
+    ("quant_offload_h200_budget", "evenly spread"),
+    ("quant_offload_h200_budget_largest_first", "largest first"),
+    ("quant_offload_h200_budget_more", "largest first"),
+)
+
+
 def quant_offload_budget() -> str:
-    """The budget variants of ``quant_offload_h200_budget``: what ``max_device_memory`` buys where the default window
-    is copy-bound."""
-    report = result("quant_offload_h200_budget")
+    """The budget variants: what ``max_device_memory`` buys where the default window is copy-bound, with the
+    residency rule each run used (the rule changed between runs)."""
     rows = []
-    for entry in report["entries"]:
-        variants = {v["variant"]: v for v in entry["variants"]}
-        omni, resident = variants["omni layerwise"], variants["resident"]
-        for name, v in variants.items():
-            if not name.startswith("omni layerwise, max_device_memory=") or "step_s" not in v:
-                continue
-            rows.append([entry["model"], entry["format"], name.split("=", 1)[1], f"{resident['step_s']:.3f}",
-                         f"{omni['step_s']:.3f} ({gib(omni['peak_device_bytes'])})",
-                         f"{v['step_s']:.3f}", f"{v['target_step_s']:.3f}", _verdict(v["meets_step_target"]),
-                         gib(v["streamed_bytes"]), gib(v["peak_device_bytes"]), "yes" if v["bitwise_equal_to_resident"]
-                         else "NO"])
-    return table(["Model", "Format", "max_device_memory", "Resident step (s)", "Default window step (peak)",
-                  "Budget step (s)", "Target (s)", "Meets", "Streamed", "Peak", "Bitwise = resident"], rows) + (
-        "\nTarget = 1.05 × max(resident step, the budget run's streamed bytes ÷ bandwidth). Run: "
-        "`quant_offload_h200_budget.md`.\n")
+    for name, rule in QUANT_OFFLOAD_BUDGET_RUNS:
+        for entry in result(name)["entries"]:
+            variants = {v["variant"]: v for v in entry["variants"]}
+            omni, resident = variants["omni layerwise"], variants["resident"]
+            diffusers_peak = variants.get("diffusers group_offload", {}).get("peak_device_bytes")
+            for variant, v in variants.items():
+                if not variant.startswith("omni layerwise, max_device_memory=") or "step_s" not in v:
+                    continue
+                kept = v.get("resident_blocks")
+                rows.append([entry["model"], entry["format"], variant.split("=", 1)[1].replace(".0 GiB", " GiB"),
+                             rule + ("" if kept is None else f" ({kept} blocks)"), f"{resident['step_s']:.3f}",
+                             f"{omni['step_s']:.3f} ({gib(omni['peak_device_bytes'])})",
+                             f"{v['step_s']:.3f}", f"{v['target_step_s']:.3f}", _verdict(v["meets_step_target"]),
+                             gib(v["streamed_bytes"]), gib(v["peak_device_bytes"]),
+                             "—" if diffusers_peak is None else gib(diffusers_peak),
+                             "yes" if v["bitwise_equal_to_resident"] else "NO", f"`{name}.md`"])
+    return table(["Model", "Format", "max_device_memory", "Resident blocks", "Resident step (s)",
+                  "Default window step (peak)", "Budget step (s)", "Target (s)", "Meets", "Streamed", "Peak",
+                  "Diffusers' peak", "Bitwise = resident", "Run"], rows) + (
+        "\nTarget = 1.05 × max(resident step, the budget run's streamed bytes ÷ bandwidth). Diffusers' peak: its "
+        "group offload in the same run (— where it fails on the format).\n")
+
+
+def peak_diff() -> str:
+    """What is live at the peak of FLUX-size GGUF Q4_K under omni layerwise and Diffusers' group offload."""
+    report = result("peak_diff_h200")
+    rows = []
+    for variant in ("omni layerwise", "omni layerwise, private pool", "diffusers group_offload"):
+        r = report.get(variant)
+        if r is None:
+            continue
+        weights = sum(g["bytes"] for where, g in r["live_at_peak"].items()
+                      if "offload" in where or "group_offloading" in where or "allocate" in where
+                      or where == "before the forward")
+        rows.append([variant, f"{r['stat_peak']:,}", f"{r['replayed_peak']:,}",
+                     f"{r['stat_peak'] - r['replayed_peak']:,}", f"{weights:,}"])
+    return table(["Variant", "Peak allocated (bytes, `max_memory_allocated`)", "Live tensor bytes at that peak",
+                  "Allocator rounding", "of which weights and inputs"], rows) + (
+        "\nLive tensor bytes: the caching allocator's recorded history of one forward, replayed to its peak "
+        "(requested sizes); `max_memory_allocated` counts whole allocator blocks, which may be up to 1 MiB larger "
+        "than requested. Run: `peak_diff_h200.json` (`benchmarks/peak_probe.py --diff`).\n")
 
 
 def _mib(n: float) -> str:
@@ -671,6 +703,7 @@ RENDERERS = {
     "sparse-targets": sparse_targets,
     "quant-offload": quant_offload,
     "quant-offload-budget": quant_offload_budget,
+    "peak-diff": peak_diff,
     "offload-lifecycle": offload_lifecycle,
 }
 
