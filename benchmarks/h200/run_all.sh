@@ -21,7 +21,7 @@ for job in "$@"; do
     offload-budget) python3 -m benchmarks.offload_bench --models flux --variants layerwise,budget \
                       --out "$out/offload_h200_flux_budget" ;;
     offload-budget-rerun) python3 -m benchmarks.offload_bench --models flux --variants layerwise,budget \
-                            --out "$out/offload_h200_flux_budget_largest_first" ;;
+                            --out "$out/offload_h200_flux_budget_run_cap" ;;
     offload-distributed) for m in flux wan; do
                            python3 -m benchmarks.offload_bench --models $m --variants layerwise,distributed,mmap \
                              --skip-model-level --out "$out/offload_h200_distributed_$m"

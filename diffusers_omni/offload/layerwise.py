@@ -68,9 +68,10 @@ def plan_residency(
     """Which blocks stay on the device.
 
     ``forced`` blocks are always resident. Without a budget the rest stream. With one, everything is resident if
-    it fits; otherwise ``slot_count`` slots for the largest streamed block are reserved and the rest of the budget
-    keeps blocks resident, the largest first (see ``_residency_order``), each size evenly spread through the stack
-    so the streamed ones copy while resident ones compute.
+    it fits; otherwise ``slot_count`` slots for the largest candidate (the streaming window) are reserved and the
+    rest of the budget keeps blocks resident: size class by size class, the largest first (``_residency_order``),
+    each class as an evenly spread set, and never a run of consecutive resident blocks larger than the window
+    (``_runs_fit``), so the streamed ones copy while resident ones compute.
     """
     resident = list(forced)
     candidates = [i for i, f in enumerate(forced) if not f]
@@ -79,35 +80,51 @@ def plan_residency(
     forced_bytes = sum(b for b, f in zip(block_bytes, forced) if f)
     if fixed_bytes + forced_bytes + sum(block_bytes[i] for i in candidates) <= budget:
         return [True] * len(block_bytes)
-    classes = _residency_order(block_bytes, candidates)
-    # The slots are sized for the largest *streamed* block: when whole size classes stay resident, the slots
-    # shrink to the next class and free budget for more resident blocks. Most classes kept whole first.
-    for kept in range(len(classes) - 1, -1, -1):
-        whole = [i for group in classes[:kept] for i in group]
-        slot_bytes = slot_count * max(block_bytes[i] for group in classes[kept:] for i in group)
-        available = budget - fixed_bytes - forced_bytes - slot_bytes - sum(block_bytes[i] for i in whole)
-        if available >= 0:
-            break
-    else:
+    window = slot_count * max(block_bytes[i] for i in candidates)
+    available = budget - fixed_bytes - forced_bytes - window
+    if available < 0:
+        needed = fixed_bytes + forced_bytes + window
         raise ValueError(
             f"max_device_memory={budget} ({format_bytes(budget)}) is too small; allowed: at least "
-            f"{fixed_bytes + forced_bytes + slot_bytes} ({format_bytes(fixed_bytes + forced_bytes + slot_bytes)}) = "
-            f"non-block weights {format_bytes(fixed_bytes)} + resident blocks {format_bytes(forced_bytes)} + "
-            f"{slot_count} streaming slots of {format_bytes(slot_bytes // slot_count)}"
+            f"{needed} ({format_bytes(needed)}) = non-block weights {format_bytes(fixed_bytes)} + resident blocks "
+            f"{format_bytes(forced_bytes)} + {slot_count} streaming slots of {format_bytes(window // slot_count)}"
         )
-    for i in whole:
-        resident[i] = True
-    for group in classes[kept:]:
+    for group in _residency_order(block_bytes, candidates):
         # The most blocks of this size that fit, evenly spread among them.
         for count in range(len(group), 0, -1):
             chosen = [group[p] for p in spread_positions(count, len(group))]
             chosen_bytes = sum(block_bytes[i] for i in chosen)
-            if chosen_bytes <= available:
-                for i in chosen:
-                    resident[i] = True
+            if chosen_bytes > available:
+                continue
+            trial = list(resident)
+            for i in chosen:
+                trial[i] = True
+            if _runs_fit(block_bytes, forced, trial, window):
+                resident = trial
                 available -= chosen_bytes
                 break
     return resident
+
+
+def _runs_fit(block_bytes: list[int], forced: list[bool], resident: list[bool], window: int) -> bool:
+    """No run of consecutive resident blocks (cyclic: the last blocks run before the next step's first) that this
+    plan chose holds more bytes than the streaming window. While a run computes, the copy engine can only fill the
+    window; a longer run leaves it idle where a copy-bound model (a bf16 DiT) needs it busy."""
+    n = len(resident)
+    if all(resident):
+        return True
+    start = next(i for i in range(n) if not resident[i])  # a run never wraps past a streamed block
+    run_bytes, chose = 0, False
+    for k in range(1, n + 1):
+        i = (start + k) % n
+        if resident[i]:
+            run_bytes += block_bytes[i]
+            chose = chose or not forced[i]
+            continue
+        if chose and run_bytes > window:
+            return False
+        run_bytes, chose = 0, False
+    return True
 
 
 # Blocks within this fraction of a size class's largest block are one class (GGUF mixes, e.g. Q4_K_M, make blocks
@@ -120,9 +137,9 @@ def _residency_order(block_bytes: list[int], candidates: list[int]) -> list[list
 
     Where a stack mixes block sizes (FLUX's and HunyuanVideo's double-stream blocks are ~2.4x their single-stream
     ones), the larger blocks carry a second stream's weights that only see the text tokens: the most bytes per
-    unit of compute, so theirs are the copies that outrun compute in a run of them. Keeping those resident first
-    leaves the streamed bytes where compute can hide them. A stack of equal blocks (Wan) is one class: an evenly
-    spread set, as before.
+    unit of compute, so theirs are the copies that outrun compute in a run of them (FLUX int8 and Q8_0 on an H200).
+    Keeping those resident first leaves the streamed bytes where compute can hide them. A stack of equal blocks
+    (Wan) is one class.
     """
     order = sorted(candidates, key=lambda i: (-block_bytes[i], i))
     groups: list[list[int]] = []
