@@ -70,8 +70,9 @@ def plan_residency(
     ``forced`` blocks are always resident. Without a budget the rest stream. With one, everything is resident if
     it fits; otherwise ``slot_count`` slots for the largest candidate (the streaming window) are reserved and the
     rest of the budget keeps blocks resident: size class by size class, the largest first (``_residency_order``),
-    each class as an evenly spread set, and never a run of consecutive resident blocks larger than the window
-    (``_runs_fit``), so the streamed ones copy while resident ones compute.
+    each class as an evenly spread set, and no run of consecutive resident blocks longer than the window (or than
+    an evenly spread set of the same budget would have; ``_longest_chosen_run``), so the streamed ones copy while
+    resident ones compute.
     """
     resident = list(forced)
     candidates = [i for i, f in enumerate(forced) if not f]
@@ -89,6 +90,10 @@ def plan_residency(
             f"{needed} ({format_bytes(needed)}) = non-block weights {format_bytes(fixed_bytes)} + resident blocks "
             f"{format_bytes(forced_bytes)} + {slot_count} streaming slots of {format_bytes(window // slot_count)}"
         )
+    # The longest resident run allowed: the window, or as long as an evenly spread set filling the same budget
+    # would have (a budget near the model's size keeps long runs either way; its few streamed blocks copy in time).
+    cap = max(window, _longest_chosen_run(block_bytes, forced, _spread_plan(block_bytes, resident, candidates,
+                                                                            available)))
     for group in _residency_order(block_bytes, candidates):
         # The most blocks of this size that fit, evenly spread among them.
         for count in range(len(group), 0, -1):
@@ -99,32 +104,45 @@ def plan_residency(
             trial = list(resident)
             for i in chosen:
                 trial[i] = True
-            if _runs_fit(block_bytes, forced, trial, window):
+            if _longest_chosen_run(block_bytes, forced, trial) <= cap:
                 resident = trial
                 available -= chosen_bytes
                 break
     return resident
 
 
-def _runs_fit(block_bytes: list[int], forced: list[bool], resident: list[bool], window: int) -> bool:
-    """No run of consecutive resident blocks (cyclic: the last blocks run before the next step's first) that this
-    plan chose holds more bytes than the streaming window. While a run computes, the copy engine can only fill the
-    window; a longer run leaves it idle where a copy-bound model (a bf16 DiT) needs it busy."""
+def _spread_plan(block_bytes: list[int], resident: list[bool], candidates: list[int], available: int) -> list[bool]:
+    """The most candidates, evenly spread through the whole stack, that fit in ``available`` bytes."""
+    for count in range(len(candidates), 0, -1):
+        chosen = [candidates[p] for p in spread_positions(count, len(candidates))]
+        if sum(block_bytes[i] for i in chosen) <= available:
+            plan = list(resident)
+            for i in chosen:
+                plan[i] = True
+            return plan
+    return list(resident)
+
+
+def _longest_chosen_run(block_bytes: list[int], forced: list[bool], resident: list[bool]) -> int:
+    """Bytes of the longest run of consecutive resident blocks (cyclic: the last blocks run right before the next
+    step's first) holding at least one block the plan chose. While such a run computes, the copy engine can only
+    fill the window; a longer run leaves it idle where a copy-bound model (a bf16 DiT) needs it busy."""
     n = len(resident)
     if all(resident):
-        return True
+        return sum(block_bytes)
     start = next(i for i in range(n) if not resident[i])  # a run never wraps past a streamed block
-    run_bytes, chose = 0, False
+    longest = run_bytes = 0
+    chose = False
     for k in range(1, n + 1):
         i = (start + k) % n
         if resident[i]:
             run_bytes += block_bytes[i]
             chose = chose or not forced[i]
             continue
-        if chose and run_bytes > window:
-            return False
+        if chose:
+            longest = max(longest, run_bytes)
         run_bytes, chose = 0, False
-    return True
+    return longest
 
 
 # Blocks within this fraction of a size class's largest block are one class (GGUF mixes, e.g. Q4_K_M, make blocks

@@ -265,9 +265,13 @@ def test_plan_never_keeps_a_run_larger_than_the_window():
     resident = plan_residency(sizes, [False] * 10, fixed_bytes=0, budget=2 * 20 + 100, slot_count=2)
     assert sum(resident[:6]) == 4 and sum(resident[6:]) == 2
     assert _longest_run(sizes, resident) <= 40
-    # Equal blocks: at most two in a row, the rest of the budget stays unused rather than idle the copy engine.
+    # Equal blocks, a budget that an evenly spread set fills with runs of the window's size: the same set.
     resident = plan_residency([10] * 9, [False] * 9, fixed_bytes=0, budget=20 + 65, slot_count=2)
     assert _longest_run([10] * 9, resident) <= 20 and sum(resident) == 6
+    # A budget near the model's size: an evenly spread set would run three in a row (30 > the 20-byte window), and
+    # so may this plan; capping at the window would keep one block fewer and stream more than spreading did.
+    resident = plan_residency([10] * 12, [False] * 12, fixed_bytes=0, budget=20 + 95, slot_count=2)
+    assert sum(resident) == 9 and _longest_run([10] * 12, resident) == 30
 
 
 class _MixedBlock(nn.Module):
