@@ -182,8 +182,14 @@ def offload_budget_window() -> str:
                      "yes" if budget["meets_step_target"] else "NO"])
     return table(["Run (oldest first)", "12 GiB budget step (s)", "target (s)", "meets"], rows) + (
         "\nRuns in order: fixed slots; plus free-room prefetch; plus the byte-counted window; resident blocks "
-        "chosen largest first (17 double blocks in a row); largest first with no resident run larger than the "
-        "window (the current rule).\n")
+        f"chosen largest first ({_resident_count('offload_h200_flux_budget_largest_first_uncapped')} of them, "
+        "the double blocks in one run); largest first with no resident run larger than the window (the current "
+        "rule).\n")
+
+
+def _resident_count(name: str) -> int:
+    _, variants = _variants(name)
+    return next(v["resident_blocks"] for n, v in variants.items() if "GiB" in n)
 
 
 def distributed_summary() -> str:
