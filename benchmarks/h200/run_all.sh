@@ -44,6 +44,11 @@ for job in "$@"; do
     quant-offload-budget-more) python3 -m benchmarks.quant_offload_bench --models flux --formats gguf-q8_0,torchao-int8 \
                                  --warmup 1 --repeats 5 --budget 3.5,4,5 --no-peak-trace \
                                  --out "$out/quant_offload_h200_budget_more" ;;
+    quant-offload-tail) python3 -m benchmarks.quant_offload_bench --models flux \
+                          --formats gguf-q4_k,gguf-q8_0,torchao-float8,bnb-nf4,torchao-int8 --warmup 1 --repeats 3 \
+                          --time-budget 200 --out "$out/quant_offload_h200_tail" ;;
+    offload-flux-tail) python3 -m benchmarks.offload_bench --models flux --variants layerwise,diffusers \
+                         --out "$out/offload_h200_flux_tail" ;;
     peak-diff) python3 -m benchmarks.peak_probe --diff --format gguf-q4_k --out "$out/peak_diff_h200" ;;
     quant-offload-rerun) python3 -m benchmarks.quant_offload_bench --models flux --warmup 1 --repeats 3 --time-budget 300 \
                            --out "$out/quant_offload_h200_views_once" ;;

@@ -58,6 +58,8 @@ class TransformerDeclaration:
         mask_free: the model passes no attention mask on any path (eligible for mask-free kernels).
         video_geometry: ``(model, args, kwargs) -> VideoGeometry | None``: the video layout of a forward's
             self-attention sequence (prefix rows, latent grid), read by block-sparse backends (``RAINFUSION_ATTN``).
+        tail_attrs: modules the forward calls only after its last block (final norm, output projection): layerwise
+            offload streams their weights with the last block instead of keeping them on the device throughout.
     """
 
     name: str
@@ -70,7 +72,11 @@ class TransformerDeclaration:
     display_name: str = ""
     example_checkpoint: str = ""
     video_geometry: Callable[[nn.Module, tuple, dict], Any] | None = None
+    tail_attrs: tuple[str, ...] = ()
 
+
+# The output layers of most DiTs: called once, after the last block.
+NORM_PROJ_OUT = ("norm_out", "proj_out")
 
 _DECLARATIONS: dict[str, TransformerDeclaration] = {}
 
@@ -126,6 +132,16 @@ def blocks_attrs_for(model: nn.Module) -> tuple[str, ...]:
         return tuple(own)
     declaration = declaration_for(model)
     return declaration.blocks_attrs if declaration else ()
+
+
+def tail_attrs_for(model: nn.Module) -> tuple[str, ...]:
+    """Modules a DiT calls only after its last block: its own ``_layerwise_offload_tail_attrs`` or this package's
+    declaration (none for a model that declares nothing)."""
+    own = getattr(model, "_layerwise_offload_tail_attrs", None)
+    if own is not None:
+        return tuple(own)
+    declaration = declaration_for(model)
+    return declaration.tail_attrs if declaration else ()
 
 
 def head_dim_of(module: nn.Module) -> int:

@@ -9,7 +9,7 @@ does. A boolean mask (a caller's own ``attention_mask``) is treated as a boolean
 
 from __future__ import annotations
 
-from .base import CROSS, SELF, AttentionRole, TransformerDeclaration, register_transformer
+from .base import NORM_PROJ_OUT, CROSS, SELF, AttentionRole, TransformerDeclaration, register_transformer
 from .flux import flux_attention_sites, make_flux_processor
 
 CHROMA_JOINT = AttentionRole("chroma.joint", SELF, masked=True)
@@ -21,6 +21,7 @@ CHROMA = register_transformer(
         name="chroma",
         class_names=("ChromaTransformer2DModel",),
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
+        tail_attrs=NORM_PROJ_OUT,
         find_sites=flux_attention_sites(CHROMA_JOINT, CHROMA_SINGLE, CHROMA_IP_ADAPTER),
         make_processor=make_flux_processor,
         mask_free=False,

@@ -16,7 +16,7 @@ from diffusers.models.transformers.transformer_flux import (
 
 from ..attention.processors import OmniAttnProcessor, OmniModuleAttnProcessor, RoleAttention
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import unsupported_processor_error
+from .base import NORM_PROJ_OUT, unsupported_processor_error
 
 JOINT = AttentionRole("flux.joint", SELF)
 SINGLE = AttentionRole("flux.single", SELF)
@@ -198,6 +198,7 @@ FLUX = register_transformer(
         name="flux",
         class_names=("FluxTransformer2DModel",),
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
+        tail_attrs=NORM_PROJ_OUT,
         find_sites=flux_attention_sites(JOINT, SINGLE, IP_ADAPTER),
         make_processor=make_flux_processor,
         mask_free=True,

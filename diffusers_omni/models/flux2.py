@@ -29,7 +29,7 @@ from diffusers.models.transformers.transformer_flux2 import (
 
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import unsupported_processor_error
+from .base import NORM_PROJ_OUT, unsupported_processor_error
 from .flux import joint_qkv
 
 FLUX2_JOINT = AttentionRole("flux2.joint", SELF)
@@ -258,6 +258,7 @@ FLUX2 = register_transformer(
         name="flux2",
         class_names=("Flux2Transformer2DModel",),
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
+        tail_attrs=NORM_PROJ_OUT,
         find_sites=_find_sites,
         make_processor=_make_processor,
         mask_free=True,

@@ -23,7 +23,7 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 from ._legacy import _PLAIN, OmniLegacyAttnProcessor
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import unsupported_processor_error
+from .base import NORM_PROJ_OUT, unsupported_processor_error
 
 JOINT = AttentionRole("hunyuanvideo15.joint", SELF, masked=True)
 TOKEN_REFINER = AttentionRole("hunyuanvideo15.token_refiner", SELF, masked=True)
@@ -126,6 +126,7 @@ HUNYUANVIDEO15 = register_transformer(
         class_names=("HunyuanVideo15Transformer3DModel",),
         # The token refiner (two small blocks inside ``context_embedder``) stays resident.
         blocks_attrs=("transformer_blocks",),
+        tail_attrs=NORM_PROJ_OUT,
         find_sites=_find_sites,
         make_processor=_make_processor,
         mask_free=False,

@@ -12,7 +12,7 @@ from diffusers.models.transformers import transformer_longcat_image as _longcat
 
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import processor_factory
+from .base import NORM_PROJ_OUT, processor_factory
 
 JOINT = AttentionRole("longcat.joint", SELF)
 SINGLE = AttentionRole("longcat.single", SELF)
@@ -97,6 +97,7 @@ LONGCAT = register_transformer(
         name="longcat",
         class_names=("LongCatImageTransformer2DModel",),
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
+        tail_attrs=NORM_PROJ_OUT,
         find_sites=lambda model: flux_like_sites(model, _longcat.LongCatImageAttention, JOINT, SINGLE),
         make_processor=processor_factory(OmniLongCatImageAttnProcessor, _longcat.LongCatImageAttnProcessor),
         mask_free=True,

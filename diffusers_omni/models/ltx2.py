@@ -30,7 +30,7 @@ from diffusers.models.transformers.transformer_ltx2 import (
 
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import unsupported_processor_error
+from .base import NORM_PROJ_OUT, unsupported_processor_error
 
 VIDEO_SELF = AttentionRole("ltx2.video_self", SELF)
 AUDIO_SELF = AttentionRole("ltx2.audio_self", SELF)
@@ -188,6 +188,7 @@ LTX2 = register_transformer(
         name="ltx2",
         class_names=("LTX2VideoTransformer3DModel",),
         blocks_attrs=("transformer_blocks",),
+        tail_attrs=NORM_PROJ_OUT + ("audio_norm_out", "audio_proj_out"),
         find_sites=_transformer_sites,
         make_processor=_make_processor,
         mask_free=False,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from diffusers.models.transformers import transformer_ovis_image as _ovis
 
-from .base import SELF, AttentionRole, TransformerDeclaration, processor_factory, register_transformer
+from .base import NORM_PROJ_OUT, SELF, AttentionRole, TransformerDeclaration, processor_factory, register_transformer
 from .longcat import OmniLongCatImageAttnProcessor, flux_like_sites
 
 JOINT = AttentionRole("ovis.joint", SELF)
@@ -26,6 +26,7 @@ OVIS = register_transformer(
         name="ovis",
         class_names=("OvisImageTransformer2DModel",),
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
+        tail_attrs=NORM_PROJ_OUT,
         find_sites=lambda model: flux_like_sites(model, _ovis.OvisImageAttention, JOINT, SINGLE),
         make_processor=processor_factory(OmniOvisImageAttnProcessor, _ovis.OvisImageAttnProcessor),
         mask_free=True,

@@ -15,7 +15,7 @@ from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStream
 
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import processor_factory
+from .base import NORM_PROJ_OUT, processor_factory
 
 JOINT = AttentionRole("qwenimage.joint", SELF, masked=True)
 
@@ -146,6 +146,7 @@ QWENIMAGE = register_transformer(
         name="qwenimage",
         class_names=("QwenImageTransformer2DModel",),
         blocks_attrs=("transformer_blocks",),
+        tail_attrs=NORM_PROJ_OUT,
         find_sites=_find_sites,
         make_processor=processor_factory(OmniQwenDoubleStreamAttnProcessor, QwenDoubleStreamAttnProcessor2_0),
         mask_free=False,

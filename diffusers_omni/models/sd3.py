@@ -43,7 +43,7 @@ from diffusers.models.attention_processor import (
 
 from ..attention.processors import OmniAttnProcessor, OmniModuleAttnProcessor, RoleAttention
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import unsupported_processor_error
+from .base import NORM_PROJ_OUT, unsupported_processor_error
 
 SD3_JOINT = AttentionRole("sd3.joint", SELF)
 SD3_IMAGE_SELF = AttentionRole("sd3.image_self", SELF)
@@ -373,6 +373,7 @@ SD3 = register_transformer(
         name="sd3",
         class_names=("SD3Transformer2DModel",),
         blocks_attrs=("transformer_blocks",),
+        tail_attrs=NORM_PROJ_OUT,
         find_sites=_find_sites,
         make_processor=_make_processor,
         # Perturbed-Attention Guidance passes an additive identity mask on its perturbed path.

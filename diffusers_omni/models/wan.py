@@ -14,7 +14,7 @@ from diffusers.models.transformers.transformer_wan import (
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from ..attention.rainfusion_plan import VideoGeometry
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import processor_factory
+from .base import NORM_PROJ_OUT, processor_factory
 
 WAN_SELF = AttentionRole("wan.self", SELF)
 WAN_CROSS = AttentionRole("wan.cross", CROSS)
@@ -109,6 +109,7 @@ WAN = register_transformer(
         name="wan",
         class_names=("WanTransformer3DModel",),
         blocks_attrs=("blocks",),
+        tail_attrs=NORM_PROJ_OUT,
         find_sites=_find_sites,
         make_processor=processor_factory(OmniWanAttnProcessor, WanAttnProcessor),
         mask_free=True,

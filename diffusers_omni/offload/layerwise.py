@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..config.offload import OffloadStrategy, format_bytes
+from ..models.base import tail_attrs_for
 from ..utils.progress import byte_progress
 from .base import Journal, OffloadBackend
 from .discovery import (
@@ -333,9 +334,10 @@ class _Streamer:
             if not block.slot.awaited:
                 self.transfers.compute_waits_for(block.slot.ready)
                 block.slot.awaited = True
-            with torch.inference_mode(False):
-                block.weights.bind(block.views)
-            block.running = True
+            if not block.running:  # a last block's output layers begin it again while it runs
+                with torch.inference_mode(False):
+                    block.weights.bind(block.views)
+                block.running = True
         self._load_ahead(lookahead)
 
     @torch.compiler.disable(reason=EAGER_ONLY)
@@ -385,6 +387,7 @@ class LayerwiseState:
     transfers: Transfers | None = None
     streamed: list[list[_StreamedBlock | None]] = field(default_factory=list)
     streamer: _Streamer | None = None
+    tails: dict[str, list[tuple[str, nn.Module]]] = field(default_factory=dict)  # last block path → output layers
     hooks: InstalledHooks = field(default_factory=InstalledHooks)
     stats: LayerwiseStats = field(default_factory=LayerwiseStats)
 
@@ -427,7 +430,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         check_no_foreign_offload(state.topology, "layerwise")
         state.stacks = resolve_stacks(state.target, state.topology, plan)
         forced_paths = {c.path for c in state.topology.residents}
-        state.weights = [[PackedWeights(path, block) for path, block in stack.blocks] for stack in state.stacks]
+        state.weights = [self._stack_weights(stack, state) for stack in state.stacks]
         flat = [w for stack in state.weights for w in stack]
         forced = [w.path in forced_paths or w.empty for w in flat]
         fixed_bytes = sum(tensor_nbytes(t) for t in self._non_block_tensors(state))
@@ -454,8 +457,36 @@ class LayerwiseOffloadBackend(OffloadBackend):
             "none" if self.config.max_device_memory is None else format_bytes(self.config.max_device_memory),
         )
 
+    # Whether a DiT's output layers (its declaration's ``tail_attrs``) stream with its last block.
+    fold_tail = True
+
+    def _stack_weights(self, stack: Stack, state: LayerwiseState) -> list[PackedWeights]:
+        """One unit per block. The DiT's output layers (final norm, output projection: called once, after the last
+        block) join the last block's unit, so they are on the device only from the last block to the end of the
+        forward instead of throughout, as every non-block weight is (Diffusers' group offload keeps them, too)."""
+        weights = [PackedWeights(path, block) for path, block in stack.blocks]
+        tail = self._tail_modules(stack) if self.fold_tail else []
+        if tail and weights:
+            path, last = stack.blocks[-1]
+            owner_path = _owner_path(stack.owner, path, last)
+            ids = {id(t) for _, t in named_tensors(last)} | {id(t) for _, m in tail for _, t in named_tensors(m)}
+            weights[-1] = PackedWeights(path, stack.owner, select=ids, label=owner_path)
+            state.tails[path] = tail
+        return weights
+
+    @staticmethod
+    def _tail_modules(stack: Stack) -> list[tuple[str, nn.Module]]:
+        """The declared output layers that exist, hold tensors and are not (inside) a block."""
+        in_blocks = {id(m) for _, block in stack.blocks for m in block.modules()}
+        tail = []
+        for attr in tail_attrs_for(stack.owner):
+            module = getattr(stack.owner, attr, None)
+            if isinstance(module, nn.Module) and id(module) not in in_blocks and any(True for _ in named_tensors(module)):
+                tail.append((attr, module))
+        return tail
+
     def _non_block_tensors(self, state: LayerwiseState) -> list[torch.Tensor]:
-        in_blocks = {id(t) for stack in state.stacks for _, b in stack.blocks for _, t in named_tensors(b)}
+        in_blocks = {i for stack in state.weights for w in stack for i in w.tensors.ids}
         seen: set[int] = set()
         tensors = []
         for stack in state.stacks:
@@ -545,18 +576,29 @@ class LayerwiseOffloadBackend(OffloadBackend):
             if not ring:
                 continue
             first = tuple(ring[:depth])
-            state.hooks.install(
-                stack.owner, CallbackHook(before=partial(streamer.enter_stack, ring, first)), LAYERWISE_ENTRY_HOOK
-            )
             # Without a budget the window is Diffusers' (the running block and the next one of the same pass): the
             # next pass's first blocks load when the last block ends, not over its activations. With a budget the
             # lookahead wraps around (the reserve is paid for).
             wrap = limit is None
+            # A last block that carries the DiT's output layers ends with the DiT's forward, after they ran.
+            tail = state.tails.get(stack.blocks[-1][0]) if row[-1] is not None else None
+            last = row[-1] if tail else None
+            end_last = None
+            if last is not None:
+                end_last = partial(streamer.end_pass, last, first) if not wrap else partial(streamer.end, last)
+                for _, module in tail:
+                    # Normally a no-op (the last block bound them); loads them if called without the last block.
+                    state.hooks.install(module, CallbackHook(before=partial(streamer.begin, last, ())),
+                                        LAYERWISE_BLOCK_HOOK)
+            state.hooks.install(
+                stack.owner, CallbackHook(before=partial(streamer.enter_stack, ring, first), after=end_last),
+                LAYERWISE_ENTRY_HOOK,
+            )
             for position, ((_, module), block) in enumerate(zip(stack.blocks, row)):
                 # As far ahead as the window could ever hold: each upcoming block loads as soon as room frees up
                 # (e.g. while resident blocks run), so the copy engine never idles waiting for the next one.
                 lookahead = _lookahead(row, position, capacity, limit, wrap=wrap)
-                if block is None:
+                if block is None or block is last:
                     after = None
                 elif block is ring[-1] and not wrap:
                     after = partial(streamer.end_pass, block, first)
@@ -578,12 +620,14 @@ class LayerwiseOffloadBackend(OffloadBackend):
         # its state_dict() (quantized weights included: wrapper subclasses are rebuilt around the host views,
         # bitsandbytes' quant_state tensors rebound), then put back exactly as it was.
         for stack, row in zip(state.stacks, state.streamed):
-            for (_, module), block in zip(stack.blocks, row):
+            for (path, module), block in zip(stack.blocks, row):
                 if block is not None:
-                    before, after = self._state_dict_hooks(block.weights)
-                    for handle in (module.register_state_dict_pre_hook(before),
-                                   module.register_state_dict_post_hook(after)):
-                        self._guards.on_remove(handle.remove)
+                    modules = [module] + [m for _, m in state.tails.get(path, ())]
+                    for owner in modules:
+                        before, after = self._state_dict_hooks(block.weights)
+                        for handle in (owner.register_state_dict_pre_hook(before),
+                                       owner.register_state_dict_post_hook(after)):
+                            self._guards.on_remove(handle.remove)
 
     @staticmethod
     def _state_dict_hooks(weights: PackedWeights):
@@ -622,6 +666,12 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     weights.restore(clone=clone, to_original_device=False)
         state.host_memory.release(self.device)
         logger.info("layerwise offload disabled: block weights are ordinary host tensors again")
+
+
+def _owner_path(owner: nn.Module, block_path: str, block: nn.Module) -> str:
+    """The dotted path of ``owner``, given one of its blocks' path (``"transformer.blocks.3"`` → ``"transformer"``)."""
+    relative = next(name for name, module in owner.named_modules() if module is block)
+    return block_path[: len(block_path) - len(relative)].rstrip(".")
 
 
 def _lookahead(row: list[_StreamedBlock | None], position: int, capacity: int,

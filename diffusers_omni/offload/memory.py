@@ -74,9 +74,11 @@ class PackedWeights:
     subclasses back to their original objects. Raises ``UnsupportedTensorError`` for weights that cannot stream.
     """
 
-    def __init__(self, path: str, module: nn.Module) -> None:
+    def __init__(self, path: str, module: nn.Module, select: set[int] | None = None, label: str | None = None) -> None:
+        """``path`` names the unit; ``module``'s tensors (those in ``select``, when given) are its weights, named
+        under ``label`` (default ``path``) in errors."""
         self.path = path
-        self.tensors = TensorSet(module, path)
+        self.tensors = TensorSet(module, path if label is None else label, select)
         self.slots: list[TensorSlot] = []
         self.numel: dict[torch.dtype, int] = {}
         for leaf in self.tensors.leaves:

@@ -182,10 +182,11 @@ def test_without_budget_next_pass_loads_after_the_last_block_ends():
         backend = apply_offload(model, config)
         first = next(b for b in backend._state.streamed[0] if b is not None)
         during_last, after_last = [], []
-        # Hooks on modules inside the last block run while it computes; norm_out runs right after it.
+        # Hooks on modules inside the last block run while it computes; the model's forward hook once it returned
+        # (the output layers, norm_out and proj_out, stream with the last block and run before the next pass loads).
         hooks = [model.single_transformer_blocks[-1].proj_out.register_forward_hook(
                      lambda *_: during_last.append(first.slot is not None)),
-                 model.norm_out.register_forward_pre_hook(lambda *_: after_last.append(first.slot is not None))]
+                 model.register_forward_hook(lambda *_: after_last.append(first.slot is not None))]
         with torch.no_grad():
             for _ in range(2):
                 assert torch.equal(model(**flux_inputs())[0], reference)
@@ -471,3 +472,62 @@ def test_device_buffers_are_made_once_and_freed_between_loads_and_an_evicted_unr
     assert all(buffer.untyped_storage().nbytes() == 0 for buffer in a.buffers.values())
     streamer.begin(b, ())
     assert torch.equal(b.weights.tensors.current()[0], b.weights.host_views[0])
+
+
+def test_output_layers_stream_with_the_last_block():
+    # FLUX's norm_out and proj_out run once, after the last block: they are on the device from the last block's start
+    # to the end of the forward, empty placeholders while the other blocks run (where the peak is).
+    model = bare_flux()
+    originals = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, model.config.num_attention_heads * model.config.attention_head_dim)
+    with torch.no_grad():
+        reference = model(**flux_inputs())[0]
+        proj_reference = model.proj_out(x)
+    tail = [model.norm_out.linear.weight, model.proj_out.weight, model.proj_out.bias]
+    backend = apply_offload(model, CPU)
+    last = model.single_transformer_blocks[-1]
+    seen = {"first block": [], "last block": [], "norm_out": []}
+    hooks = [model.transformer_blocks[0].register_forward_pre_hook(
+                 lambda *_: seen["first block"].append([t.numel() for t in tail])),
+             last.proj_out.register_forward_hook(lambda *_: seen["last block"].append([t.numel() for t in tail])),
+             model.norm_out.register_forward_pre_hook(lambda *_: seen["norm_out"].append([t.numel() for t in tail]))]
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(**flux_inputs())[0], reference)
+    for hook in hooks:
+        hook.remove()
+    assert seen["first block"] == [[0, 0, 0]] * 2  # placeholders (zero elements) while the blocks run
+    assert all(n > 0 for row in seen["norm_out"] for n in row) and len(seen["norm_out"]) == 2
+    assert all(n > 0 for row in seen["last block"] for n in row) and len(seen["last block"]) == 2
+    assert all(t.numel() == 0 for t in tail)  # and again after the forward
+    stats = backend.stats
+    assert stats.on_demand_loads == 0
+    # Counted with the last block (streamed), not with the weights that stay on the device.
+    tail_bytes = sum(originals[k].numel() * originals[k].element_size() for k in originals
+                     if k.startswith(("norm_out.", "proj_out.")))
+    non_block = sum(v.numel() * v.element_size() for k, v in originals.items()
+                    if not k.startswith(("transformer_blocks.", "single_transformer_blocks.")))
+    assert stats.resident_device_bytes == non_block - tail_bytes
+    # Called on their own (no forward around them), they load with the last block's unit.
+    with torch.no_grad():
+        assert torch.equal(model.proj_out(x), proj_reference)
+        assert torch.equal(model(**flux_inputs())[0], reference)
+    # state_dict reads them from their host copies.
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in originals.items())
+    backend.disable()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in originals.items())
+    with torch.no_grad():
+        assert torch.equal(model(**flux_inputs())[0], reference)
+
+
+def test_output_layers_stay_when_the_last_block_is_resident():
+    model = bare_flux(num_layers=1, num_single_layers=3)
+    with torch.no_grad():
+        reference = model(**flux_inputs())[0]
+    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu", max_device_memory="1GiB"))
+    assert backend.stats.streamed_blocks == 0
+    assert model.proj_out.weight.numel() > 0
+    with torch.no_grad():
+        assert torch.equal(model(**flux_inputs())[0], reference)
+    backend.disable()

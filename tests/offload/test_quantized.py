@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from diffusers_omni import OffloadConfig, apply_offload
+from diffusers_omni.models.base import tail_attrs_for
 from diffusers_omni.offload.hooks import hook_names
 from diffusers_omni.offload.memory import ALIGN_BYTES, PackedWeights
 from diffusers_omni.offload.tensors import TensorSet, UnsupportedTensorError, storage_nbytes, tensor_nbytes
@@ -41,7 +42,12 @@ def _config(strategy: str, model) -> OffloadConfig:
     if strategy != "layerwise_budget":
         return OffloadConfig(strategy, device="cpu")
     sizes = [PackedWeights(p, b).nbytes for p, b in _blocks(model)]
+    # The output layers (norm_out, proj_out) stream with the last block.
+    tail = [t for attr in tail_attrs_for(model) for t in list(getattr(model, attr).parameters())
+            + list(getattr(model, attr).buffers())]
+    sizes[-1] += sum(tensor_nbytes(t) for t in tail)
     block_ids = {id(t) for _, b in _blocks(model) for t in list(b.parameters()) + list(b.buffers())}
+    block_ids |= {id(t) for t in tail}
     fixed = sum(tensor_nbytes(t) for t in list(model.parameters()) + list(model.buffers()) if id(t) not in block_ids)
     # Room for the two streaming slots and one more block: some blocks stay resident, the others stream.
     return OffloadConfig("layerwise", device="cpu", max_device_memory=fixed + 3 * max(sizes) + 4096)
