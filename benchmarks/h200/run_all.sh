@@ -47,6 +47,9 @@ for job in "$@"; do
     quant-offload-tail) python3 -m benchmarks.quant_offload_bench --models flux \
                           --formats gguf-q4_k,gguf-q8_0,torchao-float8,bnb-nf4,torchao-int8 --warmup 1 --repeats 3 \
                           --time-budget 200 --out "$out/quant_offload_h200_tail" ;;
+    quant-offload-tail2) python3 -m benchmarks.quant_offload_bench --models flux \
+                           --formats torchao-float8,bnb-nf4,gguf-q4_k --warmup 1 --repeats 3 \
+                           --time-budget 150 --out "$out/quant_offload_h200_tail_overlap" ;;
     offload-flux-tail) python3 -m benchmarks.offload_bench --models flux --variants layerwise,diffusers \
                          --out "$out/offload_h200_flux_tail" ;;
     peak-diff) python3 -m benchmarks.peak_probe --diff --format gguf-q4_k --out "$out/peak_diff_h200" ;;

@@ -358,6 +358,14 @@ class _Streamer:
         self._load_ahead(first)
         self.stats.hook_seconds += perf_counter() - start
 
+    @torch.compiler.disable(reason=EAGER_ONLY)
+    def load_next_pass(self, first: tuple[_StreamedBlock, ...]) -> None:
+        """The last block (which carries the DiT's output layers, so it stays bound until the forward returns)
+        finished computing: the next pass's first blocks load now, while the output layers run."""
+        start = perf_counter()
+        self._load_ahead(first)
+        self.stats.hook_seconds += perf_counter() - start
+
     def release_all(self) -> None:
         """Free every in-flight block's device memory (``disable``, after a synchronize)."""
         while self.in_flight:
@@ -585,7 +593,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
             last = row[-1] if tail else None
             end_last = None
             if last is not None:
-                end_last = partial(streamer.end_pass, last, first) if not wrap else partial(streamer.end, last)
+                end_last = partial(streamer.end, last)
                 for _, module in tail:
                     # Normally a no-op (the last block bound them); loads them if called without the last block.
                     state.hooks.install(module, CallbackHook(before=partial(streamer.begin, last, ())),
@@ -598,8 +606,10 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 # As far ahead as the window could ever hold: each upcoming block loads as soon as room frees up
                 # (e.g. while resident blocks run), so the copy engine never idles waiting for the next one.
                 lookahead = _lookahead(row, position, capacity, limit, wrap=wrap)
-                if block is None or block is last:
+                if block is None or (block is last and wrap):
                     after = None
+                elif block is last:
+                    after = partial(streamer.load_next_pass, first)
                 elif block is ring[-1] and not wrap:
                     after = partial(streamer.end_pass, block, first)
                 else:

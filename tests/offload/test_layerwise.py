@@ -182,11 +182,12 @@ def test_without_budget_next_pass_loads_after_the_last_block_ends():
         backend = apply_offload(model, config)
         first = next(b for b in backend._state.streamed[0] if b is not None)
         during_last, after_last = [], []
-        # Hooks on modules inside the last block run while it computes; the model's forward hook once it returned
-        # (the output layers, norm_out and proj_out, stream with the last block and run before the next pass loads).
+        # Hooks on modules inside the last block run while it computes; norm_out runs right after it (the output
+        # layers stream with the last block, which stays bound until the forward returns; the next pass's first
+        # block loads when the last block's own forward ends, so its copy overlaps them).
         hooks = [model.single_transformer_blocks[-1].proj_out.register_forward_hook(
                      lambda *_: during_last.append(first.slot is not None)),
-                 model.register_forward_hook(lambda *_: after_last.append(first.slot is not None))]
+                 model.norm_out.register_forward_pre_hook(lambda *_: after_last.append(first.slot is not None))]
         with torch.no_grad():
             for _ in range(2):
                 assert torch.equal(model(**flux_inputs())[0], reference)
