@@ -136,7 +136,7 @@ def _variants(name: str) -> tuple[dict, dict[str, dict]]:
 
 
 OFFLOAD_SUMMARY_RUNS = (
-    ("offload_h200_flux", "FLUX.1-dev size", "omni layerwise"),
+    ("offload_h200_flux_tail", "FLUX.1-dev size", "omni layerwise"),
     ("offload_h200_flux_budget_run_cap", "FLUX.1-dev size", "omni layerwise 12GiB"),
     ("offload_h200_wan", "Wan2.2-14B size", "omni layerwise"),
 )
@@ -558,7 +558,9 @@ def _short_error(error: str) -> str:
 QUANT_OFFLOAD_RUN = "quant_offload_h200" if (RESULTS / "quant_offload_h200.json").exists() else "quant_offload_h200_1block"
 QUANT_OFFLOAD_RUNS = [QUANT_OFFLOAD_RUN] + [r for r in ("quant_offload_h200_wan", "quant_offload_h200_after_empty_cache",
                                                       "quant_offload_h200_views_once",
-                                                      "quant_offload_h200_wan_q4k_nf4")
+                                                      "quant_offload_h200_wan_q4k_nf4",
+                                                      "quant_offload_h200_tail",
+                                                      "quant_offload_h200_tail_overlap")
                                             if (RESULTS / f"{r}.json").exists()]
 
 
