@@ -254,7 +254,8 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
     """
 
     strategy = OffloadStrategy.DISTRIBUTED_LAYERWISE
-    # Output layers stay resident: the gathered ring has no hook to end a last block with the DiT's forward.
+    # The DiT's output layers stay resident here (the AllGather ring installs its own hooks, and no last block
+    # of it ends with the DiT's forward).
     fold_tail = False
     stages = ("discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_step_check",
               "install_guards", "prime")

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
 from time import perf_counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -93,35 +93,30 @@ def plan_residency(
         )
     # The longest resident run allowed: the window, or as long as an evenly spread set filling the same budget
     # would have (a budget near the model's size keeps long runs either way; its few streamed blocks copy in time).
-    cap = max(window, _longest_chosen_run(block_bytes, forced, _spread_plan(block_bytes, resident, candidates,
-                                                                            available)))
+    spread, _ = _spread_fill(block_bytes, resident, candidates, available)
+    cap = max(window, _longest_chosen_run(block_bytes, forced, spread))
     for group in _residency_order(block_bytes, candidates):
-        # The most blocks of this size that fit, evenly spread among them.
-        for count in range(len(group), 0, -1):
-            chosen = [group[p] for p in spread_positions(count, len(group))]
-            chosen_bytes = sum(block_bytes[i] for i in chosen)
-            if chosen_bytes > available:
-                continue
-            trial = list(resident)
-            for i in chosen:
-                trial[i] = True
-            if _longest_chosen_run(block_bytes, forced, trial) <= cap:
-                resident = trial
-                available -= chosen_bytes
-                break
+        resident, used = _spread_fill(block_bytes, resident, group, available,
+                                      accept=lambda plan: _longest_chosen_run(block_bytes, forced, plan) <= cap)
+        available -= used
     return resident
 
 
-def _spread_plan(block_bytes: list[int], resident: list[bool], candidates: list[int], available: int) -> list[bool]:
-    """The most candidates, evenly spread through the whole stack, that fit in ``available`` bytes."""
-    for count in range(len(candidates), 0, -1):
-        chosen = [candidates[p] for p in spread_positions(count, len(candidates))]
-        if sum(block_bytes[i] for i in chosen) <= available:
-            plan = list(resident)
-            for i in chosen:
-                plan[i] = True
-            return plan
-    return list(resident)
+def _spread_fill(block_bytes: list[int], resident: list[bool], group: list[int], available: int,
+                 accept: Callable[[list[bool]], bool] = lambda plan: True) -> tuple[list[bool], int]:
+    """``resident`` plus the most blocks of ``group``, evenly spread among them, that fit in ``available`` bytes
+    and that ``accept`` takes; and the bytes they add."""
+    for count in range(len(group), 0, -1):
+        chosen = [group[p] for p in spread_positions(count, len(group))]
+        used = sum(block_bytes[i] for i in chosen)
+        if used > available:
+            continue
+        plan = list(resident)
+        for i in chosen:
+            plan[i] = True
+        if accept(plan):
+            return plan, used
+    return list(resident), 0
 
 
 def _longest_chosen_run(block_bytes: list[int], forced: list[bool], resident: list[bool]) -> int:
@@ -146,9 +141,9 @@ def _longest_chosen_run(block_bytes: list[int], forced: list[bool], resident: li
     return longest
 
 
-# Blocks within this fraction of a size class's largest block are one class (GGUF mixes, e.g. Q4_K_M, make blocks
-# of one kind differ by a few percent).
-_SIZE_CLASS_TOLERANCE = 0.9
+# Blocks within this fraction of a size class's largest block are one class: GGUF mixes (e.g. Q4_K_M) make blocks of
+# one kind differ by a few percent, and a last block carrying the output layers is ~14% larger than its FLUX peers.
+_SIZE_CLASS_TOLERANCE = 0.8
 
 
 def _residency_order(block_bytes: list[int], candidates: list[int]) -> list[list[int]]:
@@ -407,6 +402,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
     stages = (
         "discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_guards", "prime"
     )
+    # Whether a DiT's output layers (its declaration's ``tail_attrs``) stream with its last block.
+    fold_tail = True
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -465,9 +462,6 @@ class LayerwiseOffloadBackend(OffloadBackend):
             "none" if self.config.max_device_memory is None else format_bytes(self.config.max_device_memory),
         )
 
-    # Whether a DiT's output layers (its declaration's ``tail_attrs``) stream with its last block.
-    fold_tail = True
-
     def _stack_weights(self, stack: Stack, state: LayerwiseState) -> list[PackedWeights]:
         """One unit per block. The DiT's output layers (final norm, output projection: called once, after the last
         block) join the last block's unit, so they are on the device only from the last block to the end of the
@@ -489,7 +483,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         tail = []
         for attr in tail_attrs_for(stack.owner):
             module = getattr(stack.owner, attr, None)
-            if isinstance(module, nn.Module) and id(module) not in in_blocks and any(True for _ in named_tensors(module)):
+            if isinstance(module, nn.Module) and id(module) not in in_blocks and named_tensors(module):
                 tail.append((attr, module))
         return tail
 
@@ -679,7 +673,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
 
 def _owner_path(owner: nn.Module, block_path: str, block: nn.Module) -> str:
-    """The dotted path of ``owner``, given one of its blocks' path (``"transformer.blocks.3"`` → ``"transformer"``)."""
+    """The dotted path of ``owner``, given one of its blocks and its path (``"transformer.blocks.3"`` gives
+    ``"transformer"``)."""
     relative = next(name for name, module in owner.named_modules() if module is block)
     return block_path[: len(block_path) - len(relative)].rstrip(".")
 
