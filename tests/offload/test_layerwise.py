@@ -534,3 +534,19 @@ def test_output_layers_stay_when_the_last_block_is_resident():
     with torch.no_grad():
         assert torch.equal(model(**flux_inputs())[0], reference)
     backend.disable()
+
+
+def test_output_layers_can_be_kept_resident():
+    # A model's own _layerwise_offload_tail_attrs wins over the declaration; an empty tuple keeps them on the device.
+    model = bare_flux()
+    model._layerwise_offload_tail_attrs = ()
+    with torch.no_grad():
+        reference = model(**flux_inputs())[0]
+    backend = apply_offload(model, CPU)
+    seen = []
+    hook = model.transformer_blocks[0].register_forward_pre_hook(lambda *_: seen.append(model.proj_out.weight.numel()))
+    with torch.no_grad():
+        assert torch.equal(model(**flux_inputs())[0], reference)
+    hook.remove()
+    assert seen == [model.proj_out.weight.numel()] and seen[0] > 0
+    backend.disable()
