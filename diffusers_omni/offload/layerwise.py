@@ -478,12 +478,23 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
     @staticmethod
     def _tail_modules(stack: Stack) -> list[tuple[str, nn.Module]]:
-        """The declared output layers that exist, hold tensors and are not (inside) a block."""
+        """The declared output layers that exist, hold tensors and are not (inside) a block. A name the model sets
+        itself (``_layerwise_offload_tail_attrs``) must be such a module; a package declaration's may be missing
+        from another Diffusers version, and is skipped."""
         in_blocks = {id(m) for _, block in stack.blocks for m in block.modules()}
+        own = getattr(stack.owner, "_layerwise_offload_tail_attrs", None) is not None
         tail = []
         for attr in tail_attrs_for(stack.owner):
             module = getattr(stack.owner, attr, None)
-            if isinstance(module, nn.Module) and id(module) not in in_blocks and named_tensors(module):
+            usable = isinstance(module, nn.Module) and not _holds_any(module, in_blocks)
+            if own and not usable:
+                modules = [name for name, child in stack.owner.named_children() if not _holds_any(child, in_blocks)]
+                raise ValueError(
+                    f"_layerwise_offload_tail_attrs of {stack.name!r} ({type(stack.owner).__name__}) names {attr!r}, "
+                    f"which is {'(or holds) a block' if isinstance(module, nn.Module) else 'not a module of it'}; "
+                    f"allowed: its modules outside the blocks ({', '.join(modules)})"
+                )
+            if usable and named_tensors(module):
                 tail.append((attr, module))
         return tail
 
@@ -670,6 +681,10 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     weights.restore(clone=clone, to_original_device=False)
         state.host_memory.release(self.device)
         logger.info("layerwise offload disabled: block weights are ordinary host tensors again")
+
+
+def _holds_any(module: nn.Module, ids: set[int]) -> bool:
+    return any(id(m) in ids for m in module.modules())
 
 
 def _owner_path(owner: nn.Module, block_path: str, block: nn.Module) -> str:

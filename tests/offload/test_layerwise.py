@@ -550,3 +550,15 @@ def test_output_layers_can_be_kept_resident():
     hook.remove()
     assert seen == [model.proj_out.weight.numel()] and seen[0] > 0
     backend.disable()
+
+
+@pytest.mark.parametrize("attrs, what", [(("norm_outt",), "not a module of it"),
+                                         (("single_transformer_blocks",), r"\(or holds\) a block")])
+def test_misspelled_output_layer_is_refused_before_anything_changes(attrs, what):
+    model = bare_flux()
+    model._layerwise_offload_tail_attrs = attrs
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"names '{attrs[0]}', which is {what}; allowed: .*norm_out"):
+        apply_offload(model, CPU)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert not any(getattr(m, "_diffusers_hook", None) for m in model.modules())
