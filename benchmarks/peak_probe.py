@@ -27,10 +27,7 @@ def live_blocks() -> dict[int, dict]:
     for segment in snapshot["segments"]:
         for block in segment["blocks"]:
             if block["state"] == "active_allocated":
-                frames = [f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
-                          for f in block.get("frames", [])
-                          if "torch/" not in f["filename"] or "nn/modules" in f["filename"]][:8]
-                live[block["address"]] = {"size": block["size"], "frames": frames}
+                live[block["address"]] = {"size": block["size"], "frames": _user_frames(block.get("frames", []))[:8]}
     return live
 
 
@@ -78,12 +75,23 @@ def peak_live_set(model, inputs, device) -> dict:
                              sorted(groups.items(), key=lambda kv: -sum(kv[1]))}}
 
 
-def _where(frames: list[dict]) -> str:
-    """The innermost frames outside torch's own modules (the model code, the offload hooks) that allocated."""
-    keep = [f"{f['filename'].split('site-packages/')[-1].split('/work/')[-1]}:{f['line']} {f['name']}"
+def _user_frames(frames: list[dict]) -> list[str]:
+    """The frames outside torch's own modules (the model code, the offload hooks), innermost first."""
+    return [f"{f['filename'].split('site-packages/')[-1].split('/work/')[-1]}:{f['line']} {f['name']}"
             for f in frames if ("torch/" not in f["filename"] or "nn/modules" in f["filename"])
             and "contextlib" not in f["filename"]]
-    return " < ".join(keep[:3]) or "(no python frame)"
+
+
+def _where(frames: list[dict]) -> str:
+    """The three innermost frames outside torch's own modules that allocated."""
+    return " < ".join(_user_frames(frames)[:3]) or "(no python frame)"
+
+
+def _quantized_flux(fmt: str, device: torch.device):
+    """The FLUX-size model quantized as ``quant_offload_bench`` does it, and its inputs."""
+    model = build_model("flux", device, False)
+    quantize(model, fmt, device)
+    return model, make_inputs("flux", model, device, False)
 
 
 def diff_main(args) -> int:
@@ -92,9 +100,7 @@ def diff_main(args) -> int:
     from diffusers_omni import OffloadConfig, apply_offload
 
     device = torch.device("cuda")
-    model = build_model("flux", device, False)
-    quantize(model, args.format, device)
-    inputs = make_inputs("flux", model, device, False)
+    model, inputs = _quantized_flux(args.format, device)
     report = {"format": args.format}
     backend = apply_offload(model, OffloadConfig("layerwise", device=device))
     with torch.inference_mode():
@@ -150,9 +156,7 @@ def main(argv=None) -> int:
     from diffusers_omni import OffloadConfig, apply_offload
 
     device = torch.device("cuda")
-    model = build_model("flux", device, False)
-    quantize(model, args.format, device)
-    inputs = make_inputs("flux", model, device, False)
+    model, inputs = _quantized_flux(args.format, device)
     apply_offload(model, OffloadConfig("layerwise", device=device))
     with torch.inference_mode():
         model(**inputs)

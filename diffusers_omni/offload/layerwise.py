@@ -349,9 +349,7 @@ class _Streamer:
         """The stack's last streamed block ended: the next pass's first blocks load now, after its activations are
         freed, not while it runs (that overlap would raise the peak above the window's)."""
         self.end(block)
-        start = perf_counter()
-        self._load_ahead(first)
-        self.stats.hook_seconds += perf_counter() - start
+        self.load_next_pass(first)
 
     @torch.compiler.disable(reason=EAGER_ONLY)
     def load_next_pass(self, first: tuple[_StreamedBlock, ...]) -> None:
