@@ -158,9 +158,25 @@ def _in_blocks(name: str) -> bool:
     return name.startswith(("transformer_blocks", "single_transformer_blocks", "blocks"))
 
 
+PIPELINE_CHECKS = ("equal", "lora_changes_output", "lora_equal", "unloaded_equal")
+
+
+def _save_lora(pipe, folder: str) -> None:
+    """A LoRA on the attention projections of ``pipe``'s transformer, saved in Diffusers' format."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    source = type(pipe.transformer).from_config(pipe.transformer.config)
+    torch.manual_seed(1)
+    source.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                                  target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    type(pipe).save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(source))
+
+
 def check_pipeline(device: torch.device) -> dict:
     """A tiny FLUX pipeline saved and loaded back with PipelineQuantizationConfig (bitsandbytes 4-bit transformer
-    and T5 encoder): model-level and layerwise offload against the resident pipeline."""
+    and T5 encoder): model-level and layerwise offload against the resident pipeline, then a LoRA loaded and
+    unloaded with the offload on against the resident pipeline with the same LoRA."""
     from diffusers import BitsAndBytesConfig, PipelineQuantizationConfig
     from transformers import BitsAndBytesConfig as TransformersBitsAndBytesConfig
 
@@ -168,8 +184,10 @@ def check_pipeline(device: torch.device) -> dict:
     from diffusers_omni.testing.tiny import tiny_flux_pipeline
 
     results = {}
-    with tempfile.TemporaryDirectory() as folder:
-        tiny_flux_pipeline(pipeline_cls=OmniFluxPipeline).save_pretrained(folder)
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as lora:
+        tiny = tiny_flux_pipeline(pipeline_cls=OmniFluxPipeline)
+        tiny.save_pretrained(folder)
+        _save_lora(tiny, lora)
         kwargs = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                       bnb_4bit_compute_dtype=torch.float32)
         config = PipelineQuantizationConfig(quant_mapping={
@@ -188,14 +206,27 @@ def check_pipeline(device: torch.device) -> dict:
                 phase = "resident reference"
                 pipe.to(device)
                 reference = generate(pipe)
+                pipe.load_lora_weights(lora)
+                reference_lora = generate(pipe)
+                pipe.unload_lora_weights()
                 phase = "offloaded run"
+                pipe = OmniFluxPipeline.from_pretrained(folder, quantization_config=config)
                 if label == "model_level":
                     pipe.enable_model_level_offload(device=device)
                 else:
                     pipe.enable_layerwise_offload(device=device)
                 out = generate(pipe)
+                phase = "LoRA loaded with the offload on"
+                pipe.load_lora_weights(lora)
+                out_lora = generate(pipe)
+                phase = "LoRA unloaded with the offload on"
+                pipe.unload_lora_weights()
+                out_unloaded = generate(pipe)
                 pipe.disable_omni_offload()
-                results[label] = {"equal": bool(torch.equal(out, reference))}
+                results[label] = {"equal": bool(torch.equal(out, reference)),
+                                  "lora_changes_output": not torch.equal(reference_lora, reference),
+                                  "lora_equal": bool(torch.equal(out_lora, reference_lora)),
+                                  "unloaded_equal": bool(torch.equal(out_unloaded, reference))}
             except Exception as error:  # noqa: BLE001 - reported
                 results[label] = {"error": f"{phase}: {type(error).__name__}: {error}",
                                   "traceback": traceback.format_exc()[-2000:],
@@ -237,7 +268,7 @@ def main() -> int:
     failures = [f"{m}/{k}" for m, r in report["models"].items() for k, v in r.items()
                 if isinstance(v, dict) and ("error" in v or not v.get("equal") or not v.get("equal_after_disable"))]
     failures += [f"pipeline/{k}" for k, v in report["pipeline"].items()
-                 if isinstance(v, dict) and ("error" in v or not v.get("equal"))]
+                 if isinstance(v, dict) and ("error" in v or not all(v.get(c) for c in PIPELINE_CHECKS))]
     report["failures"] = failures
     out.write_text(json.dumps(report, indent=2, default=str))
     print("failures:", failures or "none", flush=True)

@@ -49,9 +49,14 @@ def inputs(model_name: str, seed: int) -> dict[str, Any]:
     }
 
 
+def unquantized(model_name: str) -> nn.Module:
+    """The tiny ``model_name`` transformer ``quantized`` starts from (seeded: the same weights every call)."""
+    return _flux() if model_name == "flux" else _wan()
+
+
 def quantized(model_name: str, fmt: str, folder: str | Path | None = None) -> nn.Module:
     """A tiny ``model_name`` transformer in format ``fmt`` (GGUF: written to ``folder`` and read back)."""
-    model = _flux() if model_name == "flux" else _wan()
+    model = unquantized(model_name)
     if fmt.startswith("torchao"):
         from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 

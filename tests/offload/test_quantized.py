@@ -295,6 +295,55 @@ def test_gguf_transformer_in_a_pipeline(tmp_path):
     pipe.disable_omni_offload()
 
 
+@pytest.fixture(scope="module")
+def quantized_lora_dir(tmp_path_factory):
+    """A FLUX LoRA (attention projections) for the tiny transformer ``quant_helpers`` quantizes."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from diffusers_omni.pipelines.flux import OmniFluxPipeline
+
+    directory = tmp_path_factory.mktemp("quantized_lora")
+    source = qh.unquantized("flux")
+    torch.manual_seed(1)
+    source.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                                  target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    OmniFluxPipeline.save_lora_weights(directory, transformer_lora_layers=get_peft_model_state_dict(source))
+    return directory
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "model_level"])
+# bitsandbytes 4-bit is left to the H200 check (benchmarks/quant_offload_check.py, LoRA scenarios): its CPU backend
+# repacks the weights on the first forward and undoes that in state_dict(), which LoRA loading calls.
+@pytest.mark.parametrize("fmt", ["gguf", "torchao-int8", "torchao-float8", "bnb-int8"])
+def test_lora_on_a_quantized_transformer_with_offload_on(fmt, strategy, quantized_lora_dir, tmp_path):
+    """GGUF / torchao / bitsandbytes DiT + LoRA, the common way to run a fine-tune on a small GPU: loading and
+    unloading the LoRA while offload is on gives the resident quantized pipeline's images."""
+
+    def pipe_with_quantized_transformer():
+        pipe = flux_pipe()
+        pipe.register_modules(transformer=qh.quantized("flux", fmt, tmp_path))
+        return pipe
+
+    resident = pipe_with_quantized_transformer()
+    base = generate(resident, steps=2)
+    resident.load_lora_weights(quantized_lora_dir)
+    with_lora = generate(resident, steps=2)
+    assert not torch.equal(with_lora, base)
+
+    pipe = pipe_with_quantized_transformer()
+    getattr(pipe, f"enable_{strategy}_offload")(device="cpu")
+    backend = pipe.omni_offload_backend
+    before = qh.weight_kinds(pipe.transformer)
+    pipe.load_lora_weights(quantized_lora_dir)
+    assert pipe.omni_offload_backend is backend and qh.weight_kinds(pipe.transformer) == before
+    assert torch.equal(generate(pipe, steps=2), with_lora)
+    pipe.unload_lora_weights()
+    assert torch.equal(generate(pipe, steps=2), base)
+    pipe.disable_omni_offload()
+    assert torch.equal(generate(pipe, steps=2), base)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_distributed_layerwise_quantized(world, tmp_path):
     results = launch(qh.distributed_parity, world, str(tmp_path), deadline=300)
