@@ -15,6 +15,12 @@ for spec in diffusers==0.42.1 fa3-fwd==0.0.3 flashinfer-python==0.6.4 "apache-tv
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl "$spec"
 done
+# The quantized offload check's LoRA scenarios: peft and what it imports, kept apart (.whl/lora) so that only that
+# job runs with them.
+for spec in peft==0.21.2 accelerate==1.16.0 psutil==7.2.2 pyyaml==6.0.4; do
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" -d .whl/lora "$spec"
+done
 # bitsandbytes ships one library per CUDA version (~200 MB): keep the image's cuda130 one and the CPU one, and
 # regenerate RECORD so pip installs the slimmed wheel.
 python3 - <<'PY'

@@ -37,7 +37,11 @@ for job in "$@"; do
                      --per-block --cache-probe --deeper 3 --out "$out/quant_offload_h200" ;;
     quant-offload-wan) python3 -m benchmarks.quant_offload_bench --models wan --warmup 1 --repeats 2 --time-budget 380 \
                          --per-block --cache-probe --deeper 3 --out "$out/quant_offload_h200_wan" ;;
-    quant-offload-check) python3 -m benchmarks.quant_offload_check --out "$out/quant_offload_h200_check" ;;
+    quant-offload-check) # its LoRA scenarios need peft (and accelerate): installed for this job only
+                         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+                           --target /tmp/site-lora .whl/lora/*.whl
+                         PYTHONPATH=/tmp/site-lora:$PYTHONPATH python3 -m benchmarks.quant_offload_check \
+                           --out "$out/quant_offload_h200_check" ;;
     quant-offload-budget) python3 -m benchmarks.quant_offload_bench --models flux --formats torchao-int8,gguf-q8_0 \
                             --warmup 1 --repeats 3 --budget 2.5,3 --per-block --no-peak-trace \
                             --out "$out/quant_offload_h200_budget_largest_first" ;;
@@ -52,6 +56,11 @@ for job in "$@"; do
                            --time-budget 150 --out "$out/quant_offload_h200_tail_overlap" ;;
     offload-flux-tail) python3 -m benchmarks.offload_bench --models flux --variants layerwise,diffusers \
                          --out "$out/offload_h200_flux_tail" ;;
+    quant-offload-wan-final) python3 -m benchmarks.quant_offload_bench --models wan \
+                               --formats torchao-float8,torchao-int8,gguf-q8_0 --warmup 1 --repeats 2 \
+                               --time-budget 230 --out "$out/quant_offload_h200_wan_final" ;;
+    quant-offload-wan-final2) python3 -m benchmarks.quant_offload_bench --models wan --formats gguf-q4_k,bnb-nf4 \
+                                --warmup 1 --repeats 2 --time-budget 200 --out "$out/quant_offload_h200_wan_final2" ;;
     peak-diff) python3 -m benchmarks.peak_probe --diff --format gguf-q4_k --out "$out/peak_diff_h200" ;;
     quant-offload-rerun) python3 -m benchmarks.quant_offload_bench --models flux --warmup 1 --repeats 3 --time-budget 300 \
                            --out "$out/quant_offload_h200_views_once" ;;
