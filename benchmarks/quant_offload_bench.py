@@ -29,6 +29,7 @@ Usage (results go to ``<out>.json``, ``<out>.md`` and ``<out>.png``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -145,11 +146,35 @@ def allocator_counters(device: torch.device) -> dict[str, int] | None:
     return {key: int(stats.get(key, 0)) for key in ALLOC_KEYS}
 
 
+def copy_traffic(nbytes: int, device: torch.device, chunk: int = 256 * 2**20) -> Callable[[], None]:
+    """A function that copies ``nbytes`` host→device (pinned, in ``chunk``-byte pieces into one scratch buffer) on
+    a side stream, queued after the work already on the current stream and waited for by nothing: a step's
+    streamed bytes with no dependency on its compute. On the CPU the copies run before the step (logic only)."""
+    chunk = max(1, min(chunk, nbytes))
+    cuda = device.type == "cuda"
+    src = torch.empty(chunk, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(chunk, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device) if cuda else None
+
+    def enqueue() -> None:
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            left = nbytes
+            while left > 0:
+                n = min(chunk, left)
+                dst[:n].copy_(src[:n], non_blocking=cuda)
+                left -= n
+
+    return enqueue
+
+
 def time_steps(model: nn.Module, inputs: dict, device: torch.device, warmup: int, repeats: int,
-               alloc_stats: bool = False) -> tuple[dict, Any]:
+               alloc_stats: bool = False, before_step: Callable[[], None] | None = None) -> tuple[dict, Any]:
     """Median step time; ``host_s`` is how long the forward took to return on the host (kernels launched, before
     the wait): when it is close to ``step_s`` the step is bound by the host, not the GPU. ``alloc_stats``: also
-    the allocator counters' deltas over the timed steps (``alloc_deltas``) and the reserved bytes before them."""
+    the allocator counters' deltas over the timed steps (``alloc_deltas``) and the reserved bytes before them.
+    ``before_step`` runs right before each forward, inside the timed interval (``copy_traffic``)."""
     times, hosts, first = [], [], None
     counters = extra = None
     with torch.inference_mode():
@@ -160,6 +185,8 @@ def time_steps(model: nn.Module, inputs: dict, device: torch.device, warmup: int
                 extra = {"reserved_before_timed_steps": torch.cuda.memory_reserved(device)
                          if device.type == "cuda" else None}
             start = time.perf_counter()
+            if before_step is not None:
+                before_step()
             out = model(**inputs)[0]
             launched = time.perf_counter()
             synchronize(device)
@@ -354,7 +381,7 @@ def profile_top(fn: Callable[[], Any], rows: int = 25) -> tuple[Any, dict]:
 def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], None], model: nn.Module,
                 inputs: dict, device: torch.device, args: argparse.Namespace,
                 reference: torch.Tensor | None, alloc_stats: bool = False,
-                trace: bool = True) -> tuple[torch.Tensor | None, dict]:
+                trace: bool = True, before_step: Callable[[], None] | None = None) -> tuple[torch.Tensor | None, dict]:
     print(f"  [{label}] setting up", flush=True)
     gc.collect()
     reset_peak(device)
@@ -370,7 +397,7 @@ def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], 
     result["setup_s"] = time.perf_counter() - start
     reset_peak(device)
     try:
-        timing, first = time_steps(model, inputs, device, args.warmup, args.repeats, alloc_stats)
+        timing, first = time_steps(model, inputs, device, args.warmup, args.repeats, alloc_stats, before_step)
     except Exception as error:  # noqa: BLE001 - recorded
         result["error"] = f"{type(error).__name__}: {error}"[:400]
         print(f"  [{label}] step failed: {result['error']}", flush=True)
@@ -474,6 +501,18 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
             target = TARGET_FACTOR * max(resident["step_s"], budgeted["streamed_bytes"] / bandwidth)
             budgeted.update({"target_step_s": target, "meets_step_target": budgeted["step_s"] <= target})
         entry["variants"].append(budgeted)
+
+    if args.copy_traffic and "step_s" in resident:
+        # The resident model while the copy engine moves the bytes omni streams per step, with no dependency
+        # between the two: what any streaming schedule costs compute through the copies alone (memory traffic,
+        # DMA), however well it is ordered and with no memory limit.
+        traffic_bytes = omni.get("streamed_bytes") or packed
+        _, traffic = run_variant("resident, copy traffic", lambda: None, lambda _: None, model, inputs, device,
+                                 args, reference, trace=False, before_step=copy_traffic(traffic_bytes, device))
+        traffic.update({"traffic_bytes": traffic_bytes, "traffic_floor_s": traffic_bytes / bandwidth})
+        if "step_s" in traffic:
+            traffic["over_resident"] = traffic["step_s"] / resident["step_s"]
+        entry["variants"].append(traffic)
 
     use_stream = device.type == "cuda"
 
@@ -624,6 +663,15 @@ def markdown(report: dict) -> str:
         lambda entry, v: [v["variant"], _gib(v.get("streamed_bytes")), _fmt(v.get("step_s")),
                           _fmt(v.get("target_step_s")), _fmt(v.get("meets_step_target")),
                           _gib(v.get("peak_device_bytes")), _fmt(v.get("bitwise_equal_to_resident"))])
+    lines += _variant_table(
+        report, "resident, copy traffic",
+        "The resident model while the bytes omni streams per step are copied host→device alongside, with no "
+        "dependency between the two (what the copies alone cost compute, under no schedule and no memory limit):",
+        ["Resident step", "With copy traffic", "Over resident", "Copied", "Copy floor", "omni layerwise", "Target"],
+        lambda entry, v: [_fmt(_variant(entry, "resident").get("step_s")), _fmt(v.get("step_s")),
+                          _fmt(v.get("over_resident")), _gib(v.get("traffic_bytes")), _fmt(v.get("traffic_floor_s")),
+                          _fmt(_variant(entry, "omni layerwise").get("step_s")),
+                          _fmt(_variant(entry, "omni layerwise").get("target_step_s"))])
     traced = [(entry, v) for entry in report["entries"] for v in entry["variants"] if v.get("peak_trace")]
     if traced:
         lines += ["", "Where the peak is (one more forward, device memory allocated while each block runs):", "",
@@ -741,6 +789,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-probe", action="store_true",
                         help="allocator counters over the omni steps, and the from-device pass once more on a fresh "
                              "model with torch.cuda.empty_cache() before (and after) apply_offload")
+    parser.add_argument("--copy-traffic", action="store_true",
+                        help="also time the resident model while omni's streamed bytes per step are copied "
+                             "host→device alongside (no dependency): the compute cost of the copies alone")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: start no further format after this (what was measured is written)")
     args = parser.parse_args(argv)

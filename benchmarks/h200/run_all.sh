@@ -61,6 +61,12 @@ for job in "$@"; do
                                --time-budget 230 --out "$out/quant_offload_h200_wan_final" ;;
     quant-offload-wan-final2) python3 -m benchmarks.quant_offload_bench --models wan --formats gguf-q4_k,bnb-nf4 \
                                 --warmup 1 --repeats 2 --time-budget 200 --out "$out/quant_offload_h200_wan_final2" ;;
+    quant-offload-final) python3 -m benchmarks.quant_offload_bench --models flux \
+                           --formats torchao-float8,bnb-nf4,torchao-int8,gguf-q8_0,gguf-q4_k --warmup 1 --repeats 5 \
+                           --per-block --time-budget 260 --out "$out/quant_offload_h200_final" ;;
+    quant-offload-traffic) python3 -m benchmarks.quant_offload_bench --models flux \
+                             --formats torchao-float8,bnb-nf4,torchao-int8,gguf-q8_0,gguf-q4_k --warmup 1 --repeats 5 \
+                             --copy-traffic --no-peak-trace --time-budget 330 --out "$out/quant_offload_h200_traffic" ;;
     peak-diff) python3 -m benchmarks.peak_probe --diff --format gguf-q4_k --out "$out/peak_diff_h200" ;;
     quant-offload-rerun) python3 -m benchmarks.quant_offload_bench --models flux --warmup 1 --repeats 3 --time-budget 300 \
                            --out "$out/quant_offload_h200_views_once" ;;

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_smoke_run_on_cpu(tmp_path):
     out = tmp_path / "quant"
     command = [sys.executable, "-m", "benchmarks.quant_offload_bench", "--smoke", "--device", "cpu",
-               "--models", "flux", "--formats", "torchao-int8,gguf-q4_k", "--per-block", "--cache-probe", "--deeper", "2", "--out", str(out)]
+               "--models", "flux", "--formats", "torchao-int8,gguf-q4_k", "--per-block", "--cache-probe", "--deeper", "2", "--copy-traffic", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.with_suffix(".json").read_text())
@@ -22,7 +22,8 @@ def test_smoke_run_on_cpu(tmp_path):
     for entry in report["entries"]:
         variants = {v["variant"]: v for v in entry["variants"]}
         assert set(variants) == {"resident", "omni layerwise", "omni layerwise from host", "diffusers group_offload",
-                                 "omni layerwise prefetch_depth=2", "omni layerwise, empty_cache"}
+                                 "omni layerwise prefetch_depth=2", "omni layerwise, empty_cache",
+                                 "resident, copy traffic"}
         omni = variants["omni layerwise"]
         assert omni["bitwise_equal_to_resident"] is True and omni["on_demand_loads"] == 0
         assert variants["omni layerwise from host"]["bitwise_equal_to_resident"] is True
@@ -53,6 +54,10 @@ def test_smoke_run_on_cpu(tmp_path):
         assert len(pb["largest_deficits"]) == 3
         assert [d["deficit_s"] for d in pb["largest_deficits"]] == sorted(
             (d["deficit_s"] for d in pb["largest_deficits"]), reverse=True)
+        # --copy-traffic: the resident model again with omni's streamed bytes copied alongside, bitwise equal.
+        traffic = variants["resident, copy traffic"]
+        assert traffic["bitwise_equal_to_resident"] is True and traffic["traffic_bytes"] == omni["streamed_bytes"]
+        assert traffic["over_resident"] == traffic["step_s"] / variants["resident"]["step_s"]
         # --deeper: the same model through a 3-block window, bitwise equal too.
         assert variants["omni layerwise prefetch_depth=2"]["bitwise_equal_to_resident"] is True
         # --cache-probe: allocator counters are CUDA-only (a note on the CPU); the probe pass is bitwise equal too.
@@ -66,4 +71,4 @@ def test_smoke_run_on_cpu(tmp_path):
     assert "Q4_K" in q4["detail"]
     table = out.with_suffix(".md").read_text()
     assert "| flux | torchao-int8 |" in table and "| flux | gguf-q4_k |" in table
-    assert "## Per-block bound" in table and "## Cache probe" in table
+    assert "## Per-block bound" in table and "## Cache probe" in table and "with no dependency" in table
