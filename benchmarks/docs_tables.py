@@ -552,6 +552,11 @@ def _short_error(error: str) -> str:
     return kind
 
 
+# The runs of the current code, one per (model, format): FLUX size with the per-block timings, Wan-14B size in two
+# calls (a call's time limit).
+QUANT_OFFLOAD_FINAL_RUNS = ("quant_offload_h200_final", "quant_offload_h200_wan_final", "quant_offload_h200_wan_final2")
+
+
 # The quantized offload runs the docs show: the full-size FLUX run (else the full-width 1-block run), plus the
 # Wan-14B-size run, the FLUX re-run after the device cache is emptied on enable and the one after each block's views
 # are made once, once they exist.
@@ -560,12 +565,45 @@ QUANT_OFFLOAD_RUNS = [QUANT_OFFLOAD_RUN] + [r for r in ("quant_offload_h200_wan"
                                                       "quant_offload_h200_views_once",
                                                       "quant_offload_h200_wan_q4k_nf4",
                                                       "quant_offload_h200_tail",
-                                                      "quant_offload_h200_tail_overlap")
+                                                      "quant_offload_h200_tail_overlap",
+                                                      *QUANT_OFFLOAD_FINAL_RUNS)
                                             if (RESULTS / f"{r}.json").exists()]
+
+
+def quant_offload_current() -> str:
+    """Where every format stands with the current code: the last runs, one row per model and format."""
+    reports = [(run, result(run)) for run in QUANT_OFFLOAD_FINAL_RUNS]
+    rows = _quant_offload_rows(reports)
+    missed = sum(1 for row in rows if row[7] != "yes")
+    return table(_QUANT_OFFLOAD_HEADER, rows) + (
+        f"\n{len(rows) - missed} of {len(rows)} model/format pairs meet every target; the rest are explained below. "
+        + _quant_offload_note(reports[0][1]))
+
+
+_QUANT_OFFLOAD_HEADER = ["Model", "Format", "Packed", "Resident step (s)", "Diffusers group offload (s)",
+                         "omni layerwise (s)", "Target (s)", "Meets", "Peak omni / Diffusers",
+                         "Setup from device / host (s)", "Bitwise = resident", "Run"]
+
+
+def _quant_offload_note(report: dict) -> str:
+    env, versions = report["environment"], report["versions"]
+    return (
+        f"{env['device_name']}, torch {env['torch']}, torchao {versions['torchao']}, bitsandbytes "
+        f"{versions['bitsandbytes']}, gguf {versions['gguf']}; pinned host→device "
+        f"{report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s in the same run; median of {report['args']['repeats']} "
+        f"steps after {report['args']['warmup']} warm-up. Target = 1.05 × max(resident step, streamed bytes ÷ "
+        "bandwidth); peak ≤ Diffusers' (where it runs); setup ≤ 10 s for FLUX size, enabled from the device (the "
+        "model quantized there) and again from the host (after `disable()`), where the run has it"
+        + (f" ({report['args']['layers']} block(s) per stack at full width, not the full model)"
+           if report["args"].get("layers") else "") + ".\n")
 
 
 def quant_offload() -> str:
     reports = [(run, result(run)) for run in QUANT_OFFLOAD_RUNS]
+    return table(_QUANT_OFFLOAD_HEADER, _quant_offload_rows(reports)) + "\n" + _quant_offload_note(reports[0][1])
+
+
+def _quant_offload_rows(reports: list[tuple[str, dict]]) -> list[list]:
     rows = []
     for run, report in reports:
         for entry in report["entries"]:
@@ -584,19 +622,88 @@ def quant_offload() -> str:
                 f"{omni['setup_s']:.1f}" + (f" / {from_host['setup_s']:.1f}" if "setup_s" in from_host else ""),
                 "yes" if omni["bitwise_equal_to_resident"] else "NO", f"`{run}.md`",
             ])
-    report = reports[0][1]
-    env, versions = report["environment"], report["versions"]
-    return table(["Model", "Format", "Packed", "Resident step (s)", "Diffusers group offload (s)",
-                  "omni layerwise (s)", "Target (s)", "Meets", "Peak omni / Diffusers",
-                  "Setup from device / host (s)", "Bitwise = resident", "Run"], rows) + (
-        f"\n{env['device_name']}, torch {env['torch']}, torchao {versions['torchao']}, bitsandbytes "
-        f"{versions['bitsandbytes']}, gguf {versions['gguf']}; pinned host→device "
-        f"{report['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s in the same run; median of {report['args']['repeats']} "
-        f"steps after {report['args']['warmup']} warm-up. Target = 1.05 × max(resident step, streamed bytes ÷ "
-        "bandwidth); peak ≤ Diffusers' (where it runs); setup ≤ 10 s for FLUX size, enabled from the device (the "
-        "model quantized there) and again from the host (after `disable()`), where the run has it"
-        + (f" ({report['args']['layers']} block(s) per stack at full width, not the full model)"
-           if report["args"].get("layers") else "") + ".\n")
+    return rows
+
+
+def schedule_bound(blocks: list[dict], window_bytes: int, bandwidth: float) -> tuple[float, list[str]]:
+    """A lower bound on the step of *any* schedule that holds at most ``window_bytes`` of streamed weights on the
+    device, and the run of blocks that sets it. For every run R of consecutive blocks (cyclic: the next step follows):
+    when R starts at most ``window_bytes`` of its weights are on the device, so the rest copies while R runs, and
+    the step is at least Σ compute outside R + max(Σ compute in R, (Σ copy in R) − window_bytes ÷ bandwidth). Copies
+    are counted at their measured speed and memory as freed byte by byte, so a real schedule does no better."""
+    compute = [b["compute_s"] for b in blocks]
+    copy = [b["copy_s"] for b in blocks]
+    total, head = sum(compute), window_bytes / bandwidth
+    best, run = total, []
+    for start in range(len(blocks)):
+        in_compute = in_copy = 0.0
+        for length in range(1, len(blocks) + 1):
+            i = (start + length - 1) % len(blocks)
+            in_compute += compute[i]
+            in_copy += copy[i]
+            step = total - in_compute + max(in_compute, in_copy - head)
+            if step > best:
+                best, run = step, [blocks[(start + k) % len(blocks)]["block"] for k in range(length)]
+    return best, run
+
+
+def quant_offload_bound() -> str:
+    """Why FLUX-size int8 and Q8_0 miss with Diffusers' window: the bounds from each block's measured compute and
+    copy times in the current run."""
+    report = result(QUANT_OFFLOAD_FINAL_RUNS[0])
+    rows = []
+    for entry in report["entries"]:
+        pb = entry.get("per_block")
+        if not pb:
+            continue
+        omni = next(v for v in entry["variants"] if v["variant"] == "omni layerwise")
+        window = 2 * max(b["packed_bytes"] for b in pb["blocks"])
+        bound, run = schedule_bound(pb["blocks"], window, report["bandwidth_bytes_per_s"])
+        target = pb["target_step_s"]
+        where = f"{run[0]} … {run[-1]} ({len(run)} blocks)" if run else "— (compute-bound)"
+        rows.append([entry["model"], entry["format"], f"{pb['sum_compute_s']:.4f}", f"{pb['sum_copy_s']:.4f}",
+                     f"{pb['bound_after_last_s']:.4f}", f"{bound:.4f}", where, f"{target:.4f}",
+                     f"{omni['step_s']:.4f}",
+                     "above target" if bound > target else f"{(target - bound) / target:.1%} below target"])
+    return table(["Model", "Format", "Σ compute (s)", "Σ copy (s)", "Diffusers' window, whole blocks (s)",
+                  "Any schedule within that window's bytes (s)", "Run that sets it", "Target (s)",
+                  "omni layerwise (s)", "Any-schedule bound"], rows) + (
+        f"\nFrom `{QUANT_OFFLOAD_FINAL_RUNS[0]}.json` (`--per-block`): each block's forward timed alone in the "
+        "resident quantized model, and its packed bytes copied alone host→device. Diffusers' window, whole blocks: "
+        "block i+1 copies only while block i runs, the next step's first block after the last one ends (the rule "
+        "layerwise follows without a budget). Any schedule: at most two largest blocks' bytes of streamed weights on "
+        "the device at any time (Diffusers' window), freed byte by byte as compute passes, copies at full speed and "
+        "compute at its resident speed; see `schedule_bound` in `benchmarks/docs_tables.py`.\n")
+
+
+def quant_offload_check() -> str:
+    """The H200 correctness check: every format and strategy on tiny models, and the bitsandbytes pipeline."""
+    report = result("quant_offload_h200_check")
+    scenarios: list[str] = []
+    for checks in report["models"].values():
+        scenarios += [k for k, v in checks.items() if isinstance(v, dict) and k not in scenarios]
+
+    def cell(value: dict | None) -> str:
+        if value is None:
+            return "—"
+        if "error" in value:
+            return "error"
+        return "yes" if value.get("equal") and value.get("equal_after_disable") else "NO"
+
+    rows = [[name, *(cell(checks.get(s)) for s in scenarios)] for name, checks in report["models"].items()]
+    pipeline = report.get("pipeline", {})
+    lines = table(["Model / format", *scenarios], rows)
+    pipe_rows = [[label, *("error" if "error" in v else ("yes" if v.get(k) else "NO") for k in
+                           ("equal", "lora_changes_output", "lora_equal", "unloaded_equal"))]
+                 for label, v in pipeline.items() if isinstance(v, dict)]
+    return lines + "\n" + table(["Pipeline (bitsandbytes 4-bit transformer and T5)", "= resident",
+                                  "LoRA changes the output", "LoRA loaded with offload on = resident + LoRA",
+                                  "LoRA unloaded with offload on = resident"], pipe_rows) + (
+        f"\n{report['device']}, torch {report['torch']}, torchao {report['versions']['torchao']}, bitsandbytes "
+        f"{report['versions']['bitsandbytes']}, gguf {report['versions']['gguf']}. \"yes\": bitwise equal to the "
+        "resident quantized model, and again after `disable()`. Failures: "
+        f"{', '.join(report['failures']) or 'none'}. Run: `quant_offload_h200_check.json` "
+        "(`benchmarks/quant_offload_check.py`).\n")
 
 
 QUANT_OFFLOAD_BUDGET_RUNS = (
@@ -712,6 +819,9 @@ RENDERERS = {
     "hopper-latents": hopper_latents,
     "fp8-targets": fp8_targets,
     "sparse-targets": sparse_targets,
+    "quant-offload-current": quant_offload_current,
+    "quant-offload-bound": quant_offload_bound,
+    "quant-offload-check": quant_offload_check,
     "quant-offload": quant_offload,
     "quant-offload-budget": quant_offload_budget,
     "peak-diff": peak_diff,

@@ -64,3 +64,15 @@ def test_e2e_attention_table_renders_when_results_exist(tmp_path, monkeypatch):
     assert "| FLUX.1-dev 1024² | 4,608 | diffusers native (baseline) | 0.500 | 1.00× |" in rendered
     assert "| FLUX.1-dev 1024² | 4,608 | omni auto | **0.400** | 1.25× |" in rendered
     assert "GPU X, torch 2.11; `benchmarks/e2e.py`" in rendered
+
+
+def test_schedule_bound_takes_the_run_whose_copies_outlast_its_compute_and_the_window():
+    docs_tables = _module()
+    # Two copy-bound blocks (3 s to copy, 1 s to compute) between two compute-bound ones; a window worth 2 s of
+    # copies: the copy-bound pair runs at least 3 + 3 − 2 = 4 s, the others compute 2 × 5 s.
+    blocks = [{"block": name, "compute_s": compute, "copy_s": copy, "packed_bytes": 1}
+              for name, compute, copy in (("a", 5.0, 1.0), ("b", 1.0, 3.0), ("c", 1.0, 3.0), ("d", 5.0, 1.0))]
+    bound, run = docs_tables.schedule_bound(blocks, window_bytes=2, bandwidth=1.0)
+    assert bound == 14.0 and run == ["b", "c"]
+    # A wider window hides the pair's copies: the bound is the compute.
+    assert docs_tables.schedule_bound(blocks, window_bytes=6, bandwidth=1.0) == (12.0, [])
