@@ -56,7 +56,7 @@ def test_smoke_run_on_cpu(tmp_path):
             (d["deficit_s"] for d in pb["largest_deficits"]), reverse=True)
         # --copy-traffic: the resident model again with omni's streamed bytes copied alongside, bitwise equal.
         traffic = variants["resident, copy traffic"]
-        assert traffic["bitwise_equal_to_resident"] is True and traffic["traffic_bytes"] == omni["streamed_bytes"]
+        assert traffic["bitwise_equal_to_resident"] is True and traffic["traffic_bytes"] == entry["packed_bytes"]
         assert traffic["over_resident"] == traffic["step_s"] / variants["resident"]["step_s"]
         # --deeper: the same model through a 3-block window, bitwise equal too.
         assert variants["omni layerwise prefetch_depth=2"]["bitwise_equal_to_resident"] is True
