@@ -40,7 +40,7 @@ from .hooks import (
     refresh_registry_caches,
 )
 from .memory import HostMemory, PackedWeights, release_freed_host_memory
-from .tensors import move_tensors
+from .tensors import check_no_self_rewriting_weights, move_tensors
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -153,6 +153,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
         state.topology = discover_components(state.target, self.config.plan)
         check_topology(state.topology, allow_residents_inside=())
         check_no_foreign_offload(state.topology, "model-level")
+        check_no_self_rewriting_weights([(c.label, c.module) for c in state.topology.components], self.device)
         state.exclusives = [_Exclusive(c) for c in state.topology.dits + state.topology.encoders]
         logger.info(
             "model-level offload: DiTs %s and encoders %s take turns on %s; %s stay resident",

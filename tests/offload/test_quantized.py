@@ -124,6 +124,26 @@ def test_unstreamable_subclass_is_refused_by_name_with_nothing_changed(strategy)
     assert _hooks(model) == hooks
 
 
+@pytest.mark.parametrize("strategy", ["layerwise", "model_level"])
+def test_bnb_4bit_weights_the_cpu_backend_would_repack_are_refused_with_nothing_changed(strategy):
+    """bitsandbytes' CPU backend repacks a 4-bit layer (weight bytes and quant_state) on its first eval forward on a
+    CPU with AVX512-BF16; offload would drop that and compute on stale bytes (it did, silently). Refused up front,
+    naming the module; bitsandbytes' own flag stands in for the CPU feature, so this holds on any CPU."""
+    model = qh.quantized("flux", "bnb-nf4")
+    layers = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    assert layers
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = True
+    before, hooks = qh.weights_state(model), _hooks(model)
+    with pytest.raises(UnsupportedTensorError, match=r"cannot offload parameter 'weight' of module '[\w.]+' to "
+                                                     r"device='cpu': it is a bitsandbytes\.nn\.modules\.Params4bit "
+                                                     r"that bitsandbytes' CPU backend repacks.*allowed: run one "
+                                                     r"forward before enabling offload.*or offload to a GPU"):
+        apply_offload(model, OffloadConfig(strategy, device="cpu"))
+    qh.assert_same_weights(before, model)
+    assert _hooks(model) == hooks
+
+
 def test_unstreamable_resident_weight_rolls_back_everything():
     """A refused weight outside the blocks (moved, not packed) is found after earlier moves: rollback undoes them."""
     model = qh.quantized("wan", "torchao-float8")
@@ -372,6 +392,9 @@ def test_state_dict_under_layerwise_reads_quantized_host_copies(fmt, gguf_folder
     """save_pretrained / state_dict() while layerwise offload is on: streamed quantized blocks are read from their
     host copies (wrapper subclasses rebuilt around them, bitsandbytes' quant_state included), then left as they were."""
     model = qh.quantized("flux", fmt, gguf_folder / f"state-{fmt}")
+    for layer in model.modules():  # no CPU repacking of bnb 4-bit weights (refused under offload, tested above)
+        if hasattr(layer, "support_avx512bf16_for_cpu"):
+            layer.support_avx512bf16_for_cpu = False
     before = _state(model)
     backend = apply_offload(model, OffloadConfig("layerwise", device="cpu"))
     try:
