@@ -67,6 +67,9 @@ for job in "$@"; do
     quant-offload-traffic) python3 -m benchmarks.quant_offload_bench --models flux \
                              --formats torchao-float8,bnb-nf4,torchao-int8,gguf-q8_0,gguf-q4_k --warmup 1 --repeats 5 \
                              --copy-traffic --no-peak-trace --time-budget 330 --out "$out/quant_offload_h200_traffic" ;;
+    quant-offload-deeper) python3 -m benchmarks.quant_offload_bench --models flux --formats torchao-int8,gguf-q8_0 \
+                            --warmup 1 --repeats 3 --deeper 3 --no-peak-trace --time-budget 150 \
+                            --out "$out/quant_offload_h200_deeper" ;;
     peak-diff) python3 -m benchmarks.peak_probe --diff --format gguf-q4_k --out "$out/peak_diff_h200" ;;
     quant-offload-rerun) python3 -m benchmarks.quant_offload_bench --models flux --warmup 1 --repeats 3 --time-budget 300 \
                            --out "$out/quant_offload_h200_views_once" ;;

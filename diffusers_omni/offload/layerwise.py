@@ -588,10 +588,11 @@ class LayerwiseOffloadBackend(OffloadBackend):
             if not ring:
                 continue
             first = tuple(ring[:depth])
-            # Without a budget the window is Diffusers' (the running block and the next one of the same pass): the
-            # next pass's first blocks load when the last block ends, not over its activations. With a budget the
-            # lookahead wraps around (the reserve is paid for).
-            wrap = limit is None
+            # With the default depth the window is Diffusers' (the running block and the next one of the same pass):
+            # the next pass's first blocks load when the last block ends, not over its activations. With a budget,
+            # or a deeper window, the lookahead wraps around (the memory is paid for): a copy-bound run of blocks at
+            # the start of the pass (FLUX's double-stream blocks) starts with the lead the window allows.
+            wrap = limit is None or depth > 1
             # A last block that carries the DiT's output layers ends with the DiT's forward, after they ran.
             tail = state.tails.get(stack.blocks[-1][0]) if row[-1] is not None else None
             last = row[-1] if tail else None

@@ -173,12 +173,14 @@ def _streaming_budget(model) -> OffloadConfig:
 
 def test_without_budget_next_pass_loads_after_the_last_block_ends():
     # The wrap-around load (the next step's first block) waits for the last block to finish, so it never sits on the
-    # device next to the last block's activations (FLUX: the single blocks', the largest); with a budget it may.
+    # device next to the last block's activations (FLUX: the single blocks', the largest); with a budget or a deeper
+    # window (memory the user chose to spend) it may.
     model = bare_flux(num_layers=2, num_single_layers=3)
     with torch.no_grad():
         reference = model(**flux_inputs())[0]
     budget = _streaming_budget(model)
-    for config, loaded_while_last_runs in ((CPU, [False, False]), (budget, [True, True])):
+    deeper = OffloadConfig("layerwise", device="cpu", prefetch_depth=2)
+    for config, loaded_while_last_runs in ((CPU, [False, False]), (budget, [True, True]), (deeper, [True, True])):
         backend = apply_offload(model, config)
         first = next(b for b in backend._state.streamed[0] if b is not None)
         during_last, after_last = [], []
@@ -196,6 +198,7 @@ def test_without_budget_next_pass_loads_after_the_last_block_ends():
         assert during_last == loaded_while_last_runs, config
         assert after_last == [True, True], config
         assert backend.stats.on_demand_loads == 0
+        assert backend.stats.max_in_flight_bytes <= backend.stats.in_flight_capacity
         backend.disable()
         with torch.no_grad():
             assert torch.equal(model(**flux_inputs())[0], reference)
