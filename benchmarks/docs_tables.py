@@ -567,7 +567,7 @@ QUANT_OFFLOAD_RUNS = [QUANT_OFFLOAD_RUN] + [r for r in ("quant_offload_h200_wan"
                                                       "quant_offload_h200_wan_q4k_nf4",
                                                       "quant_offload_h200_tail",
                                                       "quant_offload_h200_tail_overlap",
-                                                      *QUANT_OFFLOAD_FINAL_RUNS)
+                                                      *QUANT_OFFLOAD_FINAL_RUNS, "quant_offload_h200_deeper")
                                             if (RESULTS / f"{r}.json").exists()]
 
 
@@ -654,6 +654,31 @@ def quant_offload_traffic() -> str:
         f"\nOne run (`{QUANT_OFFLOAD_TRAFFIC_RUN}.md`, `--copy-traffic`): the resident quantized model timed while "
         "a side stream copies the model's packed bytes host→device (pinned, 256 MiB pieces) once per step, with no "
         "dependency between the two. Percentages are over the resident step of the same run.\n")
+
+
+QUANT_OFFLOAD_DEEPER_RUN = "quant_offload_h200_deeper"
+
+
+def quant_offload_deeper() -> str:
+    """A deeper window (``prefetch_depth``) against the default one, in the same run."""
+    report = result(QUANT_OFFLOAD_DEEPER_RUN)
+    rows = []
+    for entry in report["entries"]:
+        variants = {v["variant"]: v for v in entry["variants"]}
+        omni = variants["omni layerwise"]
+        diffusers_peak = variants.get("diffusers group_offload", {}).get("peak_device_bytes")
+        for label, v in variants.items():
+            if label.startswith("omni layerwise prefetch_depth=") and "step_s" in v:
+                rows.append([entry["model"], entry["format"], label.split("=", 1)[1],
+                             f"{omni['step_s']:.3f} ({gib(omni['peak_device_bytes'])})",
+                             f"{v['step_s']:.3f}", gib(v["peak_device_bytes"]), f"{omni['target_step_s']:.3f}",
+                             _verdict(v["step_s"] <= omni["target_step_s"]),
+                             "—" if diffusers_peak is None else gib(diffusers_peak),
+                             "yes" if v["bitwise_equal_to_resident"] else "NO"])
+    return table(["Model", "Format", "prefetch_depth", "Default window step (peak)", "Deeper step (s)", "Peak",
+                  "Target (s)", "Meets", "Diffusers' peak", "Bitwise = resident"], rows) + (
+        f"\nOne run, `{QUANT_OFFLOAD_DEEPER_RUN}.md`: the default window and the deeper one side by side, median of "
+        f"{report['args']['repeats']} steps.\n")
 
 
 def schedule_bound(blocks: list[dict], window_bytes: int, bandwidth: float,
@@ -870,6 +895,7 @@ RENDERERS = {
     "quant-offload-bound": quant_offload_bound,
     "quant-offload-check": quant_offload_check,
     "quant-offload-traffic": quant_offload_traffic,
+    "quant-offload-deeper": quant_offload_deeper,
     "quant-offload": quant_offload,
     "quant-offload-budget": quant_offload_budget,
     "peak-diff": peak_diff,
