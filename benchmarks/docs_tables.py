@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
 from benchmarks.derive_routing import distinct_exact, routed_choices
+from benchmarks.quant_offload_check import PIPELINE_CHECKS
 
 from diffusers_omni.attention.routing import load_table
 
@@ -766,7 +767,7 @@ def quant_offload_check() -> str:
     pipeline = report.get("pipeline", {})
     lines = table(["Model / format", *scenarios], rows)
     pipe_rows = [[label, *("error" if "error" in v else ("yes" if v.get(k) else "NO") for k in
-                           ("equal", "lora_changes_output", "lora_equal", "unloaded_equal"))]
+                           PIPELINE_CHECKS)]
                  for label, v in pipeline.items() if isinstance(v, dict)]
     return lines + "\n" + table(["Pipeline (bitsandbytes 4-bit transformer and T5)", "= resident",
                                   "LoRA changes the output", "LoRA loaded with offload on = resident + LoRA",

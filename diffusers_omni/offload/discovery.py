@@ -13,6 +13,7 @@ from ..config.offload import OffloadPlan
 from ..models.base import blocks_attrs_for
 from ..utils.modules import get_submodule_path
 from .hooks import DIFFUSERS_OFFLOAD_HOOKS, OMNI_OFFLOAD_HOOKS, ExecutionDeviceHint, hook_names
+from .tensors import UnsupportedTensorError
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -200,6 +201,32 @@ def check_no_foreign_offload(topology: Topology, strategy_name: str) -> None:
         raise OffloadConflictError(
             f"cannot enable diffusers-omni {strategy_name} offload; another offloader is active:\n  {shown}"
         )
+
+
+def check_no_self_rewriting_weights(topology: Topology, device: torch.device) -> None:
+    """Refuse weights that their own module rewrites when it runs on ``device``. Offload rebinds every weight to its
+    own copies around each use, so such a rewrite (a new ``weight.data``, a new ``quant_state``) would be dropped and
+    later forwards would compute on bytes that no longer match their metadata. The known case: bitsandbytes 4-bit
+    layers on the CPU, whose CPU backend repacks the weight and its ``quant_state`` on the layer's first eval forward
+    (CPUs with AVX512-BF16) and undoes that in ``state_dict()`` (which LoRA loading calls). Nothing is changed."""
+    if device.type != "cpu":
+        return
+    for component in topology.components:
+        for name, module in component.module.named_modules():
+            weight = getattr(module, "weight", None)
+            state = getattr(weight, "quant_state", None)
+            if state is None or not getattr(module, "support_avx512bf16_for_cpu", False):
+                continue
+            if getattr(state, "packing_format_for_cpu", False):
+                continue  # packed already: the forward leaves it as it is
+            where = f"{component.label}.{name}" if name else component.label
+            raise UnsupportedTensorError(
+                f"cannot offload parameter 'weight' of module {where!r} to device='cpu': it is a "
+                f"{type(weight).__module__}.{type(weight).__qualname__} that bitsandbytes' CPU backend repacks "
+                "(its bytes and quant_state) on the module's first forward and unpacks in state_dict(), which offload "
+                "cannot follow; allowed: run one forward before enabling offload (it is then packed for good, until "
+                "state_dict() or LoRA loading unpacks it), or offload to a GPU, where bitsandbytes does not repack"
+            )
 
 
 def resolve_stacks(target: Any, topology: Topology, plan: OffloadPlan | None) -> list[Stack]:

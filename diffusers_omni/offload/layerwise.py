@@ -35,6 +35,7 @@ from .discovery import (
     Stack,
     Topology,
     check_no_foreign_offload,
+    check_no_self_rewriting_weights,
     check_topology,
     discover_components,
     named_tensors,
@@ -51,7 +52,7 @@ from .hooks import (
 from .memory import (
     HostMemory, PackedWeights, Transfers, placeholder, release_freed_device_memory, release_freed_host_memory,
 )
-from .tensors import TensorSet, check_no_self_rewriting_weights, tensor_nbytes
+from .tensors import TensorSet, tensor_nbytes
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -431,7 +432,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.topology = discover_components(state.target, plan)
         check_topology(state.topology)
         check_no_foreign_offload(state.topology, "layerwise")
-        check_no_self_rewriting_weights([(c.label, c.module) for c in state.topology.components], self.device)
+        check_no_self_rewriting_weights(state.topology, self.device)
         state.stacks = resolve_stacks(state.target, state.topology, plan)
         forced_paths = {c.path for c in state.topology.residents}
         state.weights = [self._stack_weights(stack, state) for stack in state.stacks]

@@ -27,6 +27,7 @@ from .discovery import (
     Component,
     Topology,
     check_no_foreign_offload,
+    check_no_self_rewriting_weights,
     check_topology,
     discover_components,
     named_tensors,
@@ -40,7 +41,7 @@ from .hooks import (
     refresh_registry_caches,
 )
 from .memory import HostMemory, PackedWeights, release_freed_host_memory
-from .tensors import check_no_self_rewriting_weights, move_tensors
+from .tensors import move_tensors
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -153,7 +154,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
         state.topology = discover_components(state.target, self.config.plan)
         check_topology(state.topology, allow_residents_inside=())
         check_no_foreign_offload(state.topology, "model-level")
-        check_no_self_rewriting_weights([(c.label, c.module) for c in state.topology.components], self.device)
+        check_no_self_rewriting_weights(state.topology, self.device)
         state.exclusives = [_Exclusive(c) for c in state.topology.dits + state.topology.encoders]
         logger.info(
             "model-level offload: DiTs %s and encoders %s take turns on %s; %s stay resident",

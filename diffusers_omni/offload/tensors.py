@@ -59,32 +59,6 @@ def _refuse(where: str, tensor: Any, why: str) -> UnsupportedTensorError:
     )
 
 
-def check_no_self_rewriting_weights(components: list[tuple[str, nn.Module]], device: torch.device) -> None:
-    """Refuse weights that their own module rewrites when it runs on ``device``. Offload rebinds every weight to its
-    own copies around each use, so such a rewrite (a new ``weight.data``, a new ``quant_state``) would be dropped and
-    later forwards would compute on bytes that no longer match their metadata. The known case: bitsandbytes 4-bit
-    layers on the CPU, whose CPU backend repacks the weight and its ``quant_state`` on the layer's first eval forward
-    (CPUs with AVX512-BF16) and undoes that in ``state_dict()`` (which LoRA loading calls). Nothing is changed."""
-    if device.type != "cpu":
-        return
-    for label, root in components:
-        for name, module in root.named_modules():
-            weight = getattr(module, "weight", None)
-            state = getattr(weight, "quant_state", None)
-            if state is None or not getattr(module, "support_avx512bf16_for_cpu", False):
-                continue
-            if getattr(state, "packing_format_for_cpu", False):
-                continue  # packed already: the forward leaves it as it is
-            where = f"{label}.{name}" if name else label
-            raise UnsupportedTensorError(
-                f"cannot offload parameter 'weight' of module {where!r} to device='cpu': it is a "
-                f"{type(weight).__module__}.{type(weight).__qualname__} that bitsandbytes' CPU backend repacks "
-                "(its bytes and quant_state) on the module's first forward and unpacks in state_dict(), which offload "
-                "cannot follow; allowed: run one forward before enabling offload (it is then packed for good, until "
-                "state_dict() or LoRA loading unpacks it), or offload to a GPU, where bitsandbytes does not repack"
-            )
-
-
 def _plain_data(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor.data`` as a plain ``torch.Tensor`` (a subclass's ``__torch_function__`` would re-wrap it)."""
     with torch._C.DisableTorchFunctionSubclass():
