@@ -293,46 +293,122 @@ def _speedup(ours: float, theirs: float) -> str:
     return f"{theirs / ours:.2f}× faster"
 
 
+def _delta_bytes(ours: int, theirs: int) -> str:
+    """``ours`` against ``theirs`` in words: "same" only when the bytes are equal."""
+    diff = ours - theirs
+    if diff == 0:
+        return "same"
+    size = f"{abs(diff) / 2**20:.0f} MiB" if abs(diff) < GiB else f"{abs(diff) / GiB:.2f} GiB"
+    return f"{size} {'lower' if diff < 0 else 'higher'} ({abs(diff) / theirs:.1%})"
+
+
+# The README's offload claims: the plot's runs (``OFFLOAD_SUMMARY_RUNS``) whose omni variant is the default window,
+# so the README's table, its "What it costs" section and ``offload_summary.png`` show the same rows of the same runs.
+README_SCALES = {"FLUX.1-dev size": "1024²", "Wan2.2-14B size": "480p × 33 frames"}
+README_OFFLOAD_RUNS = tuple((name, label) for name, label, variant in OFFLOAD_SUMMARY_RUNS if variant == "omni layerwise")
+README_BUDGET_RUN = next((name, label, variant) for name, label, variant in OFFLOAD_SUMMARY_RUNS
+                         if variant != "omni layerwise")
+
+
+def _readme_offload(name: str) -> tuple[dict, dict, list[dict], dict]:
+    """(model entry, omni layerwise, Diffusers' group-offload variants in run order, resident) of one run."""
+    entry, variants = _variants(name)
+    theirs = [v for n, v in variants.items() if n.startswith("diffusers")]
+    return entry, variants["omni layerwise"], theirs, variants["resident"]
+
+
 def readme_wins() -> str:
-    """The first-screen table of the README: measured end to end against what Diffusers itself offers."""
+    """The first-screen table of the README: omni layerwise against what Diffusers itself offers, from the runs the
+    plot below it draws (same runs, same rows)."""
     rows = []
-    for name, label in (("offload_h200_flux", "FLUX.1-dev size (22 GiB bf16), 1024²"),
-                        ("offload_h200_wan", "Wan2.2-14B size (27 GiB bf16), 480p × 33 frames")):
-        _, variants = _variants(name)
-        ours = variants["omni layerwise"]
-        theirs = [v for n, v in variants.items() if n.startswith("diffusers")]
+    for name, label in README_OFFLOAD_RUNS:
+        entry, ours, theirs, _ = _readme_offload(name)
+        scale = f"{label} ({gib(entry['param_bytes'])} bf16), {README_SCALES[label]}"
         best = min(theirs, key=lambda v: v["step_s"])
-        rows.append([f"{label}: step with offloading", f"**{ours['step_s']:.2f} s** (`enable_layerwise_offload`)",
-                     f"{best['step_s']:.2f}–{max(v['step_s'] for v in theirs):.2f} s (`enable_group_offload`, block "
-                     "level, streams)", _speedup(ours["step_s"], best["step_s"])])
-        rows.append([f"{label}: peak GPU memory", gib(ours["peak_device_bytes"]), gib(best["peak_device_bytes"]),
-                     "same" if abs(ours["peak_device_bytes"] - best["peak_device_bytes"]) < 0.05 * GiB else
-                     f"{(ours['peak_device_bytes'] - best['peak_device_bytes']) / GiB:+.2f} GiB"])
-        first = theirs[0]
-        rows.append([f"{label}: enable offloading (first time in the process)", f"{ours['setup_s']:.1f} s",
-                     f"{first['setup_s']:.1f} s", _speedup(ours["setup_s"], first["setup_s"])])
+        rows.append([f"{scale}: one transformer forward, offloaded", f"**{ours['step_s']:.3f} s** "
+                     "(`enable_layerwise_offload`)",
+                     " / ".join(f"{v['step_s']:.3f} s" for v in theirs) + " (`enable_group_offload`, block level, "
+                     "streams; `record_stream` off / on)",
+                     f"{_speedup(ours['step_s'], best['step_s'])} (Diffusers' faster variant ÷ omni, per forward)"])
+        rows.append([f"{scale}: peak GPU memory while offloaded", gib(ours["peak_device_bytes"]),
+                     " / ".join(gib(v["peak_device_bytes"]) for v in theirs),
+                     _delta_bytes(ours["peak_device_bytes"], min(v["peak_device_bytes"] for v in theirs))])
+        first, again = theirs[0], theirs[-1]
+        rows.append([f"{scale}: enable offloading, first time in the process", f"{ours['setup_s']:.1f} s",
+                     f"{first['setup_s']:.1f} s", f"{_speedup(ours['setup_s'], first['setup_s'])} the first time only: "
+                     f"Diffusers' next enable in the same process took {again['setup_s']:.2f} s"])
     check = result("gpu_pipeline_check_h200")
     same = [k for k, v in check.items() if isinstance(v, dict) and v.get("bitwise_equal_to_stock")]
     rows.append(["FLUX.1 pipeline output, omni attention vs Diffusers' processors",
                  f"bitwise equal ({len(same)} configs, max abs diff "
                  f"{max(check[k]['max_abs_diff'] for k in same)})", "—", "no accuracy cost"])
-    env = result("offload_h200_flux")["environment"]
+    env = result(README_OFFLOAD_RUNS[0][0])["environment"]
+    runs = ", ".join(f"`{name}.json` ({label.split(' ')[0]})" for name, label in README_OFFLOAD_RUNS)
     return table(["Measured on one " + env["device_name"], "diffusers-omni", "Diffusers", ""], rows) + (
         f"\ntorch {env['torch']}, diffusers {env['diffusers']}; one transformer forward per step, median of repeats; "
-        "from `benchmarks/results/offload_h200_{flux,wan}.json` and `gpu_pipeline_check_h200.json`. Diffusers' "
-        "second group-offload variant in the same process (after the first was removed) enabled in "
-        + " / ".join(f"{[v for n, v in _variants(n)[1].items() if n.startswith('diffusers')][-1]['setup_s']:.2f} s"
-                     for n in ("offload_h200_flux", "offload_h200_wan")) + ".\n")
+        f"from `benchmarks/results/`: {runs} and `gpu_pipeline_check_h200.json`. The plot below draws the same rows "
+        "of the same runs.\n")
+
+
+def readme_costs() -> str:
+    """The README's "What it costs": offloaded against resident, host memory, device peak, enable time first and
+    again, from the same runs as ``readme_wins`` (one column per run) and the plot's budget run."""
+    runs = [(name, label, *_readme_offload(name)) for name, label in README_OFFLOAD_RUNS]
+
+    def each(cell) -> list[str]:
+        return [cell(entry, ours, theirs, resident) for _, _, entry, ours, theirs, resident in runs]
+
+    def ratio(v: dict, resident: dict) -> str:
+        return f"{v['step_s']:.3f} s ({v['step_s'] / resident['step_s']:.2f}×)"
+
+    rows = [
+        ["Model (bf16 parameters)", *each(lambda e, o, t, r: gib(e["param_bytes"]))],
+        ["One transformer forward, whole model resident on the GPU",
+         *each(lambda e, o, t, r: f"{r['step_s']:.3f} s")],
+        ["One forward offloaded, `enable_layerwise_offload` (÷ resident)", *each(lambda e, o, t, r: ratio(o, r))],
+        ["One forward offloaded, Diffusers' `enable_group_offload`, `record_stream` off / on (÷ resident)",
+         *each(lambda e, o, t, r: " / ".join(ratio(v, r) for v in t))],
+        ["Peak GPU memory: resident / layerwise / group offload", *each(lambda e, o, t, r: " / ".join(
+            gib(v["peak_device_bytes"]) for v in (r, o, t[0])))],
+        ["Host memory (process RSS), peak during enable: layerwise / group offload",
+         *each(lambda e, o, t, r: f"{gib(o['host_rss_peak_setup'])} / {gib(t[0]['host_rss_peak_setup'])}")],
+        ["Host memory (process RSS) after enable, held while offloaded: layerwise / group offload",
+         *each(lambda e, o, t, r: f"{gib(o['host_rss_after_setup'])} / {gib(t[0]['host_rss_after_setup'])}")],
+        ["Enable, first time in the process: layerwise / group offload",
+         *each(lambda e, o, t, r: f"{o['setup_s']:.1f} s / {t[0]['setup_s']:.1f} s")],
+        ["Enable again on the same model in the same process: group offload",
+         *each(lambda e, o, t, r: f"{t[-1]['setup_s']:.2f} s")],
+    ]
+    env = result(runs[0][0])["environment"]
+    header = [f"Cost ({env['device_name']})", *(f"{label} (`{name}`)" for name, label, *_ in runs)]
+    name, label, variant = README_BUDGET_RUN
+    _, budget_variants = _variants(name)
+    budget, default, resident = (budget_variants[n] for n in (variant, "omni layerwise", "resident"))
+    limit = variant.removeprefix("omni layerwise ")
+    return table(header, rows) + (
+        "\nHost memory is the benchmark process's resident set, which holds the model's weights on the host before "
+        "enable (they start there); layerwise registers those pages for DMA in place, group offload copies them into "
+        "pinned buffers, and Diffusers keeps them after its hooks are removed, which is why its next enable is "
+        f"quick. With a budget, `max_device_memory=\"{limit}\"` ({label}, `{name}`): one forward "
+        f"{budget['step_s']:.3f} s ({budget['step_s'] / resident['step_s']:.2f}× the resident {resident['step_s']:.3f} "
+        f"s), peak {gib(budget['peak_device_bytes'])}, {budget['resident_blocks']} of "
+        f"{budget['resident_blocks'] + budget['streamed_blocks']} blocks kept on the GPU. Layerwise pays its enable "
+        f"every time: in that run the default window enabled in {default['setup_s']:.1f} s, then the budget on the same "
+        f"model in {budget['setup_s']:.1f} s.\n")
 
 
 E2E_ATTENTION = "e2e_attention_h200"
+LOSSY_BACKENDS = ("RAINFUSION_ATTN", "SAGE_ATTN", "SAGE_ATTN_3")
+LOSSY_NAMES = ("FP8", "RainFusion", "Sage", "sparse")
 
 
 def e2e_attention() -> str:
     """End-to-end seconds per denoising step under Diffusers' own attention backends and ours, when measured.
 
     Reads ``benchmarks/results/e2e_attention_h200.json`` ({"device", "torch", "script", "models": {label: {"tokens",
-    "baseline", "steps": {variant: seconds}}}}); renders nothing while that file does not exist.
+    "baseline", "steps": {variant: seconds}, "omni_backends": {variant: {role: {"backend", "fp8_routes"}}},
+    "rel_err": {variant: relative error of the output against the baseline}}}}); renders nothing while that file
+    does not exist.
     """
     path = RESULTS / f"{E2E_ATTENTION}.json"
     if not path.exists():
@@ -340,18 +416,46 @@ def e2e_attention() -> str:
     return render_e2e_attention(json.loads(path.read_text()))
 
 
+def e2e_lossy(entry: dict, variant: str) -> bool | None:
+    """Whether ``variant`` ran a lossy kernel: from the backends the run recorded (an FP8 spec whose every call was
+    routed to bf16 ran none; ``None``), else from its name."""
+    backends = entry.get("omni_backends", {}).get(variant)
+    if backends is not None:
+        if any(role["backend"] in LOSSY_BACKENDS or any(role.get("fp8_routes", {}).values())
+               for role in backends.values()):
+            return True
+        if any(role.get("fp8_routes") for role in backends.values()):
+            return None
+        return False
+    return any(word in variant for word in LOSSY_NAMES)
+
+
 def render_e2e_attention(data: dict) -> str:
+    """No lossy speed-up without its error beside it: a lossy variant with no measured error shows its step time
+    only, unbolded, and points at the quality page."""
     rows = []
     for model, entry in data["models"].items():
         base = entry["steps"][entry["baseline"]]
-        fastest = min(entry["steps"].values())
+        errors = entry.get("rel_err", {})
+        lossy = {v: e2e_lossy(entry, v) for v in entry["steps"]}
+        shown = {v: s for v, s in entry["steps"].items() if not lossy[v] or v in errors}
+        fastest = min(shown.values())
         for variant, seconds in entry["steps"].items():
-            cell = f"**{seconds:.3f}**" if seconds == fastest else f"{seconds:.3f}"
-            rows.append([model, f"{entry['tokens']:,}", variant + (" (baseline)" if variant == entry["baseline"] else ""),
-                         cell, f"{base / seconds:.2f}×"])
-    return table(["Model", "Tokens", "Attention", "Step (s)", "Speed-up vs baseline"], rows) + (
-        f"\nEnd to end, one denoising step, {data['device']}, torch {data['torch']}; `{data['script']}`; bold = "
-        "fastest.\n")
+            label = variant + (" (baseline)" if variant == entry["baseline"] else "")
+            if variant not in shown:
+                rows.append([model, f"{entry['tokens']:,}", label, f"{seconds:.3f}", "—",
+                             "lossy; error: see quality page"])
+                continue
+            error = (f"rel err {errors[variant]:.1e}" if variant in errors else
+                     "none (no call routed to FP8 at this size)" if lossy[variant] is None else "none (exact)")
+            rows.append([model, f"{entry['tokens']:,}", label,
+                         f"**{seconds:.3f}**" if seconds == fastest else f"{seconds:.3f}", f"{base / seconds:.2f}×",
+                         error])
+    return table(["Model", "Tokens", "Attention", "Step (s)", "Speed-up (baseline step ÷ this step)",
+                  "Error vs baseline"], rows) + (
+        f"\nEnd to end, one denoising step (one transformer forward, random weights), {data['device']}, torch "
+        f"{data['torch']}; `{data['script']}`; bold = fastest with its error known. A lossy mode's speed-up is shown "
+        "only beside its measured error.\n")
 
 
 # Hopper lossy paths (FP8, block-sparse) -----------------------------------------------------------------------
@@ -872,6 +976,7 @@ RENDERERS = {
     "gpu-backends": gpu_backends,
     "diffusers-names": diffusers_names,
     "readme-wins": readme_wins,
+    "readme-costs": readme_costs,
     "e2e-attention": e2e_attention,
     "attention-backends": attention_backends,
     "attention-same-kernel": attention_same_kernel,

@@ -61,9 +61,92 @@ def test_e2e_attention_table_renders_when_results_exist(tmp_path, monkeypatch):
                                            "steps": {"diffusers native": 0.5, "omni auto": 0.4}}}}
     (tmp_path / "e2e_attention_h200.json").write_text(json.dumps(data))
     rendered = docs_tables.e2e_attention()
-    assert "| FLUX.1-dev 1024² | 4,608 | diffusers native (baseline) | 0.500 | 1.00× |" in rendered
-    assert "| FLUX.1-dev 1024² | 4,608 | omni auto | **0.400** | 1.25× |" in rendered
+    assert "| FLUX.1-dev 1024² | 4,608 | diffusers native (baseline) | 0.500 | 1.00× | none (exact) |" in rendered
+    assert "| FLUX.1-dev 1024² | 4,608 | omni auto | **0.400** | 1.25× | none (exact) |" in rendered
     assert "GPU X, torch 2.11; `benchmarks/e2e.py`" in rendered
+
+
+def _e2e(steps: dict, backends: dict | None = None, rel_err: dict | None = None) -> dict:
+    entry = {"tokens": 32760, "baseline": "native", "steps": steps}
+    if backends is not None:
+        entry["omni_backends"] = backends
+    if rel_err is not None:
+        entry["rel_err"] = rel_err
+    return {"device": "GPU X", "torch": "2.11", "script": "s.py", "models": {"Wan": entry}}
+
+
+def test_no_lossy_speed_up_without_its_error():
+    docs_tables = _module()
+    sparse = {"wan.self": {"backend": "RAINFUSION_ATTN", "fp8_routes": {}}}
+    fp8 = {"wan.self": {"backend": "FLASH_ATTN", "fp8_routes": {"(32760, 32760, 128)": True}}}
+    steps = {"native": 3.0, "omni auto": 2.9, "omni FP8": 2.6, "omni RainFusion": 2.0}
+    rendered = docs_tables.render_e2e_attention(_e2e(steps, {"omni FP8": fp8, "omni RainFusion": sparse}))
+    # The lossy rows show their time but no speed-up and no bold; the fastest exact row is bold.
+    assert "| Wan | 32,760 | omni RainFusion | 2.000 | — | lossy; error: see quality page |" in rendered
+    assert "| Wan | 32,760 | omni FP8 | 2.600 | — | lossy; error: see quality page |" in rendered
+    assert "| Wan | 32,760 | omni auto | **2.900** | 1.03× | none (exact) |" in rendered
+    # With its error measured, a lossy row gets its speed-up, the error beside it, and can be the fastest.
+    rendered = docs_tables.render_e2e_attention(_e2e(steps, {"omni FP8": fp8, "omni RainFusion": sparse},
+                                                     {"omni RainFusion": 0.031}))
+    assert "| Wan | 32,760 | omni RainFusion | **2.000** | 1.50× | rel err 3.1e-02 |" in rendered
+    # An FP8 spec whose every call was routed to bf16 ran nothing lossy; without recorded backends, the name decides.
+    bf16_only = {"wan.self": {"backend": "FLASH_ATTN", "fp8_routes": {"(4608, 4608, 128)": False}}}
+    rendered = docs_tables.render_e2e_attention(_e2e({"native": 3.0, "omni FP8": 2.9}, {"omni FP8": bf16_only}))
+    assert "| omni FP8 | **2.900** | 1.03× | none (no call routed to FP8 at this size) |" in rendered
+    assert "| omni FP8 | 2.900 | — |" in docs_tables.render_e2e_attention(_e2e({"native": 3.0, "omni FP8": 2.9}))
+
+
+def test_readme_lossy_rows_carry_no_speed_up_without_an_error():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- results: e2e-attention -->\n(.*?)<!-- /results -->", readme, re.S)[1]
+    for row in block.splitlines():
+        if "RainFusion" in row or ("FP8 |" in row and "no call routed" not in row):
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            assert "**" not in row and (cells[4] == "—" or "rel err" in cells[5]), row
+
+
+def test_readme_offload_claims_and_the_plot_are_the_same_rows():
+    docs_tables = _module()
+    readme = (ROOT / "README.md").read_text()
+    wins, costs = docs_tables.readme_wins(), docs_tables.readme_costs()
+    assert wins in readme and costs in readme
+    bars = docs_tables.offload_plot_data()
+    runs = {bar["run"] for bar in bars}
+    # Every run the README quotes is a run of the plot, named where its numbers are.
+    for name, _ in docs_tables.README_OFFLOAD_RUNS:
+        assert name in runs and f"`{name}" in wins and f"`{name}" in costs
+    assert docs_tables.README_BUDGET_RUN[0] in runs and f"`{docs_tables.README_BUDGET_RUN[0]}`" in costs
+    # Every bar of the plot (step and peak, as it prints them) is a number of the README's offload sections.
+    for bar in bars:
+        assert f"{bar['step_s']:.3f} s" in wins + costs, bar
+        assert f"{bar['peak_gib']:.2f} GiB" in wins + costs, bar
+    # The old table quoted another FLUX run than the plot's (0.43 s / 1.76 GiB "same" against the plot's 0.435 s /
+    # 1.72 GiB).
+    assert "| same |" not in wins and "| 1.76 GiB | 1.76 GiB | same |" not in readme
+
+
+def test_readme_speed_ups_say_what_they_divide_and_enable_is_once_per_process():
+    docs_tables = _module()
+    wins = docs_tables.readme_wins()
+    for row in wins.splitlines():
+        if "faster" in row:
+            assert "÷" in row or "first time only" in row, row
+        if "enable offloading" in row:
+            assert "first time only" in row and "next enable in the same process took" in row
+    costs = docs_tables.readme_costs()
+    for needle in ("whole model resident on the GPU", "÷ resident", "peak during enable", "after enable",
+                   "Enable, first time", "Enable again"):
+        assert needle in costs
+
+
+def test_peak_difference_is_worded_from_the_bytes():
+    docs_tables = _module()
+    GiB = 2**30
+    assert docs_tables._delta_bytes(GiB, GiB) == "same"
+    assert docs_tables._delta_bytes(GiB - 36 * 2**20, GiB) == "36 MiB lower (3.5%)"
+    assert docs_tables._delta_bytes(3 * GiB, GiB) == "2.00 GiB higher (200.0%)"
 
 
 def test_schedule_bound_takes_the_run_whose_copies_outlast_its_compute_and_the_window():
