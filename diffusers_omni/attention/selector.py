@@ -1,7 +1,8 @@
 """Per-role backend resolution.
 
 Order for an attention call with ``role`` and ``category``: ``per_role[role]`` → ``per_role[category]`` →
-``default`` → environment variable ``DIFFUSION_ATTENTION_BACKEND`` → platform default. An explicit backend is
+``default`` → environment variable ``DIFFUSION_ATTENTION_BACKEND`` → environment variable ``DIFFUSERS_ATTN_BACKEND``
+(Diffusers' own, in Diffusers' names) → platform default. An explicit backend is
 validated and raises ``BackendNotSupportedError`` with every reason when it cannot run the call; the platform
 default walks its routing table and takes the first candidate that can. Each result carries the trace that
 ``diffusers-omni explain`` prints.
@@ -16,15 +17,18 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..config.attention import AttentionConfig, AttentionSpec, normalize_backend_name
+from ..config.attention import AUTO, AttentionConfig, AttentionSpec, normalize_backend_name
+from ..config.names import check_diffusers_env_name
 from .backends.base import AttentionCall
 from .platform import Platform, current_platform
-from .registry import get_backend_class, is_registered, registry_generation
+from .registry import get_backend_class, is_registered, registered_backend_names, registry_generation
 from .routing import failed_conditions, load_table, platform_routes, ranked_alternatives
 
 logger = logging.getLogger("diffusers_omni.attention")
 
 ENV_BACKEND = "DIFFUSION_ATTENTION_BACKEND"
+# Diffusers' own default-backend variable (``diffusers.utils.constants``), honoured when ours is unset.
+ENV_DIFFUSERS_BACKEND = "DIFFUSERS_ATTN_BACKEND"
 ENV_DETERMINISTIC = "DIFFUSERS_OMNI_DETERMINISTIC"
 
 _TRUE = ("1", "true", "yes", "on")
@@ -104,11 +108,36 @@ def select_spec(config: AttentionConfig, role: str, category: str) -> tuple[Atte
         return config.per_role[category], f"per_role[{category!r}]"
     if config.default is not None:
         return config.default, "default"
-    env = os.environ.get(ENV_BACKEND, "").strip()
-    if env:
-        name = normalize_backend_name(env, field_name=f"environment variable {ENV_BACKEND}")
+    return environment_backend()
+
+
+def environment_backend() -> tuple[AttentionSpec | None, str]:
+    """The default backend the environment asks for, and a label for where it came from (``None, ""``: neither
+    variable is set).
+
+    ``DIFFUSION_ATTENTION_BACKEND`` (ours: our names, Diffusers' names or ``auto``) wins; otherwise
+    ``DIFFUSERS_ATTN_BACKEND`` (Diffusers' names, spelled exactly as Diffusers takes them) is mapped through the
+    alias table of ``config.names``. A value Diffusers itself would refuse is refused whenever it is set, even when
+    ours wins: Diffusers raises on it at import. Raises ``ValueError`` in one line naming the variable, the value
+    and the allowed names; the CLI checks this before it imports Diffusers.
+    """
+    theirs = os.environ.get(ENV_DIFFUSERS_BACKEND)
+    entry = check_diffusers_env_name(theirs, ENV_DIFFUSERS_BACKEND) if theirs is not None else None
+    ours = os.environ.get(ENV_BACKEND, "").strip()
+    if ours:
+        name = normalize_backend_name(ours, field_name=f"environment variable {ENV_BACKEND}")
         return AttentionSpec(backend=name), f"env {ENV_BACKEND}"
-    return None, ""
+    if entry is None:
+        return None, ""
+    if entry.omni is None or not is_registered(entry.omni):
+        raise ValueError(
+            f"environment variable {ENV_DIFFUSERS_BACKEND}={theirs!r} is a Diffusers attention backend with no "
+            f"equivalent here ({entry.note}); set {ENV_BACKEND} (it takes precedence) to one of "
+            f"{', '.join(registered_backend_names())} or {AUTO!r}, or unset {ENV_DIFFUSERS_BACKEND}"
+        )
+    logger.info("environment variable %s=%r is Diffusers' name for %s (%s)", ENV_DIFFUSERS_BACKEND, theirs,
+                entry.omni, entry.note)
+    return AttentionSpec(backend=entry.omni), f"environment variable {ENV_DIFFUSERS_BACKEND}"
 
 
 def check_per_role_keys(

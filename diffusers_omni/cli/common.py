@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..attention.selector import environment_backend
 from ..config.names import did_you_mean
 
 TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v")
@@ -71,6 +72,18 @@ def device_arg(text: str) -> str:
     elif device.type not in ("cpu", "cuda", "mps", "xpu", "npu"):
         raise argparse.ArgumentTypeError(f"{text!r}: device type {device.type!r} is not supported; use cpu, cuda or mps")
     return text
+
+
+def check_attention_environment() -> None:
+    """Refuse an unknown ``DIFFUSION_ATTENTION_BACKEND`` or ``DIFFUSERS_ATTN_BACKEND`` in one line (exit status 2).
+
+    Runs before any command imports Diffusers: Diffusers validates ``DIFFUSERS_ATTN_BACKEND`` when
+    ``diffusers.models.attention_dispatch`` is imported and fails with a traceback from deep inside its import.
+    """
+    try:
+        environment_backend()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def check_writable(path: Path, flag: str = "--output") -> None:

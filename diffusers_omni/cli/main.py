@@ -11,7 +11,8 @@ import sys
 
 from ..config.names import did_you_mean
 from ..utils.versions import omni_version
-from .common import TINY_MODELS, UsageError, device_arg, finite_float, non_negative_int, positive_int
+from .common import (TINY_MODELS, UsageError, check_attention_environment, device_arg, finite_float, non_negative_int,
+                     positive_int)
 
 _MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}"
 _PLATFORM_HELP = "simulate a platform: cpu, mps or sm_XY[,cudnn=N]"
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         command = f"diffusers-omni {args.command}"
+        # Before any command imports Diffusers (which raises deep in its import on a bad DIFFUSERS_ATTN_BACKEND).
+        check_attention_environment()
         if args.command == "info":
             from .info import run
         elif args.command == "models":

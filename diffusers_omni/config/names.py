@@ -75,6 +75,24 @@ def diffusers_backend_name(name: str) -> DiffusersBackendName | None:
     return _BY_NAME.get(name.strip().lower())
 
 
+def check_diffusers_env_name(value: str, variable: str) -> DiffusersBackendName:
+    """The table entry for the value of an environment variable Diffusers reads as a backend name
+    (``DIFFUSERS_ATTN_BACKEND``), or ``ValueError`` in one line naming the variable, the value and the allowed names.
+
+    Matched exactly, as Diffusers matches it (``AttentionBackendName(value)`` when ``attention_dispatch`` is
+    imported): a value Diffusers would refuse at import, such as ``"NATIVE"`` or ``""``, is refused here first.
+    """
+    entry = _BY_NAME.get(value)
+    if entry is not None:
+        return entry
+    names = list(_BY_NAME)
+    hint = did_you_mean(value, names, prefix=" (did you mean ", suffix="?)")
+    raise ValueError(
+        f"environment variable {variable}={value!r} is not one of Diffusers' attention backend names{hint}; allowed: "
+        f"{', '.join(names)} (exact spelling; Diffusers refuses any other value when it is imported)"
+    )
+
+
 def did_you_mean(value: object, choices: Iterable[str], *, prefix: str = "; did you mean ", suffix: str = "?") -> str:
     """``"; did you mean 'X'?"`` for the closest of ``choices`` to ``value`` (case-insensitive), or ``""``.
 
