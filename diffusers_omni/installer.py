@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +24,17 @@ from .attention.backends.base import AttentionBackend, AttentionCall
 from .attention.model_state import remove_states
 from .attention.platform import Platform, current_platform
 from .attention.processors import MaskPolicy, RoleAttention, is_omni_processor
-from .attention.registry import get_backend_class
-from .attention.routing import ShapeRouter
-from .attention.selector import Resolution, check_per_role_keys, deterministic_requested, resolve
+from .attention.backends.flash import FlashAttentionBackend, load_kernels, usable_implementations
+from .attention.registry import get_backend_class, registered_backend_names
+from .attention.routing import ShapeRouter, active_table, load_table, rule_key
+from .attention.selector import (
+    Resolution,
+    check_per_role_keys,
+    clear_resolution_cache,
+    deterministic_requested,
+    resolve,
+)
+from .attention.tuning import CallShape, build_table, measure, save_table
 from .config.attention import AttentionConfig
 from .models.base import declaration_for, supported_transformers
 from .utils.modules import model_dtype
@@ -399,3 +408,161 @@ def applied_attention_config(model: nn.Module) -> AttentionConfig | None:
     """
     state = getattr(model, _STATE_ATTR, None)
     return state.config if state is not None else None
+
+
+# Tuning on this GPU ----------------------------------------------------------------------------------------------
+
+
+class _ShapeRecorder:
+    """Stands in for one role's backend while the model runs once: notes each call's shape, then runs the backend."""
+
+    def __init__(self, attention: RoleAttention, sink: dict) -> None:
+        self._attention = attention
+        self._backend = attention.backend
+        self._sink = sink
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False):
+        shape = CallShape(query.shape[0], query.shape[1], key.shape[1], query.shape[2], key.shape[2],
+                          query.shape[3], str(query.dtype).replace("torch.", ""), attn_mask is not None)
+        entry = self._sink.get(shape.signature)
+        if entry is None:
+            mask = attn_mask.detach().clone() if attn_mask is not None else None
+            entry = self._sink[shape.signature] = {"shape": shape, "mask": mask, "device": query.device,
+                                                   "calls": {}, "count": 0}
+        entry["calls"].setdefault(self._attention.role, self._attention.resolution.call)
+        entry["count"] += 1
+        return self._backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+@dataclass
+class TuneResult:
+    """What ``tune_attention`` measured and wrote."""
+
+    path: str
+    table: dict
+    shapes: list[dict]
+    seconds: float
+
+    def summary(self) -> list[dict]:
+        """One row per recorded call shape: the roles, the fastest backend and each candidate's time."""
+        rows = []
+        for measured in self.table["measured"]:
+            seconds = measured["seconds"]
+            if not seconds:
+                continue
+            fastest = min(seconds, key=seconds.get)
+            rows.append({
+                "shape": measured["describe"],
+                "fastest": fastest,
+                "times (ms)": ", ".join(f"{n} {s * 1e3:.3f}" for n, s in sorted(seconds.items(), key=lambda i: i[1])),
+                "failed": "; ".join(f"{n}: {why}" for n, why in measured["failed"].items()),
+            })
+        return rows
+
+
+def _tune_candidates(platform: Platform, allow_lossy: bool):
+    """``shape -> {name: backend}``: every registered backend that can run a recorded call (Hub kernels excepted:
+    they download, and are chosen explicitly), exact ones only unless ``allow_lossy``. When several FlashAttention
+    implementations are installed, each is timed too (``FLASH_ATTN[FA2]``…), for the record: routing runs
+    ``FLASH_ATTN`` with its best installed implementation."""
+    flash_impls = usable_implementations(platform)
+
+    def candidates(shape: CallShape, calls: dict) -> dict:
+        chosen = {}
+        for name in registered_backend_names():
+            if name.endswith("_HUB"):
+                continue
+            backend_cls = get_backend_class(name)
+            if backend_cls.is_lossy(None) and not allow_lossy:
+                continue
+            reasons = [r for call in calls.values()
+                       for r in backend_cls.not_supported_reasons(dataclasses.replace(
+                           call, has_mask=shape.masked, gqa=shape.kv_heads != shape.heads), platform)]
+            if reasons:
+                continue
+            try:
+                chosen[name] = backend_cls(None)
+            except Exception:  # noqa: BLE001 - a backend that cannot even be built is not a candidate
+                continue
+        if "FLASH_ATTN" in chosen and len(flash_impls) > 1:
+            for impl in flash_impls:
+                chosen[f"FLASH_ATTN[{impl.label}]"] = FlashAttentionBackend(kernels=load_kernels(impl))
+        return chosen
+
+    return candidates
+
+
+def tune_attention(models, run, config: Any = None, *, allow_lossy: bool = False, warmup: int = 3,
+                   repeats: int = 7, progress=None) -> TuneResult:
+    """Measure every candidate attention backend at the calls ``models`` really make, on this GPU, and cache the
+    routing table that ranks them (``attention.tuning``); ``auto`` uses it from then on, in this process and later
+    ones, until a driver, CUDA, torch or kernel package version changes.
+
+    Args:
+        models: the DiTs whose attention calls are measured (a pipeline's ``_dit_modules``).
+        run (`Callable[[], Any]`): runs the models once with real inputs (e.g. one pipeline call of one step).
+        config: the attention config to record the calls under (default: the one applied, else ``auto``).
+        allow_lossy (`bool`, defaults to `False`): also time lossy backends (SageAttention's INT8 kernels) and let
+            the table route to them. Never on by default: a faster kernel that changes the image is not a tuning.
+        warmup, repeats: calls per backend before timing, and timed rounds (interleaved across backends).
+
+    The models end as they began: omni attention re-applied with its config when it was applied (now routed by the
+    new table), removed again when it was not.
+    """
+    models = list(models)
+    previous = {id(model): applied_attention_config(model) for model in models}
+    config = AttentionConfig.parse(config if config is not None else next(
+        (c for c in previous.values() if c is not None), None))
+    platform = current_platform()
+    started = time.perf_counter()
+    sink: dict = {}
+    apply_attention_all(models, config)
+    swapped = []
+    try:
+        for model in models:
+            for module in model.modules():
+                processor = getattr(module, "processor", None)
+                for attention in getattr(processor, "attend", {}).values():
+                    if attention is not None and not isinstance(attention.backend, _ShapeRecorder):
+                        swapped.append((attention, attention.backend))
+                        attention.backend = _ShapeRecorder(attention, sink)
+        run()
+    finally:
+        for attention, backend in swapped:
+            attention.backend = backend
+    if not sink:
+        _restore_after_tune(models, previous)
+        raise ValueError("tune: the models made no attention call through omni attention while `run` ran; check "
+                         "that `run` calls the models given")
+    candidates = _tune_candidates(platform, allow_lossy)
+    shapes = sorted(sink.values(), key=lambda e: -e["shape"].flops())
+    for entry in shapes:
+        entry["shape"] = dataclasses.replace(entry["shape"], roles=tuple(sorted(entry["calls"])))
+    try:
+        timings = measure([(e["shape"], e["mask"]) for e in shapes],
+                          lambda shape: candidates(shape, next(e["calls"] for e in shapes if e["shape"] == shape)),
+                          shapes[0]["device"], warmup=warmup, repeats=repeats, progress=progress)
+    except BaseException:
+        _restore_after_tune(models, previous)
+        raise
+    seconds = time.perf_counter() - started
+    table = build_table(platform, timings, rule_key, allow_lossy=allow_lossy, shipped=load_table(),
+                        models=sorted({type(m).__name__ for m in models}), seconds=seconds)
+    path = save_table(table)
+    clear_resolution_cache()
+    _restore_after_tune(models, previous)
+    logger.info("tuned attention routing written to %s (%.1f s)", path, seconds)
+    return TuneResult(str(path), active_table(platform), [e["shape"].describe() for e in shapes], seconds)
+
+
+def _restore_after_tune(models, previous: dict) -> None:
+    applied = [m for m in models if previous[id(m)] is not None]
+    bare = [m for m in models if previous[id(m)] is None]
+    if bare:
+        remove_attention_all(bare)
+    for model in applied:
+        apply_attention_all([model], previous[id(model)], check_roles=False)

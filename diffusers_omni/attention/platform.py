@@ -102,6 +102,11 @@ _platform_override: contextvars.ContextVar[Platform | None] = contextvars.Contex
 )
 
 
+def detected_platform() -> Platform:
+    """The platform this process really runs on (``use_platform`` overrides do not apply)."""
+    return _detect_platform()
+
+
 def current_platform() -> Platform:
     """The detected platform, or the one set by ``use_platform`` in this context."""
     return _platform_override.get() or _detect_platform()

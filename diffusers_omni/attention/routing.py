@@ -10,6 +10,9 @@ call time, so a ``ShapeRouter`` holds the candidate backends that can run a role
 ``routing_table.json`` (written by ``python -m benchmarks.derive_routing``), later calls are a dict lookup.
 Signatures the table does not cover go to the first candidate (the platform route's own choice), and calls that
 need gradients only go to candidates with a backward (FlashInfer prefill and ``fa3-fwd`` have none).
+
+Which table decides: a table tuned on this GPU (``diffusers-omni tune``, ``attention.tuning``) when one measured in
+this exact environment is in the cache, the shipped ``routing_table.json`` otherwise (``active_table``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from .backends.base import AttentionCall
 from .backends.flash import flash_attention_implementations, use_fp8_rules
 from .platform import Platform
+from .tuning import TABLE_FORMAT, tuned_table
 
 TABLE_PATH = Path(__file__).with_name("routing_table.json")
 # Upper bounds of the sequence-length buckets (tokens); longer sequences fall in the last bucket.
@@ -45,6 +49,29 @@ def rule_key(q_len: int, kv_len: int, head_dim: int, masked: bool) -> str:
 @functools.lru_cache(maxsize=4)
 def load_table(path: str | None = None) -> dict:
     return json.loads(Path(path or TABLE_PATH).read_text())
+
+
+def active_table(platform: Platform | None = None) -> dict:
+    """The routing table that decides on ``platform``: the one tuned on this GPU in this environment if the cache has
+    it, else the shipped table."""
+    tuned = tuned_table(platform)
+    return tuned if tuned is not None else load_table()
+
+
+def is_tuned(table: dict) -> bool:
+    return table.get("format") == TABLE_FORMAT
+
+
+def table_label(table: dict) -> str:
+    """Which table this is, for ``explain`` and reports."""
+    if is_tuned(table):
+        return f"tuned on this machine {table.get('date', '')} ({table.get('path', 'cache')})"
+    return f"shipped {TABLE_PATH.name} ({'; '.join(table.get('sources', [])) or 'no measurements'})"
+
+
+def lossy_allowed(table: dict) -> bool:
+    """Whether the table may route to lossy backends: only a tuned table made with ``allow_lossy``."""
+    return bool(is_tuned(table) and table.get("allow_lossy"))
 
 
 def pick(rule: dict, usable, preferred: str | None, tolerance: float) -> str | None:
@@ -95,6 +122,40 @@ def ranked_alternatives(table: dict, family: str, head_dim: int | None, may_mask
     return tuple(chosen)
 
 
+def route_margins(table: dict, family: str, head_dim: int | None, may_mask: bool, base: str, available) -> tuple[str, ...]:
+    """For every measured shape class this role can hit: the backend the table routes it to and by how much it led
+    the runner-up there (its worst ratio over the class's shapes), e.g. ``q1/kv1/d128/dense → FLASH_ATTN (next:
+    TORCH_SDPA at 0.94×)``."""
+    rules = table.get("families", {}).get(family, {})
+    kinds = ("dense", "masked") if may_mask else ("dense",)
+    tolerance = table.get("tolerance", 0.03)
+    lines = []
+    for key, rule in sorted(rules.items()):
+        if head_dim is None or not key.endswith(tuple(f"/d{head_dim}/{kind}" for kind in kinds)):
+            continue
+        usable = lambda n: n == base or available(n)  # noqa: E731
+        first = pick(rule, usable, base, tolerance)
+        if first is None:
+            continue
+        ratios = rule.get("worst_ratio", {})
+        others = [n for n in rule.get("ranking", ()) if n != first and usable(n)]
+        note = ""
+        if others and first in ratios and others[0] in ratios and ratios[first]:
+            note = f" (next: {others[0]} at {ratios[others[0]] / ratios[first]:.2f}×)"
+        elif not others:
+            note = " (the only one measured here)"
+        lines.append(f"{key} → {first}{note}")
+    return tuple(lines)
+
+
+def sparse_dense_above(family: str) -> float | None:
+    """Cumulative-mass block-sparse calls that keep more than this share of their key blocks are slower than dense
+    attention on ``family`` (the break-even the committed H200 measurement derived, ``sparse`` in the shipped table);
+    ``None`` where nothing was measured."""
+    rule = load_table().get("sparse", {}).get(family)
+    return rule.get("dense_above_kept_share") if rule else None
+
+
 class ShapeRouter:
     """A backend-like callable choosing among ``candidates`` (name → backend instance, in routing order) per call."""
 
@@ -103,7 +164,7 @@ class ShapeRouter:
             raise ValueError("ShapeRouter needs at least one candidate backend")
         self.family = family
         self.candidates = dict(candidates)
-        self.table = table if table is not None else load_table()
+        self.table = table if table is not None else active_table()
         self._chosen: dict[tuple, object] = {}
         self.base = next(iter(self.candidates))
         self.supports_mask = all(getattr(b, "supports_mask", True) for b in self.candidates.values())
@@ -131,8 +192,9 @@ class ShapeRouter:
         routes = {name: backend.describe() for name, backend in self.candidates.items() if hasattr(backend, "describe")}
         return {
             "backend": f"SHAPE_ROUTED({'|'.join(self.candidates)})",
-            "implementation": "diffusers_omni.attention.routing.ShapeRouter: per call shape from routing_table.json; "
-            f"uncovered shapes → {self.base}; calls needing gradients → backward-capable candidates only",
+            "implementation": "diffusers_omni.attention.routing.ShapeRouter: per call shape from "
+            f"{table_label(self.table)}; uncovered shapes → {self.base}; calls needing gradients → backward-capable "
+            "candidates only",
             "version": None,
             "kernel_repo": None,
             "kernel_revision": None,

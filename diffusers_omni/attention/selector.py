@@ -22,7 +22,15 @@ from ..config.names import check_diffusers_env_name
 from .backends.base import AttentionCall
 from .platform import Platform, current_platform
 from .registry import get_backend_class, is_registered, registered_backend_names, registry_generation
-from .routing import failed_conditions, load_table, platform_routes, ranked_alternatives
+from .routing import (
+    active_table,
+    failed_conditions,
+    lossy_allowed,
+    platform_routes,
+    ranked_alternatives,
+    route_margins,
+    table_label,
+)
 
 logger = logging.getLogger("diffusers_omni.attention")
 
@@ -62,6 +70,10 @@ class Resolution:
     # Platform defaults only: backends the committed routing table ranks first for some call shapes of this role;
     # ``backend`` still runs every shape the table does not cover.
     shape_routed: tuple[str, ...] = ()
+    # Platform defaults only: the routing table that decided (tuned on this GPU, or the shipped one) and, per shape
+    # class this role can hit, what it routes there and by what measured margin.
+    routing_table: str = ""
+    margins: tuple[str, ...] = ()
 
     @property
     def lossy(self) -> bool:
@@ -92,6 +104,8 @@ class Resolution:
             "category": self.category,
             "backend": self.backend,
             "shape_routed": list(self.shape_routed),
+            "routing_table": self.routing_table,
+            "margins": list(self.margins),
             "source": self.source,
             "lossy": self.lossy,
             "spec": self.spec.to_dict() if self.spec else None,
@@ -246,15 +260,27 @@ def _resolve_cached(
     source = f"platform default ({platform.describe()})"
     if spec is not None:
         source = f"{where} auto → {source}"
-    return Resolution(role, category, backend, spec, source, call, candidates, _shape_routes(backend, call, platform))
+    table = active_table(platform)
+    available = _routable(table, call, platform)
+    routed = ranked_alternatives(table, platform.family, call.head_dim, call.has_mask, backend, available)
+    margins = route_margins(table, platform.family, call.head_dim, call.has_mask, backend, available)
+    return Resolution(role, category, backend, spec, source, call, candidates, routed, table_label(table), margins)
 
 
-def _shape_routes(base: str, call: AttentionCall, platform: Platform) -> tuple[str, ...]:
+def _routable(table: dict, call: AttentionCall, platform: Platform):
+    """Which backends a routing table may send this call to: registered here (the table may name a backend this
+    build lacks), able to run the call, and exact unless the table is a tuned one made with ``allow_lossy``."""
+    lossy_ok = lossy_allowed(table)
+
     def available(name: str) -> bool:
-        # The table may name a backend this build does not register: skip it.
-        return is_registered(name) and not get_backend_class(name).not_supported_reasons(call, platform)
+        if not is_registered(name):
+            return False
+        backend_cls = get_backend_class(name)
+        if backend_cls.is_lossy(None) and not lossy_ok:
+            return False
+        return not backend_cls.not_supported_reasons(call, platform)
 
-    return ranked_alternatives(load_table(), platform.family, call.head_dim, call.has_mask, base, available)
+    return available
 
 
 _logged: set[tuple[str, str, str]] = set()

@@ -52,7 +52,8 @@ def finite_float(text: str) -> float:
 
 
 def device_arg(text: str) -> str:
-    """A torch device string that exists on this machine (``cuda`` without CUDA is refused here, not mid-run)."""
+    """A torch device string that exists on this machine (``cuda``/``xpu``/``mps``/``npu`` without one, or an index
+    past the device count, is refused here, not mid-run)."""
     import torch
 
     try:
@@ -69,7 +70,18 @@ def device_arg(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available here; use --device cpu")
-    elif device.type not in ("cpu", "cuda", "mps", "xpu", "npu"):
+    elif device.type in ("xpu", "npu"):
+        # torch.xpu ships with torch; torch.npu exists only once torch_npu is imported.
+        backend = getattr(torch, device.type, None)
+        name = device.type.upper()
+        if backend is None or not backend.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {name} is not available here (torch {torch.__version__}"
+                f"{'' if backend is not None else f', no torch.{device.type} (torch_npu not imported)'}); "
+                "use --device cpu")
+        if device.index is not None and device.index >= backend.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r}: only {backend.device_count()} {name} device(s) visible")
+    elif device.type != "cpu":
         raise argparse.ArgumentTypeError(f"{text!r}: device type {device.type!r} is not supported; use cpu, cuda or mps")
     return text
 

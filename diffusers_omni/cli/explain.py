@@ -66,10 +66,15 @@ def run(args) -> int:
     print(f"platform: {(platform or current_platform()).describe()}")
     summary = summarize(rows)
     print(table(summary, ["role", "category", "backend", "lossy", "source", "modules", "call"]))
+    tables = sorted({row["routing_table"] for row in summary if row.get("routing_table")})
+    for label in tables:
+        print(f"routing table: {label}")
     for row in summary:
         if row.get("shape_routed"):
-            print(f"  {row['role']}: shape-routed to {', '.join(row['shape_routed'])} where routing_table.json ranks "
-                  f"them first for this platform; other shapes run {row['backend']} (see `diffusers-omni info`)")
+            print(f"  {row['role']}: shape-routed to {', '.join(row['shape_routed'])} where the routing table ranks "
+                  f"them first for this platform; other shapes run {row['backend']}")
+        for margin in row.get("margins", ()):
+            print(f"  {row['role']}: measured {margin}")
         if row.get("lossy"):
             print(f"  {row['role']}: LOSSY — {row['backend']} approximates attention (quantised or block-sparse); "
                   "compare it with an exact config on your model: diffusers-omni align --a TORCH_SDPA --b '<config>'")

@@ -34,6 +34,11 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str):
+        """Every parse error is one line and exit status 2, as the commands' own errors are (no usage block)."""
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
     def _check_value(self, action: argparse.Action, value) -> None:
         if action.choices is not None and value not in action.choices:
             choices = [str(c) for c in action.choices]
@@ -44,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="diffusers-omni", description="Per-role attention backends and CPU offload for Diffusers")
     parser.add_argument("--version", action="version", version=f"%(prog)s {omni_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,models,explain,generate,align}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,models,explain,generate,align,warmup,tune}")
 
     info = sub.add_parser("info", help="platform, versions and every attention backend (paste it into bug reports)")
     info.add_argument("--json", action="store_true", help="machine-readable output")
@@ -100,10 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--per-rank-outputs", action="store_true",
                           help="every rank writes OUTPUT with .rankN before the suffix (default: only rank 0 writes)")
     from .align import add_parser as add_align_parser
+    from .tune import add_parser as add_tune_parser
     from .warmup import add_parser as add_warmup_parser
 
     add_align_parser(sub)
     add_warmup_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 
@@ -124,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             from .align import run
         elif args.command == "warmup":
             from .warmup import run
+        elif args.command == "tune":
+            from .tune import run
         else:
             from .generate import run
         return run(args)

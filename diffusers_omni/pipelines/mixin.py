@@ -13,7 +13,14 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 import torch.nn as nn
 
-from ..installer import apply_attention_all, attention_report, is_attention_applied, remove_attention_all
+from ..installer import (
+    TuneResult,
+    apply_attention_all,
+    attention_report,
+    is_attention_applied,
+    remove_attention_all,
+    tune_attention,
+)
 from ..utils.modules import get_submodule_path
 
 logger = logging.getLogger("diffusers_omni")
@@ -202,6 +209,37 @@ class OmniPipelineMixin:
             )
         apply_attention_all(list(dits.values()), config, seen_roles=seen_roles)
         return self.omni_attention_report()
+
+    def tune_omni_attention(self, *, allow_lossy: bool = False, warmup: int = 3, repeats: int = 7,
+                            **call_kwargs: Any) -> TuneResult:
+        """Measure every attention backend at the calls this pipeline really makes, on this GPU, and cache the
+        routing table ``auto`` then follows (in this process and later ones, until a driver, CUDA, torch or kernel
+        package version changes; ``diffusers-omni tune`` does the same from the command line).
+
+        Args:
+            allow_lossy (`bool`, defaults to `False`): also time lossy kernels (SageAttention INT8) and let ``auto``
+                route to them where they are faster.
+            warmup, repeats: calls per backend before timing, and timed rounds (interleaved across backends).
+            call_kwargs: the pipeline call whose attention shapes are measured (e.g. ``prompt``, ``height``,
+                ``width``, ``num_frames``); ``num_inference_steps`` defaults to 1 (the shapes do not depend on it).
+
+        Returns:
+            A ``TuneResult``: the table's cache path, the table, the recorded call shapes and the seconds taken.
+
+        Example:
+        ```py
+        >>> result = pipe.tune_omni_attention(prompt="a cat", height=1024, width=1024)
+        >>> pipe.enable_omni_attention()  # auto now routes per the table measured here
+        ```
+        """
+        dits = self.omni_dits()
+        if not dits:
+            raise ValueError(
+                f"{type(self).__name__} has none of its declared DiTs {list(self._dit_modules)}; nothing to tune"
+            )
+        call_kwargs.setdefault("num_inference_steps", 1)
+        return tune_attention(list(dits.values()), lambda: self(**call_kwargs), allow_lossy=allow_lossy,
+                              warmup=warmup, repeats=repeats)
 
     def disable_omni_attention(self) -> None:
         """Restore the exact Diffusers processors that omni attention replaced (on every DiT, or on none if it

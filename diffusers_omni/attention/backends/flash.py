@@ -129,6 +129,11 @@ def select_implementation(platform) -> tuple[FlashImplementation | None, list[st
     return None, reasons
 
 
+def usable_implementations(platform) -> list[FlashImplementation]:
+    """Every implementation installed and able to run on ``platform``, best first (``tune`` times each)."""
+    return [impl for impl in IMPLEMENTATIONS if not implementation_reasons(impl) and not _cc_reason(impl, platform)]
+
+
 def key_padding_mask(attn_mask: torch.Tensor, batch: int, kv_len: int) -> torch.Tensor | None:
     """``attn_mask`` as a ``[B, Skv]`` boolean key-padding mask, or ``None`` when it is any other kind of mask."""
     if attn_mask.dtype != torch.bool:
