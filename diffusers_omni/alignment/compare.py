@@ -370,7 +370,8 @@ def check_alignment(
     Args:
         model (`torch.nn.Module`): a supported transformer (e.g. ``pipe.transformer``); left as it was found.
         inputs (`RecordedInputs`): the call to replay.
-        a, b: ``AlignmentSide`` objects, attention configs, or ``"stock"`` (Diffusers' own processors).
+        a: an ``AlignmentSide``, an attention config, or ``"stock"`` (Diffusers' own processors).
+        b: the side compared with ``a``, given the same way.
         atol (`float`, *optional*): tolerance for ``report.aligned``; ``None`` requires bitwise equality.
 
     Example:

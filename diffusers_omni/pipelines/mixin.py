@@ -219,7 +219,8 @@ class OmniPipelineMixin:
         Args:
             allow_lossy (`bool`, defaults to `False`): also time lossy kernels (SageAttention INT8) and let ``auto``
                 route to them where they are faster.
-            warmup, repeats: calls per backend before timing, and timed rounds (interleaved across backends).
+            warmup: calls per backend before timing.
+            repeats: timed rounds (interleaved across backends).
             call_kwargs: the pipeline call whose attention shapes are measured (e.g. ``prompt``, ``height``,
                 ``width``, ``num_frames``); ``num_inference_steps`` defaults to 1 (the shapes do not depend on it).
 
