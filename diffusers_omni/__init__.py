@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 from .attention import registry as _registry  # noqa: F401  (the backend names AttentionSpec accepts)
 from .pipelines.registry import OMNI_CLASS_MODULES
 from .config.attention import AttentionConfig, AttentionSpec, AttnQuantSpec, BlockSparseSpec, SkipSoftmaxSpec
+from .utils.logs import follow_diffusers_logging
 from .utils.versions import omni_version
 
 __version__ = omni_version()
+follow_diffusers_logging()  # our loggers log at Diffusers' verbosity unless configured themselves
 
 _LAZY = {
     "register_backend": "diffusers_omni.attention.registry",
