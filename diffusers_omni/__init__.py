@@ -36,6 +36,7 @@ _LAZY = {
     "kernel_fingerprint": "diffusers_omni.alignment",
     "compare_fingerprints": "diffusers_omni.alignment",
     "record_transformer_inputs": "diffusers_omni.alignment",
+    "compare_pipelines": "diffusers_omni.alignment",
     "OmniPipelineMixin": "diffusers_omni.pipelines.mixin",
     "SupportsComponentDiscovery": "diffusers_omni.pipelines.mixin",
     "OffloadConfig": "diffusers_omni.config.offload",
@@ -43,6 +44,7 @@ _LAZY = {
     "OffloadPlan": "diffusers_omni.config.offload",
     "get_offload_backend": "diffusers_omni.offload.factory",
     "apply_offload": "diffusers_omni.offload.api",
+    "disable_offload": "diffusers_omni.offload.api",
     "load_transformer_mmap": "diffusers_omni.offload.loading",
     "check_same_steps": "diffusers_omni.offload.dataparallel",
     # Every Omni<Name>Pipeline class; importing one imports only its family's module.
@@ -79,10 +81,11 @@ if TYPE_CHECKING:
     from .attention.registry import get_backend_class, register_backend
     from .attention.selector import BackendNotSupportedError, resolve
     from .config.offload import OffloadConfig, OffloadPlan, OffloadStrategy
-    from .offload.api import apply_offload
+    from .offload.api import apply_offload, disable_offload
     from .offload.factory import get_offload_backend
     from .pipelines.flux import OmniFluxPipeline
     from .pipelines.mixin import OmniPipelineMixin, SupportsComponentDiscovery
     from .alignment import check_alignment, compare_fingerprints, kernel_fingerprint, record_transformer_inputs
+    from .alignment import compare_pipelines
     from .pipelines.registry import omnify
     from .pipelines.wan import OmniWanImageToVideoPipeline, OmniWanPipeline, OmniWanVideoToVideoPipeline

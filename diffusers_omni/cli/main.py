@@ -49,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="diffusers-omni", description="Per-role attention backends and CPU offload for Diffusers")
     parser.add_argument("--version", action="version", version=f"%(prog)s {omni_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,models,explain,generate,align,warmup,tune}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,models,explain,generate,align,warmup,tune,compare}")
 
     info = sub.add_parser("info", help="platform, versions and every attention backend (paste it into bug reports)")
     info.add_argument("--json", action="store_true", help="machine-readable output")
@@ -105,11 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--per-rank-outputs", action="store_true",
                           help="every rank writes OUTPUT with .rankN before the suffix (default: only rank 0 writes)")
     from .align import add_parser as add_align_parser
+    from .compare import add_parser as add_compare_parser
     from .tune import add_parser as add_tune_parser
     from .warmup import add_parser as add_warmup_parser
 
     add_align_parser(sub)
     add_warmup_parser(sub)
+    add_compare_parser(sub)
     add_tune_parser(sub)
     return parser
 
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             from .align import run
         elif args.command == "warmup":
             from .warmup import run
+        elif args.command == "compare":
+            from .compare import run
         elif args.command == "tune":
             from .tune import run
         else:
