@@ -48,10 +48,11 @@ def _collective_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def install_step_check(target: Any, group: Any) -> Callable[[], None] | None:
+def install_step_check(target: Any, group: Any, lock: Any = None) -> Callable[[], None] | None:
     """Wrap ``target.scheduler.set_timesteps`` so each pipeline call checks its step count across ranks before
     the first step. Returns the undo function, or ``None`` when ``target`` has no scheduler (a bare model: call
-    ``check_same_steps`` yourself)."""
+    ``check_same_steps`` yourself). With ``lock`` (the offload's ``ForwardLock``) the check runs under it, so a
+    second thread's check is refused like its forwards."""
     scheduler = getattr(target, "scheduler", None)
     original = getattr(scheduler, "set_timesteps", None)
     if scheduler is None or original is None or isinstance(target, torch.nn.Module):
@@ -60,9 +61,15 @@ def install_step_check(target: Any, group: Any) -> Callable[[], None] | None:
 
     @functools.wraps(original)
     def set_timesteps(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        timesteps = getattr(scheduler, "timesteps", None)
-        check_same_steps(None if timesteps is None else len(timesteps), group, what="number of denoising steps")
+        if lock is not None:
+            lock.acquire("scheduler.set_timesteps")
+        try:
+            result = original(*args, **kwargs)
+            timesteps = getattr(scheduler, "timesteps", None)
+            check_same_steps(None if timesteps is None else len(timesteps), group, what="number of denoising steps")
+        finally:
+            if lock is not None:
+                lock.release()
         return result
 
     scheduler.set_timesteps = set_timesteps

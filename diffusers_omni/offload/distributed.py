@@ -38,7 +38,15 @@ from ..utils.progress import byte_progress
 from .base import Journal, OffloadBackend
 from .discovery import named_tensors
 from .guards import GuardInstaller, Guards, OffloadActiveError
-from .hooks import EAGER_ONLY, LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, refresh_registry_caches
+from .hooks import (
+    EAGER_ONLY,
+    LAYERWISE_BLOCK_HOOK,
+    LAYERWISE_ENTRY_HOOK,
+    CallbackHook,
+    ForwardLock,
+    LockedCallbackHook,
+    refresh_registry_caches,
+)
 from .layerwise import LayerwiseOffloadBackend, LayerwiseState, LayerwiseStats
 from .memory import (
     HostMemory, PackedWeights, Transfers, placeholder, release_freed_device_memory, release_freed_host_memory,
@@ -341,10 +349,24 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
             for d, n in _sum_numel(w for ws in state.weights for w in ws if not w.empty).items()
         }
 
+    def _forward_lock(self) -> ForwardLock:
+        # Waiting would not help: this rank's collectives (block gathers, the step check) must come in the order of
+        # every other rank's, and two threads taking turns on one rank interleave their calls in any order.
+        return ForwardLock(
+            f"distributed layerwise offload (rank {self.rank}/{self.world_size})",
+            refusal=(
+                "distributed layerwise offload runs every rank in lockstep (its forwards and step checks are "
+                "collectives that must come in the same order on every rank), so each rank's pipeline and DiT calls "
+                "must come from one thread at a time; nothing was run for this call. Allowed: call from one "
+                "thread per rank (queue concurrent requests to one worker thread), or use "
+                "enable_layerwise_offload() in each process, which serves concurrent callers one after another"
+            ),
+        )
+
     def _stage_install_step_check(self, state: LayerwiseState, journal: Journal) -> None:
         from .dataparallel import install_step_check
 
-        remove = install_step_check(state.target, self.group)
+        remove = install_step_check(state.target, self.group, lock=state.lock)
         if remove is not None:
             journal.record("remove step check", remove)
             self._remove_step_check = remove
@@ -362,7 +384,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
 
     def _disable(self) -> None:
         self._remove_step_check_hook()
-        super()._disable()
+        super()._disable()  # under the forward lock: refused while another thread runs a forward
 
     def _remove_step_check_hook(self) -> None:
         remove = self.__dict__.pop("_remove_step_check", None)
@@ -431,12 +453,14 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
 
     def _stage_install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         journal.record("remove hooks", state.hooks.remove_all)
+        state.lock = self._forward_lock()
         streamer = state.streamer
         for stack, row in zip(state.stacks, state.streamed):
             ring = [b for b in row if b is not None]
             if not ring:
                 continue
-            state.hooks.install(stack.owner, CallbackHook(before=partial(streamer.enter_stack, ring)),
+            state.hooks.install(stack.owner,
+                                LockedCallbackHook(state.lock, stack.name, before=partial(streamer.enter_stack, ring)),
                                 LAYERWISE_ENTRY_HOOK)
             following = {id(b): ring[(i + 1) % len(ring)] if len(ring) > 1 else None for i, b in enumerate(ring)}
             for (_, module), block in zip(stack.blocks, row):
@@ -478,8 +502,12 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
                 state.streamer.enter_stack(ring)
 
     def _disable(self) -> None:
-        self._remove_step_check_hook()
         state = self._state
+        with state.lock:  # refused while another thread of this rank runs a forward
+            self._remove_step_check_hook()
+            self._disable_locked(state)
+
+    def _disable_locked(self, state: LayerwiseState) -> None:
         state.transfers.synchronize()
         state.hooks.remove_all()
         refresh_registry_caches([stack.owner for stack in state.stacks])

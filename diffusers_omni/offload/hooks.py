@@ -6,9 +6,11 @@ removes only the names it registered.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 from diffusers.hooks import HookRegistry, ModelHook
 
@@ -32,7 +34,76 @@ DIFFUSERS_OFFLOAD_HOOKS: frozenset[str] = frozenset(
 )
 
 
-class ExecutionDeviceHint:
+# Why a model cannot be pickled (or deep-copied) while offloaded: its tensors are views into shared host buffers or
+# empty placeholders, and its forward runs through hooks bound to this process's buffers, streams and locks.
+NO_PICKLE = (
+    "cannot pickle a model while diffusers-omni offload is enabled: its weights are views into host buffers the "
+    "offload owns (or empty placeholders between uses) and its forward runs through this process's offload hooks; "
+    "call pipe.disable_omni_offload() (backend.disable() for a bare model) first, pickle or copy, then enable the "
+    "offload again"
+)
+
+
+class NotPicklable:
+    """Refuses pickling and ``copy.deepcopy`` with ``NO_PICKLE`` (Python's own error names a local function)."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(NO_PICKLE)
+
+
+class ConcurrentCallError(RuntimeError):
+    """A forward was called from a second thread while another thread's forward held an offload that refuses
+    concurrent callers (distributed layerwise offload)."""
+
+
+class ForwardLock(NotPicklable):
+    """One per enabled offload: held for the whole forward of each top-level module the offload manages (a DiT's
+    forward from its entry hook to its end; an encoder's under model-level offload), so callers in several threads
+    are served one after another. The streaming window, slots and onloaded components are shared state of the
+    offload, not of one call. Re-entrant: a module calling itself or another managed module in the same thread
+    does not wait for itself. Released when the forward raises.
+
+    With ``refusal`` set (distributed offload, whose forwards are collectives in lockstep with the other ranks, so
+    waiting would change the order of collectives on this rank), a call from a second thread raises
+    ``ConcurrentCallError`` at once instead of waiting; ``refusal`` is the message's explanation and way out.
+    """
+
+    def __init__(self, what: str, refusal: str | None = None) -> None:
+        self.what = what
+        self.refusal = refusal
+        self._lock = threading.RLock()
+        self._holder: str | None = None  # the thread inside (for the refusal message)
+        self._depth = 0
+
+    @torch.compiler.disable(reason=EAGER_ONLY)
+    def acquire(self, label: str) -> None:
+        if self.refusal is None:
+            self._lock.acquire()
+        elif not self._lock.acquire(blocking=False):
+            raise ConcurrentCallError(
+                f"{label}: {self.what} is already running a call in thread {self._holder!r}, and a second thread "
+                f"({threading.current_thread().name!r}) called it; {self.refusal}"
+            )
+        if self._depth == 0:
+            self._holder = threading.current_thread().name
+        self._depth += 1
+
+    @torch.compiler.disable(reason=EAGER_ONLY)
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._holder = None
+        self._lock.release()
+
+    def __enter__(self) -> "ForwardLock":
+        self.acquire(self.what)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+class ExecutionDeviceHint(NotPicklable):
     """Set as ``_hf_hook`` on every module model-level offload parks on the host, while the offload is enabled.
 
     Diffusers pipelines put a component's inputs where ``diffusers.utils.torch_utils.get_module_execution_device``
@@ -55,7 +126,7 @@ class ExecutionDeviceHint:
         return f"ExecutionDeviceHint(execution_device={str(self.execution_device)!r})"
 
 
-class CallbackHook(ModelHook):
+class CallbackHook(NotPicklable, ModelHook):
     """Calls ``before()`` ahead of the module's forward and ``after()`` once it returns; arguments pass through."""
 
     def __init__(self, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> None:
@@ -71,6 +142,32 @@ class CallbackHook(ModelHook):
     def post_forward(self, module: nn.Module, output: Any) -> Any:
         if self._after is not None:
             self._after()
+        return output
+
+
+class LockedCallbackHook(NotPicklable, ModelHook):
+    """``CallbackHook`` whose callbacks and the module's forward run under ``lock`` (a ``ForwardLock``), taken
+    before ``before()`` and released after ``after()``, or when either or the forward raises (``after()`` then does
+    not run, as with ``CallbackHook``). ``label`` names the module in ``ConcurrentCallError``."""
+
+    def __init__(self, lock: ForwardLock, label: str, before: Callable[[], None] | None = None,
+                 after: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self.lock = lock
+        self.label = label
+        self._before = before
+        self._after = after
+
+    def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        self.lock.acquire(self.label)
+        try:
+            if self._before is not None:
+                self._before()
+            output = self.fn_ref.original_forward(*args, **kwargs)
+            if self._after is not None:
+                self._after()
+        finally:
+            self.lock.release()
         return output
 
 

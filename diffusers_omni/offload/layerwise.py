@@ -46,7 +46,9 @@ from .hooks import (
     LAYERWISE_BLOCK_HOOK,
     LAYERWISE_ENTRY_HOOK,
     CallbackHook,
+    ForwardLock,
     InstalledHooks,
+    LockedCallbackHook,
     refresh_registry_caches,
 )
 from .memory import (
@@ -392,6 +394,7 @@ class LayerwiseState:
     tails: dict[str, list[tuple[str, nn.Module]]] = field(default_factory=dict)  # last block path → output layers
     hooks: InstalledHooks = field(default_factory=InstalledHooks)
     stats: LayerwiseStats = field(default_factory=LayerwiseStats)
+    lock: ForwardLock | None = None  # held for each DiT's whole forward: callers in several threads take turns
 
 
 class LayerwiseOffloadBackend(OffloadBackend):
@@ -578,8 +581,14 @@ class LayerwiseOffloadBackend(OffloadBackend):
             self.config.prefetch_depth,
         )
 
+    def _forward_lock(self) -> ForwardLock:
+        """The lock every DiT forward of this offload runs under (the window and its slots serve one call at a
+        time: concurrent callers wait for their turn)."""
+        return ForwardLock("layerwise offload")
+
     def _stage_install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         journal.record("remove hooks", state.hooks.remove_all)
+        state.lock = self._forward_lock()
         depth = self.config.prefetch_depth
         capacity = state.stats.in_flight_capacity
         limit = state.stats.in_flight_blocks
@@ -604,10 +613,6 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     # Normally a no-op (the last block bound them); loads them if called without the last block.
                     state.hooks.install(module, CallbackHook(before=partial(streamer.begin, last, ())),
                                         LAYERWISE_BLOCK_HOOK)
-            state.hooks.install(
-                stack.owner, CallbackHook(before=partial(streamer.enter_stack, ring, first), after=end_last),
-                LAYERWISE_ENTRY_HOOK,
-            )
             for position, ((_, module), block) in enumerate(zip(stack.blocks, row)):
                 # As far ahead as the window could ever hold: each upcoming block loads as soon as room frees up
                 # (e.g. while resident blocks run), so the copy engine never idles waiting for the next one.
@@ -625,6 +630,14 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     CallbackHook(before=partial(streamer.begin, block, lookahead), after=after),
                     LAYERWISE_BLOCK_HOOK,
                 )
+            # Installed last, so it is the outermost hook where the owner is its own block (an extra streamed module
+            # streams as one unit): the stack is entered (and the lock taken) before the block is bound.
+            state.hooks.install(
+                stack.owner,
+                LockedCallbackHook(state.lock, stack.name, before=partial(streamer.enter_stack, ring, first),
+                                   after=end_last),
+                LAYERWISE_ENTRY_HOOK,
+            )
         roots = [stack.owner for stack in state.stacks]
         refresh_registry_caches(roots)
         journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
@@ -669,6 +682,13 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
     def _disable(self) -> None:
         state = self._state
+        if state.lock is not None:  # a forward running in another thread finishes first
+            with state.lock:
+                self._disable_locked(state)
+        else:
+            self._disable_locked(state)
+
+    def _disable_locked(self, state: LayerwiseState) -> None:
         if state.transfers is not None:
             state.transfers.synchronize()
         if state.streamer is not None:

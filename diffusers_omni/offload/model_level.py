@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,9 +36,10 @@ from .discovery import (
 from .hooks import (
     EAGER_ONLY,
     MODEL_LEVEL_HOOK,
-    CallbackHook,
     ExecutionDeviceHint,
+    ForwardLock,
     InstalledHooks,
+    LockedCallbackHook,
     refresh_registry_caches,
 )
 from .memory import HostMemory, PackedWeights, release_freed_host_memory
@@ -92,6 +94,9 @@ class _State:
     host_memory: HostMemory | None = None
     hooks: InstalledHooks = field(default_factory=InstalledHooks)
     stats: ModelLevelStats = field(default_factory=ModelLevelStats)
+    # Held for each DiT's and encoder's whole forward: callers in several threads take turns (one would otherwise
+    # offload the component another is computing with).
+    lock: ForwardLock = field(default_factory=lambda: ForwardLock("model-level offload"))
 
 
 class ModelLevelOffloadBackend(OffloadBackend):
@@ -124,8 +129,9 @@ class ModelLevelOffloadBackend(OffloadBackend):
             raise RuntimeError("model-level offload is not enabled")
         for exclusive in self._state.exclusives:
             if exclusive.component.path == path or exclusive.component.label == path:
-                self._activate(exclusive)
-                yield exclusive.component.module
+                with self._state.lock:
+                    self._activate(exclusive)
+                    yield exclusive.component.module
                 return
         resident = [c.label for c in self._state.topology.components if c.role not in (DIT, ENCODER)]
         if path in resident:
@@ -189,7 +195,9 @@ class ModelLevelOffloadBackend(OffloadBackend):
         journal.record("remove hooks", state.hooks.remove_all)
         for exclusive in state.exclusives:
             state.hooks.install(
-                exclusive.component.module, CallbackHook(before=lambda e=exclusive: self._activate(e)), MODEL_LEVEL_HOOK
+                exclusive.component.module,
+                LockedCallbackHook(state.lock, exclusive.component.label, before=partial(self._activate, exclusive)),
+                MODEL_LEVEL_HOOK,
             )
         refresh_registry_caches([e.component.module for e in state.exclusives])
 
@@ -208,6 +216,10 @@ class ModelLevelOffloadBackend(OffloadBackend):
 
     def _disable(self) -> None:
         state = self._state
+        with state.lock:  # a forward running in another thread finishes first
+            self._disable_locked(state)
+
+    def _disable_locked(self, state: _State) -> None:
         if self.device.type != "cpu":
             torch.get_device_module(self.device).synchronize(self.device)
         state.hooks.remove_all()
