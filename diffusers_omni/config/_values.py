@@ -43,6 +43,18 @@ def show(value: Any) -> str:
         return f"<{type(value).__name__} object>"
 
 
+def check_int_range(value: int, field_name: str, low: int, high: int, unit: str = "", why: str = "") -> int:
+    """``value`` if ``low <= value <= high``; else ``ValueError`` naming the field, the value (abbreviated when
+    huge, see ``show``) and the allowed range (``why`` explains the bound)."""
+    if low <= value <= high:
+        return value
+    unit = f" {unit}" if unit else ""
+    reason = f" ({why})" if why else ""
+    raise ValueError(
+        f"{field_name}={show(value)} is out of range; allowed: {low} to {high}{unit}{reason}"
+    )
+
+
 def keys_text(keys: Any) -> str:
     """The keys of a mapping, sorted for stable messages even when they mix types (``'<'`` is not defined
     between ``str`` and ``int``)."""

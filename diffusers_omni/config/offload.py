@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from accelerate.utils import convert_file_size_to_int
 
-from ._values import show
+from ._values import check_int_range, show
 
 
 class OffloadStrategy(str, enum.Enum):
@@ -78,6 +78,18 @@ _BYTE_UNITS = {
     "gib": _accelerate_unit("GiB"),
     "tib": _accelerate_unit("GiB") * 1024,
 }
+# The largest byte count a budget or size may take: 1 PiB (2**50 bytes). Far above any device or host memory one
+# process can address today (an H200 has 141 GB; the largest single hosts a few tens of TiB), so every real budget
+# fits, while a typo of a few extra digits (or 10**400) is refused where it is parsed instead of failing later
+# (OverflowError converting to a C integer, repr() of a 5000-digit config). 2**50 also leaves room for sums of
+# budgets and block sizes in int64 (torch and C APIs) without overflow.
+MAX_BYTES = 2**50
+_MAX_BYTES_TEXT = "= 1 PiB, above any device or host memory"
+# The largest block/rank count a count field may take: far above any DiT's block count (at most 60 blocks in the
+# supported families) or one job's ranks, small enough that every derived size stays exact and printable.
+MAX_COUNT = 2**20
+_MAX_COUNT_TEXT = "= 2**20, above any model's block count or job's rank count"
+
 _BYTES_RE = re.compile(r"^\s*([0-9]*)(?:\.([0-9]+))?\s*([a-zA-Z]*)\s*$", re.ASCII)
 _BYTES_ALLOWED = 'a non-negative int of bytes or a string such as "12GiB", "500MB", "1.5 GB"'
 
@@ -105,7 +117,7 @@ def parse_bytes(value: Any, field_name: str) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{field_name}={show(value)} is negative; allowed: {_BYTES_ALLOWED}")
-        return value
+        return check_int_range(value, field_name, 0, MAX_BYTES, "bytes", _MAX_BYTES_TEXT)
     match = _BYTES_RE.match(value)
     whole, fraction, unit = match.groups() if match else ("", None, None)
     unit = unit.lower() if unit is not None else None
@@ -114,12 +126,17 @@ def parse_bytes(value: Any, field_name: str) -> int:
             f"{field_name}={show(value)} is not a byte size; allowed: {_BYTES_ALLOWED} "
             f"(units, any case: {', '.join(u.upper().replace('I', 'i') for u in _BYTE_UNITS if u)})"
         )
-    if len(whole.lstrip("0")) > 30:  # beyond any memory (10^30 bytes); int() also refuses > 4300 digits
-        raise ValueError(f"{field_name}={show(value)} is out of range; allowed: {_BYTES_ALLOWED}")
+    out_of_range = (f"{field_name}={show(value)} is out of range; allowed: 0 to {MAX_BYTES} bytes "
+                    f"({_MAX_BYTES_TEXT})")
+    if len(whole.lstrip("0")) > 30:  # beyond MAX_BYTES whatever the unit; int() also refuses > 4300 digits
+        raise ValueError(out_of_range)
     # Exact integer arithmetic: a float would overflow to inf (OverflowError in int()) for long digit strings.
     fraction = (fraction or "")[:30]
     scaled = int(whole or "0") * 10 ** len(fraction) + int(fraction or "0")
-    return scaled * _BYTE_UNITS[unit] // 10 ** len(fraction)
+    nbytes = scaled * _BYTE_UNITS[unit] // 10 ** len(fraction)
+    if nbytes > MAX_BYTES:
+        raise ValueError(f"{out_of_range}; got {nbytes} bytes")
+    return nbytes
 
 
 def format_bytes(nbytes: int | float) -> str:
@@ -290,6 +307,7 @@ class OffloadConfig:
             )
         if self.prefetch_depth < 1:
             raise ValueError(f"prefetch_depth={show(self.prefetch_depth)} is out of range; allowed: an int >= 1")
+        check_int_range(self.prefetch_depth, "prefetch_depth", 1, MAX_COUNT, "blocks", _MAX_COUNT_TEXT)
         if self.plan is not None and not isinstance(self.plan, OffloadPlan):
             raise TypeError(f"plan must be an OffloadPlan or None, got {type(self.plan).__name__}: {show(self.plan)}")
         if self.show_progress is not None and not isinstance(self.show_progress, bool):
@@ -310,6 +328,7 @@ class OffloadConfig:
                 raise TypeError(f"{name} must be an int >= {low}, got {type(value).__name__}: {show(value)}")
             if value < low:
                 raise ValueError(f"{name}={show(value)} is out of range; allowed: an int >= {low}")
+            check_int_range(value, name, low, MAX_COUNT, "", _MAX_COUNT_TEXT)
         if self.strategy is not OffloadStrategy.DISTRIBUTED_LAYERWISE:
             changed = [
                 f"{n}={show(getattr(self, n))}"

@@ -25,7 +25,7 @@ from diffusers_omni.attention.registry import registered_backend_names
 from diffusers_omni.config.attention import MAX_LAYER_INDEX, MAX_ROLE_DEPTH
 
 BACKEND_NAMES = registered_backend_names()
-from diffusers_omni.config.offload import OffloadConfig, OffloadPlan, OffloadStrategy
+from diffusers_omni.config.offload import MAX_BYTES, MAX_COUNT, OffloadConfig, OffloadPlan, OffloadStrategy
 
 _COMMON = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 CI = settings(max_examples=300, derandomize=True, **_COMMON)
@@ -368,13 +368,13 @@ def valid_offload(draw):
     if strategy is OffloadStrategy.LAYERWISE:
         if draw(st.booleans()):
             kwargs["max_device_memory"] = draw(st.one_of(
-                st.integers(0, 10**20),
-                st.tuples(st.integers(0, 10**6), st.sampled_from(["", "b", "KB", "MiB", "gib", "GB", "TiB"]))
+                st.integers(0, MAX_BYTES),
+                st.tuples(st.integers(0, 1024), st.sampled_from(["", "b", "KB", "MiB", "gib", "GB", "TiB"]))
                 .map(lambda t: f"{t[0]}{t[1]}"),
                 st.tuples(st.integers(0, 999), st.integers(0, 999), st.sampled_from(["GiB", "MB"]))
                 .map(lambda t: f"{t[0]}.{t[1]} {t[2]}"),
             ))
-        kwargs["prefetch_depth"] = draw(st.integers(1, 10**6))
+        kwargs["prefetch_depth"] = draw(st.integers(1, MAX_COUNT))
     if strategy is OffloadStrategy.DISTRIBUTED_LAYERWISE:
         allgather = draw(st.booleans())
         kwargs["use_allgather"] = allgather
@@ -418,18 +418,21 @@ _OFFLOAD_MUTATIONS = [
                                                        "cuda:99999999999999999999"]))),
     ("pin_memory", "layerwise", _NON_BOOL.filter(lambda v: v is not None)),
     ("max_device_memory", "layerwise", st.one_of(
-        st.integers(max_value=-1), st.floats(), st.booleans(),
+        st.integers(max_value=-1), st.integers(min_value=MAX_BYTES + 1), st.floats(), st.booleans(),
         st.sampled_from(["1e3GB", "12 parsecs", ".", "GB", "-5GB", "1" + "0" * 400 + "GB", "9" * 5000, "∞GB"]),
         st.text(max_size=6).filter(lambda t: not re.search("[0-9]", t)))),
-    ("prefetch_depth", "layerwise", st.one_of(st.integers(max_value=0), st.floats(), st.booleans(), st.text(max_size=3),
-                                              st.sampled_from([-(10**5000)]))),
+    ("prefetch_depth", "layerwise", st.one_of(st.integers(max_value=0), st.integers(min_value=MAX_COUNT + 1),
+                                              st.floats(), st.booleans(), st.text(max_size=3),
+                                              st.sampled_from([-(10**5000), 10**5000]))),
     ("show_progress", "layerwise", _NON_BOOL.filter(lambda v: v is not None)),
     ("plan", "layerwise", st.one_of(st.integers(), st.text(max_size=3), st.dictionaries(st.text(max_size=3),
                                                                                          st.integers(), max_size=2))),
     ("use_allgather", "distributed_layerwise", _NON_BOOL),
     ("hsdp", "distributed_layerwise", _NON_BOOL),
-    ("resident_layers", "distributed_layerwise", st.one_of(st.integers(max_value=-1), st.floats(), st.text(max_size=3))),
-    ("tensor_parallel_size", "distributed_layerwise", st.one_of(st.integers(max_value=0), st.floats(),
+    ("resident_layers", "distributed_layerwise", st.one_of(st.integers(max_value=-1), st.integers(min_value=MAX_COUNT + 1),
+                                                          st.floats(), st.text(max_size=3))),
+    ("tensor_parallel_size", "distributed_layerwise", st.one_of(st.integers(max_value=0),
+                                                               st.integers(min_value=MAX_COUNT + 1), st.floats(),
                                                                st.text(max_size=3))),
     ("max_device_memory", "model_level", st.integers(0, 10**12)),  # valid bytes, wrong strategy
     ("resident_layers", "layerwise", st.integers(1, 10)),  # distributed-only option

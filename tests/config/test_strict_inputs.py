@@ -7,7 +7,7 @@ import pytest
 
 from diffusers_omni import AttentionConfig, AttentionSpec, BlockSparseSpec, SkipSoftmaxSpec
 from diffusers_omni.config.attention import MAX_LAYER_INDEX, MAX_ROLE_DEPTH, parse_layer_selector
-from diffusers_omni.config.offload import OffloadConfig, OffloadPlan, parse_bytes
+from diffusers_omni.config.offload import MAX_BYTES, MAX_COUNT, OffloadConfig, OffloadPlan, parse_bytes
 
 
 @pytest.mark.parametrize("per_role", [[], 0, "", (), 0.0, False])
@@ -117,7 +117,70 @@ def test_byte_sizes_never_overflow(value, fragment):
 def test_byte_sizes_are_exact():
     assert parse_bytes("0.1KB", "x") == 100
     assert parse_bytes("12GiB", "x") == 12 * 2**30
-    assert parse_bytes("999999999999999999999TB", "x") == 999999999999999999999 * 10**12
+    assert parse_bytes("999.999999999999999999TB", "x") == 999_999_999_999_999  # 30 fraction digits kept exactly
+    assert parse_bytes("1024TiB", "x") == MAX_BYTES == 2**50  # the bound itself is allowed
+
+
+# #28 item 6: every budget and size is bounded where it is parsed ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, shown_as",
+    [
+        (10**400, "<int of about 400 digits>"),
+        (10**5000, "<int of about 5000 digits>"),  # repr() of the config raised ValueError for it
+        (MAX_BYTES + 1, str(MAX_BYTES + 1)),
+        (2**63, str(2**63)),  # past int64: OverflowError converting to a C integer
+        ("1025TiB", "'1025TiB'"),
+        ("999999999999999999999TB", "'999999999999999999999TB'"),
+        ("1" + "0" * 400 + "GB", "'" + "1" + "0" * 36 + "..."),
+    ],
+    ids=["10**400", "10**5000", "MAX_BYTES+1", "2**63", "1025TiB", "1e21TB", "1e400GB"],
+)
+def test_byte_budgets_above_the_maximum_are_refused_naming_field_value_and_range(value, shown_as):
+    # Before the fix: accepted (10**400 bytes), failing later with OverflowError (or in repr(config)).
+    with pytest.raises(ValueError) as info:
+        OffloadConfig("layerwise", device="cpu", max_device_memory=value)
+    message = str(info.value)
+    assert message.startswith(f"max_device_memory={shown_as}"), message
+    assert f"allowed: 0 to {MAX_BYTES} bytes (= 1 PiB" in message, message
+    assert len(message) < 400, "a huge value is abbreviated, never printed in full"
+
+
+@pytest.mark.parametrize("value", ["1e400GiB", "inf", "nan GB", float("inf"), float("nan"), 1e9])
+def test_float_budgets_are_refused_naming_the_field(value):
+    with pytest.raises((TypeError, ValueError)) as info:
+        OffloadConfig("layerwise", device="cpu", max_device_memory=value)
+    assert str(info.value).startswith("max_device_memory"), str(info.value)
+
+
+@pytest.mark.parametrize(
+    "options, field",
+    [
+        ({"strategy": "layerwise", "prefetch_depth": 10**400}, "prefetch_depth"),
+        ({"strategy": "layerwise", "prefetch_depth": MAX_COUNT + 1}, "prefetch_depth"),
+        ({"strategy": "distributed_layerwise", "use_allgather": False, "resident_layers": 10**5000},
+         "resident_layers"),
+        ({"strategy": "distributed_layerwise", "use_allgather": False, "tensor_parallel_size": 2**63},
+         "tensor_parallel_size"),
+    ],
+    ids=["prefetch_depth=10**400", "prefetch_depth=MAX_COUNT+1", "resident_layers=10**5000", "tensor_parallel=2**63"],
+)
+def test_counts_above_the_maximum_are_refused_naming_field_and_range(options, field):
+    with pytest.raises(ValueError) as info:
+        OffloadConfig(device="cpu", **options)
+    message = str(info.value)
+    assert message.startswith(f"{field}=") and f"allowed: 1 to {MAX_COUNT}" in message or \
+        f"allowed: 0 to {MAX_COUNT}" in message, message
+    assert len(message) < 400
+
+
+def test_the_largest_allowed_values_make_a_printable_config():
+    config = OffloadConfig("layerwise", device="cpu", max_device_memory=MAX_BYTES, prefetch_depth=MAX_COUNT)
+    assert str(MAX_BYTES) in repr(config)
+    distributed = OffloadConfig("distributed_layerwise", device="cpu", use_allgather=False,
+                                resident_layers=MAX_COUNT, tensor_parallel_size=MAX_COUNT)
+    assert str(MAX_COUNT) in repr(distributed)
 
 
 @pytest.mark.parametrize(
