@@ -972,6 +972,18 @@ def offload_lifecycle() -> str:
               f"{_verdict(report['all_checks_pass'])}. Run: `offload_lifecycle_h200.md`.\n")
 
 
+def quality_h200() -> str:
+    """``benchmarks/quality_bench.py``'s tables (``docs/user_guide/quality.md``); a pointer until it has run."""
+    from benchmarks.quality_bench import to_markdown  # imports torch and the package: only when rendering this table
+
+    path = RESULTS / "quality_h200" / "quality.json"
+    if not path.is_file():
+        return ("Not measured yet: `python -m benchmarks.quality_bench --out benchmarks/results/quality_h200` on an "
+                "H200 writes the results this table is rendered from.\n")
+    base = "https://github.com/diffusers-omni/diffusers-omni/blob/main/benchmarks/results/quality_h200/"
+    return to_markdown(json.loads(path.read_text()), image_base=base)
+
+
 RENDERERS = {
     "gpu-backends": gpu_backends,
     "diffusers-names": diffusers_names,
@@ -1006,6 +1018,7 @@ RENDERERS = {
     "quant-offload-budget": quant_offload_budget,
     "peak-diff": peak_diff,
     "offload-lifecycle": offload_lifecycle,
+    "quality-h200": quality_h200,
 }
 
 
