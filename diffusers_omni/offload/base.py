@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..config.offload import OffloadConfig, OffloadStrategy
-from .guards import GuardInstaller, Guards
+from .guards import GuardInstaller, Guards, describe_owner, install_group_offloading_check
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -79,6 +79,7 @@ class OffloadBackend(ABC):
         self._enabled = False
         self._target: Any = None
         self._guards = Guards()
+        self._members: list[tuple[str, torch.nn.Module, bool]] = []
 
     @classmethod
     def for_config(cls, config: OffloadConfig) -> "OffloadBackend":
@@ -100,6 +101,7 @@ class OffloadBackend(ABC):
             except BaseException:
                 logger.info("offload: enabling %s failed; rolling back", self.strategy.value)
                 journal.rollback()
+                self._members = []
                 self._forget()
                 raise
         self._enabled = True
@@ -115,6 +117,7 @@ class OffloadBackend(ABC):
         with torch.inference_mode(False), torch.no_grad():
             self._disable()
         self._forget()
+        self._members = []
         self._enabled = False
         self._target = None
 
@@ -148,18 +151,36 @@ class OffloadBackend(ABC):
         journal.record("remove guards", guards.remove_all)
         installer = self._guard_installer(state, guards)
         managed = self._managed_modules(state)
+        managed_ids = {id(module) for _, module in managed}
+        topology = getattr(state, "topology", None)
+        # Components the offload placed without holding their weights (VAEs, layerwise's encoders, residents): they
+        # carry the offload too, so every route from any pipeline object sharing them meets a guard.
+        placed = [(c.label, c.module) for c in (topology.components if topology is not None else ())
+                  if id(c.module) not in managed_ids]
         target = state.target
         pipeline = not isinstance(target, torch.nn.Module)
         if pipeline:
             installer.guard_pipeline(target, managed)
-        for label, module in managed:
+        members = [(label, module, True) for label, module in managed] + [(l, m, False) for l, m in placed]
+        for label, module, holds_weights in members:
             owner = f"pipe.{label}" if pipeline else "model" if module is target else label
-            installer.guard_module(label, module, owner)
+            installer.guard_module(label, module, owner, managed=holds_weights)
+        self._members = members
+        install_group_offloading_check()
 
     def _guard_installer(self, state: Any, guards: Guards) -> GuardInstaller:
         pipeline = not isinstance(state.target, torch.nn.Module)
         way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
-        return GuardInstaller(self.strategy.value, self.suspended, way_out, guards)
+        return GuardInstaller(self.strategy.value, self.suspended, way_out, guards, device=self.device, backend=self)
+
+    def members(self) -> list[tuple[str, torch.nn.Module, bool]]:
+        """``(label, module, managed)`` for every component this enabled backend placed; ``managed``: it holds
+        copies of the module's weights (else it only placed it on the device). Empty while disabled."""
+        return list(self._members)
+
+    def owner(self) -> str:
+        """The object this backend was enabled on, for messages (``"OmniFluxPipeline at 0x7f…"``)."""
+        return describe_owner(self)
 
     @abstractmethod
     def _managed_modules(self, state: Any) -> list[tuple[str, torch.nn.Module]]:

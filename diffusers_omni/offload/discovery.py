@@ -190,7 +190,10 @@ def foreign_offload_reasons(component: Component) -> list[str]:
             )
         ours = sorted(names & OMNI_OFFLOAD_HOOKS)
         if ours:
-            reasons.append(f"{where!r} already has diffusers-omni offload hooks {ours}; disable that offload first")
+            reasons.append(
+                f"{where!r} already has diffusers-omni offload hooks {ours}; disable that offload first (from any "
+                "object sharing the module: diffusers_omni.disable_offload(pipe_or_module))"
+            )
     return reasons
 
 

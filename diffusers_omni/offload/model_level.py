@@ -36,7 +36,6 @@ from .discovery import (
 from .hooks import (
     EAGER_ONLY,
     MODEL_LEVEL_HOOK,
-    ExecutionDeviceHint,
     ForwardLock,
     InstalledHooks,
     LockedCallbackHook,
@@ -151,10 +150,9 @@ class ModelLevelOffloadBackend(OffloadBackend):
         return [(e.component.label, e.component.module) for e in state.exclusives]
 
     def _stage_install_guards(self, state: _State, journal: Journal) -> None:
+        # Parked weights are host tensors; pipelines must still put these modules' inputs on the device: the base
+        # class gives every component an OffloadSlotHint, an ExecutionDeviceHint (guards.py).
         super()._stage_install_guards(state, journal)
-        # Parked weights are host tensors; pipelines must still put these modules' inputs on the device.
-        for exclusive in state.exclusives:
-            self._guards.set(exclusive.component.module, "_hf_hook", ExecutionDeviceHint(self.device))
 
     def _stage_discover(self, state: _State, journal: Journal) -> None:
         state.topology = discover_components(state.target, self.config.plan)

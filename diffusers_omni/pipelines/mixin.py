@@ -78,10 +78,12 @@ class AttentionReport(list):
             return "AttentionReport(omni attention is off)"
         grouped: dict[tuple, int] = {}
         for entry in self:
-            key = (entry.get("role"), entry.get("category"), entry.get("backend"), entry.get("source"))
+            key = (entry.get("role"), entry.get("category"), entry.get("backend"), entry.get("source"),
+                   bool(entry.get("lossy")))
             grouped[key] = grouped.get(key, 0) + 1
-        lines = [f"  {role} ({category}): {backend} — {source} [{count} module{'s' * (count != 1)}]"
-                 for (role, category, backend, source), count in grouped.items()]
+        lines = [f"  {role} ({category}): {backend}{' [LOSSY]' if lossy else ''} — {source} "
+                 f"[{count} module{'s' * (count != 1)}]"
+                 for (role, category, backend, source, lossy), count in grouped.items()]
         return "AttentionReport(\n" + "\n".join(lines) + "\n)"
 
 
@@ -167,9 +169,28 @@ class OmniPipelineMixin:
         self.enable_omni_attention(config)
 
     def to(self, *args: Any, **kwargs: Any):
+        """Diffusers' ``to``. With offload on any of the components (enabled on this pipeline or on another one
+        sharing them), every component is checked first: a cast works (each offload re-packs its host copies in the
+        new dtype, once for the whole call); a move away from the offload device is refused with nothing changed."""
+        from ..offload.guards import offloaded_pipeline_to
+
         if _sharing_components.get() and not args and set(kwargs) <= {"dtype", "torch_dtype"}:
             return self
-        return super().to(*args, **kwargs)
+        return offloaded_pipeline_to(self, super().to, args, kwargs)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        old = self.__dict__.get(name)
+        super().__setattr__(name, value)
+        backend = self.__dict__.get("_omni_offload_backend")
+        if (backend is None or old is value or not isinstance(old, nn.Module) or not backend.is_enabled()
+                or not any(module is old for _, module, _ in backend.members())):
+            return
+        if isinstance(value, nn.Module) and any(module is old for module in value.modules()):
+            return  # a wrapper around the same component (torch.compile's OptimizedModule): the offload is in place
+        # A component the offload places was swapped (``pipe.vae = other``): bring the new one under the offload.
+        logger.info("%s.%s was replaced while %s offload places it; re-planning the offload", type(self).__name__,
+                    name, backend.strategy.value)
+        self._replan_omni_offload(backend, undo=lambda: super(OmniPipelineMixin, self).__setattr__(name, old))
 
     def omni_dits(self) -> dict[str, nn.Module]:
         """The declared DiTs present in this pipeline, by path."""
@@ -265,20 +286,37 @@ class OmniPipelineMixin:
         Enabling is all or nothing: if any stage fails, no hook stays installed and every weight is back where it
         was. Only one offload strategy may be active; call ``disable_omni_offload()`` before switching.
 
+        The offload belongs to the components, so another pipeline object sharing them (``from_pipe``, a pipeline
+        built from ``pipe.components``, the Diffusers pipeline given to ``omnify``) already runs with it. Enabling
+        the same config there adopts it (returns the same backend; where this pipeline's components differ, e.g. a
+        swapped VAE, the offload is re-planned for this pipeline's set); a different config is refused, naming the
+        pipeline that enabled it.
+
         Example:
         ```py
         >>> pipe.enable_omni_offload(OffloadConfig("layerwise", device="cuda", max_device_memory="12GiB"))
         ```
         """
+        from ..offload.discovery import OffloadConflictError
         from ..offload.factory import get_offload_backend
 
-        active = self.__dict__.get("_omni_offload_backend")
-        if active is not None and active.is_enabled():
-            raise RuntimeError(
-                f"{active.strategy.value} offload is already enabled on this pipeline; call disable_omni_offload() "
-                "first"
-            )
         backend = get_offload_backend(config)
+        active = self.omni_offload_backend
+        if active is None:
+            return self._enable_new_omni_offload(backend)
+        if backend is None or backend.config != active.config:
+            labels = ", ".join(label for label, _, _ in active.members())
+            requested = "strategy 'none'" if backend is None else repr(backend.config)
+            raise OffloadConflictError(
+                f"{active.strategy.value} offload is already enabled on this pipeline's components ({labels}), "
+                f"enabled on {active.owner()} with {active.config!r}; {requested} is a different config, so nothing "
+                "was changed. Allowed: the same config (this pipeline adopts that offload), or disable it first: "
+                "disable_omni_offload() on any Omni pipeline sharing these components, or "
+                "diffusers_omni.disable_offload(pipe) on any pipeline or component"
+            )
+        return self._adopt_omni_offload(active)
+
+    def _enable_new_omni_offload(self, backend: Any) -> Any:
         delegate = getattr(self, "enable_omni_model_cpu_offload", None)
         if backend is not None and backend.strategy.value == "model_level" and delegate is not None:
             # Split models (one module serving as DiT and encoder, e.g. Cosmos3) know their own swap points.
@@ -288,6 +326,50 @@ class OmniPipelineMixin:
             backend.enable(self)
         self.__dict__["_omni_offload_backend"] = backend
         return backend
+
+    def _adopt_omni_offload(self, active: Any) -> Any:
+        """``active`` (enabled with the requested config) already places this pipeline's components: use it as it
+        is when it places exactly this pipeline's set, else re-plan it for this pipeline."""
+        from ..offload.discovery import discover_components
+
+        wanted = {id(c.module) for c in discover_components(self, active.config.plan).components}
+        placed = {id(module) for _, module, _ in active.members()}
+        if wanted == placed:
+            logger.info("%s adopts the %s offload enabled on %s (same components, same config)", type(self).__name__,
+                        active.strategy.value, active.owner())
+            self.__dict__["_omni_offload_backend"] = active
+            return active
+        return self._replan_omni_offload(active)
+
+    def _replan_omni_offload(self, active: Any, undo: Any = None) -> Any:
+        """Disable ``active`` and enable its config on this pipeline's components (a swapped or added component
+        comes under the offload). If that fails, ``undo()`` runs and ``active`` is enabled again where it was."""
+        from ..offload.discovery import OffloadConflictError
+        from ..offload.factory import get_offload_backend
+
+        if active.strategy.value == "distributed_layerwise":
+            if undo is not None:
+                undo()
+            raise OffloadConflictError(
+                f"distributed_layerwise offload (enabled on {active.owner()}) places other components than "
+                f"{type(self).__name__}'s; re-planning it is collective, so nothing was changed. Allowed: "
+                "disable_omni_offload() on every rank, then enable it on this pipeline on every rank"
+            )
+        previous = active._target
+        logger.info("%s re-plans the %s offload enabled on %s for its own components", type(self).__name__,
+                    active.strategy.value, active.owner())
+        active.disable()
+        try:
+            return self._enable_new_omni_offload(get_offload_backend(active.config))
+        except BaseException:
+            if undo is not None:
+                undo()
+            try:
+                active.enable(previous)
+            except Exception:  # noqa: BLE001 - the original error is the one to raise
+                logger.exception("offload: enabling the previous %s offload again on %s failed",
+                                 active.strategy.value, type(previous).__name__)
+            raise
 
     def enable_model_level_offload(self, device: str | torch.device = "cuda", **options: Any) -> Any:
         """Keep only the running DiT or encoder on ``device``; VAEs stay there. ``options`` go to
@@ -357,16 +439,27 @@ class OmniPipelineMixin:
 
     def disable_omni_offload(self) -> None:
         """Remove omni offload hooks; offloaded weights become ordinary host tensors (move the pipeline with
-        ``.to()`` afterwards). Does nothing when no offload is active."""
+        ``.to()`` afterwards). Also disables an offload enabled on another pipeline object sharing these components
+        (the offload belongs to them). Does nothing when no offload is active."""
+        from ..offload.guards import offload_backends
+
         backend = self.__dict__.pop("_omni_offload_backend", None)
         if backend is not None:
             backend.disable()
+        for other in offload_backends(self):  # enabled on another pipeline object sharing the components
+            other.disable()
 
     @property
     def omni_offload_backend(self) -> Any:
-        """The enabled offload backend, or ``None``."""
+        """The enabled offload backend placing this pipeline's components (enabled here or on another pipeline
+        object sharing them), or ``None``."""
+        from ..offload.guards import offload_backends
+
         backend = self.__dict__.get("_omni_offload_backend")
-        return backend if backend is not None and backend.is_enabled() else None
+        if backend is not None and backend.is_enabled():
+            return backend
+        found = offload_backends(self)
+        return found[0] if found else None
 
     @property
     def _execution_device(self) -> torch.device:
