@@ -1,4 +1,10 @@
-"""``diffusers-omni info``: the platform and every registered backend, available or with its reasons."""
+"""``diffusers-omni info``: the platform and every registered backend, available or with its reasons.
+
+Availability means it runs: every kernel package a backend needs is imported in a child interpreter (a package whose
+import crashes the interpreter cannot take ``info`` down), and on a real CUDA GPU each available backend runs one tiny
+attention call there too; the import or launch error is the reason shown. A simulated platform (``--platform``)
+cannot launch kernels, so it shows import results only.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +12,106 @@ import json
 
 import torch
 
+from ..attention.availability import isolated_results, package_installed, probe, probe_imports, task_key
 from ..attention.backends.base import AttentionCall
-from ..attention.backends.flash import flash_attention_implementations
+from ..attention.backends.flash import IMPLEMENTATIONS, flash_attention_implementations
 from ..attention.platform import current_platform
 from ..attention.routing import failed_conditions, platform_routes
 from ..attention.registry import get_backend_class, registered_backend_names
+from ..attention.selector import environment_backend
 from ..utils.versions import omni_version
 
 
+def kernel_modules() -> list[str]:
+    """The installed kernel packages the registered backends import: their ``packages`` and every FlashAttention
+    candidate (a package that is not installed needs no import to be found missing)."""
+    modules = [impl.module for impl in IMPLEMENTATIONS]
+    for name in registered_backend_names():
+        modules += [module for module, _ in get_backend_class(name).packages]
+    return [module for module in dict.fromkeys(modules) if package_installed(module)]
+
+
+def _availability(platform) -> dict:
+    """Each backend's availability reasons, the usable FlashAttention implementations and the platform routes (whose
+    conditions ask which implementations import)."""
+    check = AttentionCall(device_type=platform.device_type, head_dim=128)
+    return {
+        "reasons": {name: get_backend_class(name).availability_reasons(platform) for name in registered_backend_names()},
+        "implementations": flash_attention_implementations(),
+        "routes": [
+            {"backend": r.backend, "when": list(r.when),
+             "conditions_failing_for_unmasked_head_dim_128": failed_conditions(r, platform, check)}
+            for r in platform_routes(platform)
+        ],
+    }
+
+
+def _isolated_availability(platform) -> tuple[dict, dict[str, str | None]]:
+    """``_availability`` with every kernel import made in child interpreters (``attention.availability.probe``),
+    never in this process, and the import results by module."""
+    results: dict[str, str | None] = {}
+    wanted = set(kernel_modules())
+    while True:
+        # The first pass imports nothing and answers "imports" for every package: it only collects the ones asked
+        # for, so that one child interpreter imports them all; later passes answer from its results.
+        with isolated_results(results) as unprobed:
+            found = _availability(platform)
+        missing = sorted((wanted | unprobed) - set(results))
+        if not missing:
+            return found, results
+        results.update(probe_imports(missing))
+
+
+def launch_checks(reasons: dict[str, list[str]], device: str = "cuda") -> dict[str, str | None]:
+    """One tiny bfloat16 attention call per available backend (no reasons in ``reasons``) on ``device``, in child
+    interpreters: ``{backend: None (ran) or the error, or "not run: ..."}``."""
+    tasks, launch = {}, {}
+    for name, why in reasons.items():
+        if why:
+            continue
+        cls = get_backend_class(name)
+        if getattr(cls, "kernel_repo", None):
+            launch[name] = "not run: its kernel is fetched from the Hub on first use"
+            continue
+        tasks[name] = ["call", f"{cls.__module__}:{cls.__qualname__}", device, "bfloat16"]
+    found = probe(list(tasks.values()))
+    launch.update({name: found[task_key(task)] for name, task in tasks.items()})
+    return launch
+
+
 def collect_info(platform=None) -> dict:
+    """Everything ``info`` shows. ``platform=None``: this machine, and on a CUDA GPU one tiny call per available
+    backend; a given (simulated) ``platform``: kernel imports only."""
     import diffusers
 
+    simulated = platform is not None
     platform = platform or current_platform()
+    found, imports = _isolated_availability(platform)
+    reasons = found["reasons"]
+    if simulated:
+        launch_note = "not run: a simulated platform cannot launch kernels; import results only"
+        launch = {}
+    elif platform.device_type != "cuda":
+        launch_note = f"not run: the platform is {platform.device_type}, not a CUDA GPU"
+        launch = {}
+    else:
+        launch = launch_checks(reasons)
+        launch_note = "one tiny bfloat16 attention call per available backend, in a child interpreter"
     backends = []
     for name in registered_backend_names():
         cls = get_backend_class(name)
-        reasons = cls.availability_reasons(platform)
+        why = list(reasons[name])
+        error = launch.get(name)
+        if error is not None and not error.startswith("not run:"):
+            why.append(error)
         determinism = cls.determinism_reasons(platform)
         backends.append(
             {
                 "name": name,
-                "available": not reasons,
-                "reasons": reasons,
+                "available": not why,
+                "reasons": why,
+                # None: not launched (unavailable, simulated or not a CUDA GPU); "ok"; "not run: ..."; the error.
+                "launch": ("ok" if error is None else error) if name in launch else None,
                 "supports_mask": cls.supports_mask,
                 "supports_backward": cls.supports_backward,
                 # Whether the backend can promise bitwise run-to-run reproducibility here under deterministic
@@ -36,11 +120,6 @@ def collect_info(platform=None) -> dict:
                 "deterministic_reasons": determinism,
             }
         )
-    probe = AttentionCall(device_type=platform.device_type, head_dim=128)
-    routes = [
-        {"backend": r.backend, "when": list(r.when), "conditions_failing_for_unmasked_head_dim_128": failed_conditions(r, platform, probe)}
-        for r in platform_routes(platform)
-    ]
     return {
         "diffusers_omni": omni_version(),
         "environment": environment(),
@@ -49,8 +128,14 @@ def collect_info(platform=None) -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "diffusers": diffusers.__version__,
         "platform": platform.to_dict(),
-        "flash_attention_implementations": flash_attention_implementations(),
-        "routing": routes,
+        "flash_attention_implementations": found["implementations"],
+        "availability_check": {
+            "imports": "each kernel package imported in a child interpreter",
+            "kernel_imports": imports,
+            "launch": launch_note,
+        },
+        "environment_backend": _environment_backend(),
+        "routing": found["routes"],
         "shape_routing": _shape_routing(platform),
         "deterministic_mode": _deterministic_mode(),
         "backends": backends,
@@ -126,6 +211,12 @@ def _shape_routing(platform) -> dict:
     return {"table": TABLE_PATH.name, "classes": {key: rule["ranking"] for key, rule in rules.items()}}
 
 
+def _environment_backend() -> dict:
+    """The default backend the environment variables ask for (the CLI refused an unknown value before this)."""
+    spec, source = environment_backend()
+    return {"backend": spec.backend if spec is not None else None, "source": source or None}
+
+
 def _deterministic_mode() -> dict:
     from ..attention.selector import ENV_DETERMINISTIC, deterministic_requested
 
@@ -157,6 +248,11 @@ def format_info(info: dict) -> str:
         f"platform: {plat['description']}  device: {plat['device_name']}",
         f"CUDA: {info['cuda'] or 'none'}  cuDNN: {info['cudnn'] or 'none'}",
         f"FlashAttention implementations found: {', '.join(info['flash_attention_implementations']) or 'none'}",
+        f"availability: {info['availability_check']['imports']}; kernel launch check: "
+        f"{info['availability_check']['launch']}",
+        "default from the environment: " + (
+            f"{info['environment_backend']['backend']} ({info['environment_backend']['source']})"
+            if info["environment_backend"]["backend"] else "none (DIFFUSION_ATTENTION_BACKEND, DIFFUSERS_ATTN_BACKEND unset)"),
         "default routing: " + " → ".join(r["backend"] + (f" (if {', '.join(r['when'])})" if r["when"] else "") for r in info["routing"]),
         *_format_shape_routing(info["shape_routing"]),
         f"deterministic mode: {'on' if info['deterministic_mode'].get('enabled') else 'off'} "
@@ -167,7 +263,10 @@ def format_info(info: dict) -> str:
     for backend in info["backends"]:
         det = "deterministic" if backend["deterministic"] else "not deterministic"
         if backend["available"]:
-            lines.append(f"  {backend['name']:18s} available, {det}")
+            ran = ", a tiny call ran" if backend.get("launch") == "ok" else ""
+            lines.append(f"  {backend['name']:18s} available{ran}, {det}")
+            if backend.get("launch", "ok") not in ("ok", None):
+                lines.append(f"      - launch check {backend['launch']}")
             lines.extend(f"      - {reason}" for reason in backend["deterministic_reasons"])
         else:
             lines.append(f"  {backend['name']:18s} unavailable")

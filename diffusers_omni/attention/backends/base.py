@@ -8,11 +8,12 @@ required. An instance is bound to one ``AttentionSpec`` (or ``None`` for a platf
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+from ..availability import package_importable, package_reason
 
 if TYPE_CHECKING:
     from ...config.attention import AttentionSpec
@@ -48,14 +49,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def package_importable(name: str) -> bool:
-    """True when ``name`` can be imported, without importing it (parents of dotted names are imported)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 class AttentionBackend:
     """Base class: capabilities as data, reasons as lists of strings, a thin ``__call__``."""
 
@@ -75,7 +68,8 @@ class AttentionBackend:
     # backward are bitwise reproducible run to run on the same inputs, device and software stack.
     # ``determinism_reasons`` says why not otherwise (or why not on a given platform).
     deterministic: ClassVar[bool] = False
-    # (import name, install hint) pairs checked without importing the package.
+    # (import name, install hint) pairs: each package must be installed and import (``attention.availability``:
+    # imported once per process at selection time; in a child interpreter by ``diffusers-omni info``).
     packages: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     # Set by ``enable_deterministic`` at enable time, never on the hot path.
@@ -120,8 +114,8 @@ class AttentionBackend:
                 allowed = ", ".join(f"sm_{a}{b}" for a, b in sorted(cls.compute_capabilities))
                 reasons.append(f"compute capability is {platform.sm}; {cls.name} requires one of {allowed}")
         for module, hint in cls.packages:
-            if not package_importable(module):
-                reasons.append(f"package {module!r} is not importable; to install: {hint}")
+            if not package_importable(module):  # installed and imports (imported once per process)
+                reasons.append(package_reason(module, hint) or f"package {module!r} is not importable; to install: {hint}")
         reasons.extend(cls.extra_availability_reasons(platform))
         return reasons
 

@@ -1,11 +1,12 @@
 """``FLASH_ATTN``: FlashAttention-4, -3 or -2, whichever is installed, best first.
 
-Implementation discovery (without importing anything): FlashAttention-4 (``flash_attn.cute``, package
-``flash-attn-4``) → FlashAttention-3 (``flash_attn_interface``, built from the FlashAttention ``hopper/`` tree) →
-FlashAttention-3 forward only (``fa3_fwd_interface``, PyPI package ``fa3-fwd``) → FlashAttention-2
-(``flash_attn`` >= 2.6). PyTorch >= 2.11 can also route its own flash SDPA kernel to FA3/FA4
-(``torch.nn.attention.activate_flash_attention_impl``); that switch is process-global and needs the same packages,
-so this backend calls the packages directly and only reports which of PyTorch's implementations are registered.
+Implementation discovery (each candidate imported once, failures caught: ``attention.availability``):
+FlashAttention-4 (``flash_attn.cute``, package ``flash-attn-4``) → FlashAttention-3 (``flash_attn_interface``, built
+from the FlashAttention ``hopper/`` tree) → FlashAttention-3 forward only (``fa3_fwd_interface``, PyPI package
+``fa3-fwd``) → FlashAttention-2 (``flash_attn`` >= 2.6). PyTorch >= 2.11 can also route its own flash SDPA kernel to
+FA3/FA4 (``torch.nn.attention.activate_flash_attention_impl``); that switch is process-global and needs the same
+packages, so this backend calls the packages directly and only reports which of PyTorch's implementations are
+registered.
 
 Inputs are ``[B, S, H, D]`` in float16/bfloat16. float32 inputs go to ``TORCH_SDPA`` with one warning per
 signature.
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ...utils.versions import installed_version, version_at_least
+from ..availability import import_failure, package_installed
 from .base import AttentionBackend, package_importable
 from .sdpa import SDPAFallback, sdpa_bshd
 
@@ -73,8 +75,11 @@ _BY_LABEL = {impl.label: impl for impl in IMPLEMENTATIONS}
 
 
 def implementation_reasons(impl: FlashImplementation) -> list[str]:
-    """Why ``impl`` cannot be used here (package missing, version too old); empty when it can."""
+    """Why ``impl`` cannot be used here (package missing or failing to import, version too old); empty when it can."""
     if not package_importable(impl.module):
+        failure = package_installed(impl.module) and import_failure(impl.module)
+        if failure:  # found but its import fails (e.g. ImportError: libc10_cuda.so for a wheel built for another torch)
+            return [f"{impl.label}: module {impl.module!r} failed to import: {failure}; to install: {impl.install}"]
         return [f"{impl.label}: module {impl.module!r} is not importable; to install: {impl.install}"]
     if impl.min_version is not None:
         found = installed_version(*impl.distributions)
@@ -88,7 +93,7 @@ def implementation_reasons(impl: FlashImplementation) -> list[str]:
 
 
 def flash_attention_implementations() -> list[str]:
-    """Usable FlashAttention implementations here, best first (``["FA3", "FA2"]``…), without importing them."""
+    """Usable FlashAttention implementations here, best first (``["FA3", "FA2"]``…); each is imported once."""
     return [impl.label for impl in IMPLEMENTATIONS if not implementation_reasons(impl)]
 
 
