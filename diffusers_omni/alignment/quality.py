@@ -521,13 +521,13 @@ class QualityReport:
                 for role, s in summary["per_role"].items()]
         lines = [table(rows, ["role", "modules", "rel_err max", "rel_err mean", "local max", "worst module"])]
         what = "frames" if self.kind == "video" else "image"
-        lines.append(f"\nattention error: {self.attention_step}; rel_err = ‖c − r‖/‖r‖ of each module's output "
-                     "(propagated), local = the module's kernel alone")
+        lines.append("\nattention error in the first transformer call (step 0): rel_err = ‖c − r‖ / ‖r‖ of\n"
+                     "each module's output, errors of earlier layers included; local = the module's kernel alone")
         lines.append(f"{what}: PSNR {self.psnr_db:.2f} dB, SSIM {self.ssim:.4f}, max |diff| {self.max_abs_diff:.3g}")
         lines.append(f"wall time: reference {self.wall_s['reference']:.2f} s, candidate {self.wall_s['candidate']:.2f} s")
         if not self.first_call_inputs_equal:
-            lines.append("WARNING: the first transformer call's inputs differ between the runs (something besides "
-                         "the DiTs' attention changed); the per-layer errors include that difference")
+            lines.append("WARNING: the first transformer call's inputs differ between the runs (something\n"
+                         "besides the DiTs' attention changed); the per-layer errors include that difference")
         return "\n".join(lines)
 
 
