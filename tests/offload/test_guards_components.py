@@ -329,3 +329,23 @@ def test_distributed_cast_is_refused_on_every_component_before_anything_changes(
         assert_same_snapshot(before, _state(plain))
     assert torch.equal(generate(omni, steps=1), reference)
     omni.disable_omni_offload()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_faster_cache_added_after_enable_runs_bitwise(strategy):
+    """Diffusers' FasterCache state tests fail under layerwise only on their count of hook registries (the offload's
+    block hooks share them, docs/user_guide/interop.md); the cache itself, added after the offload, works."""
+    from diffusers import FasterCacheConfig
+
+    def cached(pipe):
+        pipe.transformer.enable_cache(FasterCacheConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 999),
+            current_timestep_callback=lambda: pipe.current_timestep, attention_weight_callback=lambda _: 0.5,
+            is_guidance_distilled=True, tensor_format="BFCHW"))
+        return pipe
+
+    reference = generate(cached(_resident()), steps=3)
+    pipe = omnify(tiny_flux_pipeline(), "TORCH_SDPA")
+    _enable(pipe, strategy)
+    assert torch.equal(generate(cached(pipe), steps=3), reference)
+    pipe.disable_omni_offload()
