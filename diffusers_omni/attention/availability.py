@@ -35,12 +35,29 @@ MAX_MESSAGE = 400
 PROBE_TIMEOUT_S = 300.0
 
 
-def package_installed(name: str) -> bool:
-    """True when ``name`` is found on the path, without importing it (parents of dotted names are imported)."""
+def _find(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
     except Exception:  # a parent package that fails to import, a malformed name
         return False
+
+
+def _not_found(result: str | None, name: str) -> bool:
+    """Whether an import result says ``name`` itself (or a parent package) does not exist, rather than that its
+    import failed (a missing dependency of ``name`` is a failed import)."""
+    prefix = "ModuleNotFoundError: No module named '"
+    if result is None or not result.startswith(prefix):
+        return False
+    missing = result[len(prefix):].partition("'")[0]
+    return name == missing or name.startswith(missing + ".")
+
+
+def package_installed(name: str) -> bool:
+    """True when ``name`` is found on the path, without importing it (``find_spec`` imports the parents of a dotted
+    name; inside ``isolated_results`` only the top-level package is looked up here and the probe decides the rest)."""
+    if _isolated is not None and "." in name:
+        return _find(name.partition(".")[0]) and not _not_found(_results.get(name), name)
+    return _find(name)
 
 
 def _one_line(text: str) -> str:

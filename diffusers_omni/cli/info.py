@@ -23,12 +23,11 @@ from ..utils.versions import omni_version
 
 
 def kernel_modules() -> list[str]:
-    """The installed kernel packages the registered backends import: their ``packages`` and every FlashAttention
-    candidate (a package that is not installed needs no import to be found missing)."""
+    """The kernel packages the registered backends import: their ``packages`` and every FlashAttention candidate."""
     modules = [impl.module for impl in IMPLEMENTATIONS]
     for name in registered_backend_names():
         modules += [module for module, _ in get_backend_class(name).packages]
-    return [module for module in dict.fromkeys(modules) if package_installed(module)]
+    return list(dict.fromkeys(modules))
 
 
 def _availability(platform) -> dict:
@@ -50,11 +49,12 @@ def _isolated_availability(platform) -> tuple[dict, dict[str, str | None]]:
     """``_availability`` with every kernel import made in child interpreters (``attention.availability.probe``),
     never in this process, and the import results by module."""
     results: dict[str, str | None] = {}
-    wanted = set(kernel_modules())
     while True:
         # The first pass imports nothing and answers "imports" for every package: it only collects the ones asked
-        # for, so that one child interpreter imports them all; later passes answer from its results.
+        # for, so that one child interpreter imports them all; later passes answer from its results. Only installed
+        # packages are probed (one that is not installed needs no import to be found missing).
         with isolated_results(results) as unprobed:
+            wanted = {module for module in kernel_modules() if package_installed(module)}
             found = _availability(platform)
         missing = sorted((wanted | unprobed) - set(results))
         if not missing:
@@ -276,8 +276,9 @@ def format_info(info: dict) -> str:
 
 
 def run(args) -> int:
+    from ..utils.text import fit
     from .common import parse_platform
 
     info = collect_info(parse_platform(args.platform))
-    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    print(json.dumps(info, indent=2) if args.json else fit(format_info(info)))  # fit: the terminal's width
     return 0

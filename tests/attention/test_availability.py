@@ -130,3 +130,20 @@ def test_isolated_results_import_nothing_here(fakes):
         assert import_failure("omni_fake_abort") is None  # not probed yet: recorded, not imported
     assert unprobed == {"omni_fake_abort"}
     assert import_failure("omni_fake_raises") == f"ImportError: {LIBC10}"  # outside: the real, in-process check
+
+
+def test_isolated_dotted_names_are_not_found_by_importing_their_parent(fakes):
+    """find_spec('a.b') imports 'a': inside isolation only 'a' is looked up, the probe's result decides the rest."""
+    missing = {"omni_fake_abort.cute": "ModuleNotFoundError: No module named 'omni_fake_abort.cute'"}
+    with availability.isolated_results(missing):
+        assert package_reason("omni_fake_abort.cute", "x") == "package 'omni_fake_abort.cute' is not importable; " \
+                                                              "to install: x"
+    dependency = {"omni_fake_abort.cute": "ModuleNotFoundError: No module named 'cutlass'"}
+    with availability.isolated_results(dependency):
+        assert package_reason("omni_fake_abort.cute", "x") == ("package 'omni_fake_abort.cute' failed to import: "
+                                                               "ModuleNotFoundError: No module named 'cutlass'; to "
+                                                               "install: x")
+    with availability.isolated_results({}) as unprobed:
+        assert package_reason("omni_fake_abort.cute", "x") is None  # not probed yet: recorded, nothing imported
+        assert package_reason("omni_fake_nowhere.cute", "x").endswith("is not importable; to install: x")
+    assert unprobed == {"omni_fake_abort.cute"} and "omni_fake_abort" not in sys.modules

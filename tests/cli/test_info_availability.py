@@ -25,6 +25,8 @@ def broken_kernels(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.setattr(get_backend_class("SAGE_ATTN"), "packages", (("omni_fake_info_abort", "pip install a"),))
     monkeypatch.setattr(get_backend_class("FLASHINFER_ATTN"), "packages", (("omni_fake_info_raises", "pip install b"),))
+    # A dotted name: finding it (find_spec) imports its parent package, which must not happen in info's process.
+    monkeypatch.setattr(get_backend_class("SAGE_ATTN_3"), "packages", (("omni_fake_info_abort.sub", "pip install c"),))
     clear_import_cache()
     yield
     clear_import_cache()
@@ -40,6 +42,8 @@ def test_info_reports_import_errors_and_survives_a_crashing_import(broken_kernel
                             "SIGABRT)") and r.endswith("; to install: pip install a") for r in sage["reasons"])
     assert (f"package 'omni_fake_info_raises' failed to import: ImportError: {LIBC10}; to install: pip install b"
             in flashinfer["reasons"])
+    assert any(r.startswith("package 'omni_fake_info_abort.sub' failed to import: crashed the interpreter (killed by "
+                            "SIGABRT)") for r in backends["SAGE_ATTN_3"]["reasons"])
     assert backends["TORCH_SDPA"]["available"] is True
     # A simulated platform cannot launch kernels: import results only, and the output says so.
     check = info["availability_check"]
