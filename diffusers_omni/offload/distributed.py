@@ -363,6 +363,9 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
             ),
         )
 
+    def _inference_only(self, state: LayerwiseState, label: str) -> str:
+        return super()._inference_only(state, label).replace("() first", "() on every rank first")
+
     def _stage_install_step_check(self, state: LayerwiseState, journal: Journal) -> None:
         from .dataparallel import install_step_check
 
@@ -460,7 +463,8 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
             if not ring:
                 continue
             state.hooks.install(stack.owner,
-                                LockedCallbackHook(state.lock, stack.name, before=partial(streamer.enter_stack, ring)),
+                                LockedCallbackHook(state.lock, stack.name, before=partial(streamer.enter_stack, ring),
+                                                   inference_only=self._inference_only(state, stack.name)),
                                 LAYERWISE_ENTRY_HOOK)
             following = {id(b): ring[(i + 1) % len(ring)] if len(ring) > 1 else None for i, b in enumerate(ring)}
             for (_, module), block in zip(stack.blocks, row):
@@ -475,6 +479,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
 
     def _stage_install_guards(self, state: LayerwiseState, journal: Journal) -> None:
         OffloadBackend._stage_install_guards(self, state, journal)
+        self._refuse_pickling(state)
         pipeline = not isinstance(state.target, torch.nn.Module)
         way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
         message = (

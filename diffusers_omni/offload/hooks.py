@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,10 +38,10 @@ DIFFUSERS_OFFLOAD_HOOKS: frozenset[str] = frozenset(
 # Why a model cannot be pickled (or deep-copied) while offloaded: its tensors are views into shared host buffers or
 # empty placeholders, and its forward runs through hooks bound to this process's buffers, streams and locks.
 NO_PICKLE = (
-    "cannot pickle a model while diffusers-omni offload is enabled: its weights are views into host buffers the "
-    "offload owns (or empty placeholders between uses) and its forward runs through this process's offload hooks; "
-    "call pipe.disable_omni_offload() (backend.disable() for a bare model) first, pickle or copy, then enable the "
-    "offload again"
+    "cannot pickle (or deep-copy) a model while diffusers-omni offload is enabled: its offloaded weights are views "
+    "into host buffers of this process (streamed blocks hold empty placeholders between uses) and its forward runs "
+    "through this process's offload hooks; call pipe.disable_omni_offload() (backend.disable() for a bare model) "
+    "first, pickle or copy, then enable the offload again"
 )
 
 
@@ -49,6 +50,26 @@ class NotPicklable:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(NO_PICKLE)
+
+
+class _RefusePickling(NotPicklable):
+    """Installed as the instance attribute ``__getstate__`` of an offloaded pipeline and its components, which
+    ``pickle``, ``torch.save`` and ``copy.deepcopy`` call first: they raise ``TypeError(NO_PICKLE)`` at once instead
+    of failing deep inside on a hook's local function ("Can't pickle local object")."""
+
+    def __call__(self, *args: Any) -> Any:
+        raise TypeError(NO_PICKLE)
+
+
+def refuse_pickling(objects: list[Any], set_attribute: Callable[[Any, str, Any], None]) -> None:
+    """Make pickling (and deep-copying) each of ``objects`` raise ``TypeError(NO_PICKLE)``; ``set_attribute`` is
+    the backend's reversible ``Guards.set``, so ``disable`` makes them picklable again."""
+    refusal = _RefusePickling()
+    seen: set[int] = set()
+    for obj in objects:
+        if id(obj) not in seen and hasattr(obj, "__dict__"):
+            seen.add(id(obj))
+            set_attribute(obj, "__getstate__", refusal)
 
 
 class ConcurrentCallError(RuntimeError):
@@ -145,30 +166,66 @@ class CallbackHook(NotPicklable, ModelHook):
         return output
 
 
+class InferenceOnlyError(RuntimeError):
+    """A backward pass reached a forward that ran on streamed weights (freed, or overwritten, once each block
+    ends)."""
+
+
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _refuse_unpack(message: str, tensor: Any) -> Any:
+    raise InferenceOnlyError(message)
+
+
 class LockedCallbackHook(NotPicklable, ModelHook):
     """``CallbackHook`` whose callbacks and the module's forward run under ``lock`` (a ``ForwardLock``), taken
     before ``before()`` and released after ``after()``, or when either or the forward raises (``after()`` then does
-    not run, as with ``CallbackHook``). ``label`` names the module in ``ConcurrentCallError``."""
+    not run, as with ``CallbackHook``). ``label`` names the module in ``ConcurrentCallError``.
+
+    With ``inference_only`` (a message), a forward run with grad enabled saves its tensors for backward through
+    saved-tensor hooks whose unpacking raises ``InferenceOnlyError(inference_only)``: a backward through it would
+    read weights that were freed (a streamed block's device memory; Autograd said ``setStorage: ... storage of
+    size 0``) or overwritten (a gathered slot: silently wrong gradients). The forward itself is unchanged, and
+    under ``torch.no_grad()`` / ``inference_mode()`` (what pipelines use) nothing is saved.
+    """
 
     def __init__(self, lock: ForwardLock, label: str, before: Callable[[], None] | None = None,
-                 after: Callable[[], None] | None = None) -> None:
+                 after: Callable[[], None] | None = None, inference_only: str | None = None) -> None:
         super().__init__()
         self.lock = lock
         self.label = label
         self._before = before
         self._after = after
+        self._refuse = None if inference_only is None else partial(_refuse_unpack, inference_only)
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         self.lock.acquire(self.label)
         try:
             if self._before is not None:
                 self._before()
-            output = self.fn_ref.original_forward(*args, **kwargs)
+            if self._refuse is not None and torch.is_grad_enabled():
+                with torch.autograd.graph.saved_tensors_hooks(_keep, self._refuse):
+                    output = self.fn_ref.original_forward(*args, **kwargs)
+            else:
+                output = self.fn_ref.original_forward(*args, **kwargs)
             if self._after is not None:
                 self._after()
         finally:
             self.lock.release()
         return output
+
+
+def inference_only_message(strategy: str, label: str, way_out: str) -> str:
+    """The ``InferenceOnlyError`` text for a backward through ``label``'s forward under ``strategy`` offload."""
+    return (
+        f"backward through {label!r}: {strategy} offload is inference only; the forward ran on streamed weights, "
+        "which are freed (or reused for the next block) as soon as each block ends, so no gradient can be computed "
+        f"through it. Allowed: run the forward under torch.no_grad() or torch.inference_mode() (as pipelines do), "
+        f"or, to compute gradients (training, LoRA fitting, guidance by gradients), {way_out} first and keep the "
+        "model resident"
+    )
 
 
 def hook_names(module: nn.Module) -> tuple[str, ...]:

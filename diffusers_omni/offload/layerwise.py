@@ -49,7 +49,9 @@ from .hooks import (
     ForwardLock,
     InstalledHooks,
     LockedCallbackHook,
+    inference_only_message,
     refresh_registry_caches,
+    refuse_pickling,
 )
 from .memory import (
     HostMemory, PackedWeights, Transfers, placeholder, release_freed_device_memory, release_freed_host_memory,
@@ -546,7 +548,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
             return None
         clone = host_memory.needs_clone_on_release
         # Recorded first: a pack that fails part-way has already rebound some tensors.
-        journal.record(f"restore {weights.path}", lambda: weights.restore(clone=clone, to_original_device=True))
+        journal.record(f"restore {weights.path}", lambda: weights.undo_pack(clone))
         weights.pack(host_memory)
         if resident:
             _, views = weights.device_buffers(self.device)
@@ -585,6 +587,12 @@ class LayerwiseOffloadBackend(OffloadBackend):
         """The lock every DiT forward of this offload runs under (the window and its slots serve one call at a
         time: concurrent callers wait for their turn)."""
         return ForwardLock("layerwise offload")
+
+    def _inference_only(self, state: LayerwiseState, label: str) -> str:
+        """The error a backward through ``label``'s streamed forward raises (see ``LockedCallbackHook``)."""
+        pipeline = not isinstance(state.target, nn.Module)
+        way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
+        return inference_only_message(self.strategy.value, label, way_out)
 
     def _stage_install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         journal.record("remove hooks", state.hooks.remove_all)
@@ -635,7 +643,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
             state.hooks.install(
                 stack.owner,
                 LockedCallbackHook(state.lock, stack.name, before=partial(streamer.enter_stack, ring, first),
-                                   after=end_last),
+                                   after=end_last, inference_only=self._inference_only(state, stack.name)),
                 LAYERWISE_ENTRY_HOOK,
             )
         roots = [stack.owner for stack in state.stacks]
@@ -644,6 +652,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
     def _stage_install_guards(self, state: LayerwiseState, journal: Journal) -> None:
         super()._stage_install_guards(state, journal)
+        self._refuse_pickling(state)
         # state_dict() (save_pretrained, LoRA and PEFT helpers) reads streamed blocks from their host copies: their
         # own tensors are empty placeholders between uses. The block is bound to its host views for the duration of
         # its state_dict() (quantized weights included: wrapper subclasses are rebuilt around the host views,
@@ -657,6 +666,12 @@ class LayerwiseOffloadBackend(OffloadBackend):
                         for handle in (owner.register_state_dict_pre_hook(before),
                                        owner.register_state_dict_post_hook(after)):
                             self._guards.on_remove(handle.remove)
+
+    def _refuse_pickling(self, state: LayerwiseState) -> None:
+        """Pickling or deep-copying the pipeline or any of its components raises a clear ``TypeError`` while the
+        offload is enabled (see ``hooks.NO_PICKLE``)."""
+        objects = [state.target] + [c.module for c in state.topology.components] + [s.owner for s in state.stacks]
+        refuse_pickling(objects, self._guards.set)
 
     @staticmethod
     def _state_dict_hooks(weights: PackedWeights):

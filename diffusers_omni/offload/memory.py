@@ -161,9 +161,25 @@ class PackedWeights:
         objects (see ``TensorSet.park`` for ``final``)."""
         self.tensors.park(views, final)
 
+    def undo_pack(self, clone: bool) -> None:
+        """The rollback of ``pack`` when enabling fails: every tensor ``pack`` rebound goes back to its original
+        device (``restore``). A unit whose ``pack`` never rebound a tensor (its host allocation failed, say) still
+        holds its own data and is left alone."""
+        if self.rebound == 0:
+            self.host = {}
+            self.host_views = []
+            return
+        logger.info("offload: rolling back %s: %d of %d tensors had been packed; they are back where they were",
+                    self.path, self.rebound, len(self.slots))
+        self.restore(clone=clone, to_original_device=True)
+
     def restore(self, clone: bool, to_original_device: bool) -> None:
         """Rebind every tensor to its host view (a private copy of it with ``clone``); with ``to_original_device``
         move it back to the device it had before packing."""
+        if self.rebound == 0:  # nothing was packed (or it was restored already): the tensors hold their own data
+            self.host = {}
+            self.host_views = []
+            return
         views = []
         current = self.tensors.current()
         for index, (slot, view) in enumerate(zip(self.slots, self.host_views)):

@@ -40,6 +40,7 @@ from .hooks import (
     InstalledHooks,
     LockedCallbackHook,
     refresh_registry_caches,
+    refuse_pickling,
 )
 from .memory import HostMemory, PackedWeights, release_freed_host_memory
 from .tensors import move_tensors
@@ -153,6 +154,8 @@ class ModelLevelOffloadBackend(OffloadBackend):
         # Parked weights are host tensors; pipelines must still put these modules' inputs on the device: the base
         # class gives every component an OffloadSlotHint, an ExecutionDeviceHint (guards.py).
         super()._stage_install_guards(state, journal)
+        # Pickling or deep-copying the pipeline or a component raises a clear TypeError (see hooks.NO_PICKLE).
+        refuse_pickling([state.target] + [c.module for c in state.topology.components], self._guards.set)
 
     def _stage_discover(self, state: _State, journal: Journal) -> None:
         state.topology = discover_components(state.target, self.config.plan)
@@ -183,7 +186,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
             for exclusive in state.exclusives:
                 weights = exclusive.weights
                 # Recorded first: a pack that fails part-way has already rebound some tensors.
-                journal.record(f"restore {weights.path}", lambda w=weights: w.restore(clone=clone, to_original_device=True))
+                journal.record(f"restore {weights.path}", lambda w=weights: w.undo_pack(clone))
                 weights.pack(host_memory)
                 bar.update(weights.nbytes)
                 logger.info("model-level offload: %s packed on host (%s)", exclusive.component.label, format_bytes(weights.nbytes))
