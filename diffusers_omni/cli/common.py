@@ -190,8 +190,10 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False):
     With ``mmap``, every DiT the pipeline declares is loaded with ``load_transformer_mmap`` (weights stay views of
     the safetensors files, shared through the page cache, so ranks of a distributed run do not each hold a copy).
     """
-    from .. import testing
     from ..utils.quiet import quiet_torchvision_fallback
+
+    with quiet_torchvision_fallback():  # the tiny pipelines' module imports Diffusers' models (quantizer notices)
+        from .. import testing
 
     check_model(model)
     if mmap:

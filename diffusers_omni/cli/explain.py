@@ -50,7 +50,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 def run(args) -> int:
     import torch
 
-    from ..utils.text import table
+    from ..utils.text import fit, table
     from .common import TINY_MODELS, check_model, configure_logging, load_pipeline, parse_platform
 
     configure_logging(args.verbose)
@@ -63,23 +63,24 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"platform: {(platform or current_platform()).describe()}")
+    print(fit(f"platform: {(platform or current_platform()).describe()}"))
     summary = summarize(rows)
     print(table(summary, ["role", "category", "backend", "lossy", "source", "modules", "call"]))
     tables = sorted({row["routing_table"] for row in summary if row.get("routing_table")})
     for label in tables:
-        print(f"routing table: {label}")
+        print(fit(f"routing table: {label}"))
     for row in summary:
         if row.get("shape_routed"):
-            print(f"  {row['role']}: shape-routed to {', '.join(row['shape_routed'])} where the routing table ranks "
-                  f"them first for this platform; other shapes run {row['backend']}")
+            print(fit(f"  {row['role']}: shape-routed to {', '.join(row['shape_routed'])} where the routing table "
+                      f"ranks them first for this platform; other shapes run {row['backend']}"))
         for margin in row.get("margins", ()):
-            print(f"  {row['role']}: measured {margin}")
+            print(fit(f"  {row['role']}: measured {margin}"))
         if row.get("lossy"):
-            print(f"  {row['role']}: LOSSY — {row['backend']} approximates attention (quantised or block-sparse); "
-                  "compare it with an exact config on your model: diffusers-omni align --a TORCH_SDPA --b '<config>'")
+            print(fit(f"  {row['role']}: LOSSY — {row['backend']} approximates attention (quantised or "
+                      "block-sparse); compare it with an exact config on your model: "
+                      "diffusers-omni align --a TORCH_SDPA --b '<config>'"))
         for rejected in row["rejected"]:
-            print(f"  {row['role']}: skipped {rejected['backend']}: {'; '.join(rejected['reasons'])}")
+            print(fit(f"  {row['role']}: skipped {rejected['backend']}: {'; '.join(rejected['reasons'])}"))
     return 0
 
 

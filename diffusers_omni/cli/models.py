@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..models.base import declarations
 from ..pipelines.registry import omni_pipelines
+from ..utils.text import fit, output_width, table
 
 BEGIN = "<!-- BEGIN GENERATED: supported-models (python -m diffusers_omni.cli.models --write) -->"
 END = "<!-- END GENERATED: supported-models -->"
@@ -74,6 +75,57 @@ def supported_models_markdown() -> str:
     return "\n".join(lines)
 
 
+# The columns ``models`` prints on a terminal, most useful first: a narrow terminal shows the first ones that fit.
+TERMINAL_COLUMNS = ("architecture", "roles (category)", "Omni pipelines", "example checkpoint", "DiT class",
+                    "offload", "block attributes")
+
+
+def _terminal_rows() -> list[dict]:
+    rows = []
+    for row in supported_models():
+        offload = [name for name, key in (("model-level", "model_level_offload"), ("layerwise", "layerwise_offload"),
+                                          ("distributed", "distributed_layerwise_offload")) if row[key]]
+        rows.append({
+            "architecture": row["architecture"],
+            "roles (category)": "\n".join(row["roles"]),
+            "Omni pipelines": "\n".join(row["pipelines"]),
+            "example checkpoint": row["example_checkpoint"],
+            "DiT class": "\n".join(row["dit_classes"]),
+            "offload": "\n".join(offload) or "no",
+            "block attributes": "\n".join(row["blocks_attrs"]),
+        })
+    return rows
+
+
+def supported_models_table(width: int | None = None) -> str:
+    """The table ``diffusers-omni models`` prints on a terminal, one row per architecture.
+
+    ``width`` (default: the terminal's, ``None`` when not on a terminal: every column) decides how many of
+    ``TERMINAL_COLUMNS`` are shown: the first ones whose cells fit whole, at least the first two; the note under the
+    table names the columns left out and where to see them.
+    """
+    width = width if width is not None else output_width()
+    rows = _terminal_rows()
+    shown = len(TERMINAL_COLUMNS)
+    while width is not None and shown > 2:
+        text = table(rows, TERMINAL_COLUMNS[:shown], width=None, row_gap=True)
+        if max(len(line) for line in text.splitlines()) <= width:
+            break
+        shown -= 1
+    if "Omni pipelines" not in TERMINAL_COLUMNS[:shown]:
+        for row in rows:
+            count = len(row["Omni pipelines"].splitlines())
+            row["architecture"] += f"\n({count} Omni pipeline{'s' if count != 1 else ''})"
+    text = table(rows, TERMINAL_COLUMNS[:shown], width=width, row_gap=True)
+    notes = ["", "Not Diffusers 0.42 pipelines, so `omnify` cannot wrap them:"]
+    notes += [f"- {name}: {why}." for name, why in NOT_DIFFUSERS_PIPELINES.items()]
+    hidden = TERMINAL_COLUMNS[shown:]
+    if hidden:
+        notes += ["", f"Not shown at this width: {', '.join(hidden)}; a wider terminal shows them, and so do "
+                      "--markdown (the table in docs/user_guide/supported_models.md) and --json."]
+    return text + "\n" + fit("\n".join(notes), width)
+
+
 def embed(document: str) -> str:
     """``document`` with the text between the generated-table markers replaced by the current table."""
     start, end = document.find(BEGIN), document.find(END)
@@ -83,7 +135,12 @@ def embed(document: str) -> str:
 
 
 def run(args) -> int:
-    print(json.dumps(supported_models(), indent=2) if args.json else supported_models_markdown())
+    if args.json:
+        print(json.dumps(supported_models(), indent=2))
+    elif getattr(args, "markdown", False):
+        print(supported_models_markdown())
+    else:
+        print(supported_models_table())
     return 0
 
 

@@ -1,11 +1,23 @@
-"""Silence one known-harmless third-party message, only while our own imports trigger it.
+"""Silence known-harmless third-party messages, only while our own imports trigger them.
 
-Transformers 5 (``transformers.utils.import_utils``) logs "`CLIPImageProcessor` requires torchvision (not
-installed); falling back to `CLIPImageProcessorPil`" once per class the first time anything reads
-``transformers.CLIPImageProcessor``; Diffusers' pipeline modules import those names at module level (FLUX, Wan and
-others: for IP-Adapter image encoders we never use), so every command printed three such lines. The fallback is
-exactly what transformers would use, so nothing changes but the noise. Only that message is dropped, only on that
-logger and only inside the ``with`` block: every other warning still shows.
+Importing Diffusers' pipelines and models imports transformers' and Diffusers' quantizer integrations, and with them
+every quantization package that is installed (the test extra installs torchao, bitsandbytes and kernels). Each
+prints something once per process on stderr, none of it about anything the command does:
+
+- transformers (``transformers.utils.import_utils``): "`CLIPImageProcessor` requires torchvision (not installed);
+  falling back to `CLIPImageProcessorPil`", once per class Diffusers' pipeline modules name at import (for
+  IP-Adapter image encoders we never use); the fallback is exactly what transformers would use.
+- torchao (``torchao``): "Failed to load .../torchao/_C_*.so: ..." for its optional C++ kernels built for another
+  torch or CUDA (torchao falls back to its Python paths; nothing we run needs them).
+- torch (``torch.utils._pytree``): "<enum 'KernelPreference'> is an Enum subclass and is now natively supported by
+  torch.compile ... deprecated", torchao registering its enums the old way.
+- bitsandbytes (``bitsandbytes.backends.cpu.ops``): "Failed to load CPU gemm_4bit_forward from kernels-community:
+  ..." (it falls back to its own CPU kernel).
+- Diffusers (``diffusers.quantizers.torchao.torchao_quantizer``): "Unable to import `torchao` Tensor objects" (the
+  torchao release renamed classes Diffusers lists for ``torch.load``'s allow-list of torchao checkpoints).
+
+Only these messages are dropped, only on those loggers and only inside the ``with`` block: every other warning
+still shows, and the same messages show when the user's own code triggers them.
 """
 
 from __future__ import annotations
@@ -15,29 +27,48 @@ import logging
 import re
 from collections.abc import Iterator
 
-_LOGGER = "transformers.utils.import_utils"
-_FALLBACK = re.compile(r"^`\w+` requires torchvision \(not installed\); falling back to `\w+Pil`")
+# logger name → the messages dropped on it (matched with ``re.search`` against the formatted message).
+KNOWN_IMPORT_NOISE: dict[str, re.Pattern[str]] = {
+    "transformers.utils.import_utils": re.compile(
+        r"^`\w+` requires torchvision \(not installed\); falling back to `\w+Pil`"
+    ),
+    "torchao": re.compile(r"^Failed to load \S*torchao\S*\.so: "),
+    "torch.utils._pytree": re.compile(r"is an Enum subclass and is now natively supported by torch\.compile"),
+    "bitsandbytes.backends.cpu.ops": re.compile(r"^Failed to load CPU gemm_4bit_forward from kernels-community"),
+    "diffusers.quantizers.torchao.torchao_quantizer": re.compile(r"^Unable to import `torchao` Tensor objects"),
+}
 
 
-class _DropTorchvisionFallback(logging.Filter):
+class _DropKnownNoise(logging.Filter):
+    def __init__(self, pattern: re.Pattern[str]):
+        super().__init__()
+        self.pattern = pattern
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not _FALLBACK.match(record.getMessage())
+        return not self.pattern.search(record.getMessage())
 
 
 @contextlib.contextmanager
-def quiet_torchvision_fallback() -> Iterator[None]:
-    """Drop transformers' torchvision-fallback notice while Diffusers pipeline modules are imported.
+def quiet_third_party_imports() -> Iterator[None]:
+    """Drop the known import-time notices above while Diffusers pipeline and model modules are imported.
 
     Example:
     ```py
-    >>> with quiet_torchvision_fallback():
+    >>> with quiet_third_party_imports():
     ...     module = importlib.import_module("diffusers_omni.pipelines.flux")
     ```
     """
-    logger = logging.getLogger(_LOGGER)
-    drop = _DropTorchvisionFallback()
-    logger.addFilter(drop)
+    installed = []
+    for name, pattern in KNOWN_IMPORT_NOISE.items():
+        logger, drop = logging.getLogger(name), _DropKnownNoise(pattern)
+        logger.addFilter(drop)
+        installed.append((logger, drop))
     try:
         yield
     finally:
-        logger.removeFilter(drop)
+        for logger, drop in installed:
+            logger.removeFilter(drop)
+
+
+# The name its first callers use (it dropped only transformers' torchvision notice then).
+quiet_torchvision_fallback = quiet_third_party_imports

@@ -1,22 +1,104 @@
-"""Plain-text rendering shared by the CLI and the alignment reports."""
+"""Plain-text rendering shared by the CLI and the alignment reports, fitted to the terminal.
+
+On a terminal, output fits its width (``COLUMNS`` when set, as ``shutil.get_terminal_size`` reads it): table
+cells wrap inside their columns and long lines wrap under their own indent. Piped to a file or another program,
+nothing is wrapped: lines stay whole, as long as they need to be.
+"""
 
 from __future__ import annotations
 
 import io
-from typing import Sequence
+import shutil
+import sys
+import textwrap
+from typing import Sequence, TextIO
+
+# Narrower terminals still get lines this long: below it a table column cannot hold a backend name.
+MIN_WIDTH = 40
+# Continuation lines of a wrapped line are indented this much more than the line itself.
+HANG = "  "
 
 
-def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    """``rows`` restricted to ``columns`` as a plain-text table (rendered by ``rich``, no colour codes)."""
+def output_width(stream: TextIO | None = None) -> int | None:
+    """Columns output to ``stream`` (default ``sys.stdout``) must fit: the terminal's width when it is a terminal
+    (``COLUMNS`` wins when set; at least ``MIN_WIDTH``), ``None`` (no limit) when it is not."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        interactive = stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        interactive = False
+    if not interactive:
+        return None
+    return max(shutil.get_terminal_size().columns, MIN_WIDTH)
+
+
+# Spaces between two columns (rich's padding of one on each side, collapsed).
+GAP = 2
+
+
+def _column_widths(cells: Sequence[Sequence[str]], width: int) -> list[int] | None:
+    """Widths for columns of ``cells`` (header first) within ``width``: ``None`` when every column fits whole or when
+    even their longest words do not fit (then rich folds words). Otherwise each column gets its longest word and the
+    room left is shared in proportion to what each still needs, so that no word is split."""
+    longest = [max((len(line) for text in column for line in text.split("\n")), default=0) for column in cells]
+    shortest = [max((len(word) for text in column for word in text.split()), default=0) for column in cells]
+    room = width - GAP * (len(cells) - 1)
+    if sum(longest) <= room or sum(shortest) > room:
+        return None
+    spare, needs = room - sum(shortest), [high - low for high, low in zip(longest, shortest)]
+    widths = [low + spare * need // sum(needs) for low, need in zip(shortest, needs)]
+    for index in sorted(range(len(cells)), key=lambda i: widths[i] - longest[i])[: room - sum(widths)]:
+        widths[index] += 1  # what the rounding down left over, to the columns furthest from whole
+    return widths
+
+
+def table(rows: Sequence[dict], columns: Sequence[str], *, width: int | None = None, row_gap: bool = False) -> str:
+    """``rows`` restricted to ``columns`` as a plain-text table (rendered by ``rich``, no colour codes).
+
+    ``width``: the most columns a line may take (default ``output_width()``; ``None`` there: each column as wide as
+    its widest cell). Cells that do not fit wrap inside their column at spaces; a word is split only when the longest
+    words of all columns together do not fit. ``row_gap``: a blank line between rows (for cells of several lines).
+    """
     from rich import box
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for column in columns:
-        grid.add_column(column, overflow="fold")
-    for row in rows:
-        grid.add_row(*(str(row.get(c, "")) for c in columns))
+    cells = [[str(column)] + [str(row.get(column, "")) for row in rows] for column in columns]
+    width = width if width is not None else output_width()
+    widths = _column_widths(cells, width) if width is not None else None
+    grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True, show_lines=row_gap)
+    for index, column in enumerate(columns):
+        grid.add_column(column, overflow="fold", width=widths[index] if widths else None)
+    for row in zip(*(column[1:] for column in cells)):
+        # Text, not markup: a cell such as "per_role['cross']" is printed as it is.
+        grid.add_row(*(Text(value) for value in row))
+    if width is None:
+        width = Console(file=io.StringIO(), width=1_000_000).measure(grid).maximum
     buffer = io.StringIO()
-    Console(file=buffer, width=200, no_color=True, force_terminal=False).print(grid)
-    return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines() if line.strip())
+    Console(file=buffer, width=width, no_color=True, force_terminal=False).print(grid)
+    lines = [line.rstrip() for line in buffer.getvalue().splitlines()]
+    while lines and not lines[0]:
+        lines.pop(0)
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def fit(text: str, width: int | None = None) -> str:
+    """``text`` with each line longer than ``width`` (default ``output_width()``; ``None``: ``text`` unchanged)
+    wrapped at spaces; continuation lines keep the line's indent plus two spaces, so a ``- item`` continues under
+    its text. A word longer than the width is broken."""
+    width = width if width is not None else output_width()
+    if width is None:
+        return text
+    lines = []
+    for line in text.split("\n"):
+        if len(line) <= width:
+            lines.append(line)
+            continue
+        indent = line[: min(len(line) - len(line.lstrip()), width // 2)]
+        hang = indent + HANG if len(indent) + len(HANG) < width // 2 else indent
+        lines.extend(textwrap.wrap(line.strip(), width=width, initial_indent=indent, subsequent_indent=hang,
+                                   break_long_words=True, break_on_hyphens=False) or [""])
+    return "\n".join(lines)
