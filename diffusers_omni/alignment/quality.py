@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from ..installer import apply_attention_all, applied_attention_config, attention_report, remove_attention_all
 from ..models.base import declaration_for
-from .compare import STOCK, AlignmentSide, _tensors
+from ..utils.text import table
+from .compare import STOCK, AlignmentSide
 from .record import RecordedInputs, map_tensors
 
 DEFAULT_REFERENCE = "native"
@@ -200,6 +201,13 @@ class _Errors:
         if self.ref_sq > 0:
             return math.sqrt(self.diff_sq / self.ref_sq)
         return 0.0 if self.diff_sq == 0 else math.inf
+
+
+def _tensors(value: Any) -> tuple[torch.Tensor, ...]:
+    """Every tensor of a module's output (tuples, dicts, ``BaseOutput``), in order."""
+    found: list[torch.Tensor] = []
+    map_tensors(value.to_tuple() if hasattr(value, "to_tuple") else value, lambda t: found.append(t) or t)
+    return tuple(found)
 
 
 def _sites(dits: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, tuple[str, ...]]]:
@@ -511,8 +519,6 @@ class QualityReport:
         return path
 
     def table(self) -> str:
-        from ..utils.text import table
-
         summary = summarize_layers(self.layers)
         rows = [{"role": role, "modules": s["modules"], "rel_err max": f"{s['rel_err_max']:.2e}",
                  "rel_err mean": f"{s['rel_err_mean']:.2e}",
