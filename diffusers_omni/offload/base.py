@@ -178,6 +178,11 @@ class OffloadBackend(ABC):
         copies of the module's weights (else it only placed it on the device). Empty while disabled."""
         return list(self._members)
 
+    @property
+    def target(self) -> Any:
+        """The pipeline or model this backend is enabled on (``None`` while disabled)."""
+        return self._target
+
     def owner(self) -> str:
         """The object this backend was enabled on, for messages (``"OmniFluxPipeline at 0x7f…"``)."""
         return describe_owner(self)

@@ -162,7 +162,7 @@ def offload_backends(obj: Any) -> list[Any]:
 
 def describe_owner(backend: Any) -> str:
     """``"OmniFluxPipeline at 0x7f…"``: the object ``backend`` was enabled on."""
-    target = getattr(backend, "_target", None)
+    target = backend.target
     return f"{type(target).__name__} at {id(target):#x}"
 
 

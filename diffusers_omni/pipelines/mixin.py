@@ -355,7 +355,7 @@ class OmniPipelineMixin:
                 f"{type(self).__name__}'s; re-planning it is collective, so nothing was changed. Allowed: "
                 "disable_omni_offload() on every rank, then enable it on this pipeline on every rank"
             )
-        previous = active._target
+        previous = active.target
         logger.info("%s re-plans the %s offload enabled on %s for its own components", type(self).__name__,
                     active.strategy.value, active.owner())
         active.disable()
