@@ -8,7 +8,8 @@ neither lossy kernels (``lossy``: INT8 SageAttention) nor Hub kernels (``*_HUB``
 training/rollout parity) are ever a default.
 
     python -m benchmarks.derive_routing benchmarks/results/attention_h200.json \
-        --check benchmarks/results/attention_h200_routing_check.md
+        --check benchmarks/results/attention_h200_routing_check.md --fp8 benchmarks/results/hopper_fp8_sparse_h200.json \
+        --lossy benchmarks/results/tune_h200_kernel_only.json
 """
 
 from __future__ import annotations
@@ -76,6 +77,74 @@ def derive_fp8(results: list[dict], margin: float = FP8_MARGIN) -> dict:
     }
 
 
+def derive_sparse(results: list[dict]) -> dict:
+    """Block-sparse break-even per platform family and shape class from ``hopper_bench.py`` results: the kept share
+    of key blocks above which the block-sparse call is slower than the dense FA3 call of the same shape, from a
+    least-squares line of sparse time against kept share (cumulative-mass rows where measured: their selection
+    costs more; top-k rows otherwise). RAINFUSION_ATTN runs such calls dense."""
+    rules: dict = {}
+    for result in results:
+        family = result["platform"]["family"]
+        rows = result.get("sparse", {}).get("timings", [])
+        by_shape: dict = defaultdict(list)
+        for row in rows:
+            by_shape[row["shape"]].append(row)
+        for name, shape_rows in by_shape.items():
+            mass = [r for r in shape_rows if r.get("mass_threshold") is not None]
+            use = mass if len(mass) >= 2 else [r for r in shape_rows if r.get("mass_threshold") is None]
+            if len(use) < 2:
+                continue
+            xs = [r["kept_share"] for r in use]
+            ys = [r["sparse_ms"] for r in use]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            dense = use[0]["dense_fa3_ms"]
+            share = (dense - (my - slope * mx)) / slope if slope > 0 else 1.0
+            seq = use[0]["S"]
+            key = rule_key(seq, seq, use[0].get("D", 128), False)
+            rules.setdefault(family, {})[key] = {
+                "dense_above_kept_share": round(min(max(share, 0.0), 1.0), 3),
+                "from": f"{name}: {'cumulative-mass' if use is mass else 'top-k'} rows, dense FA3 {dense:.2f} ms",
+            }
+    return rules
+
+
+# tune_bench.py's lossy labels → the setting's key (``routing.lossy_key``).
+LOSSY_LABELS = {
+    "FP8 FLASH_ATTN": "FLASH_ATTN fp8_e4m3",
+    "SAGE_ATTN (INT8)": "SAGE_ATTN",
+    "RainFusion sparsity 0.5": "RAINFUSION_ATTN sparsity=0.5",
+    "RainFusion sparsity 0.8": "RAINFUSION_ATTN sparsity=0.8",
+    "RainFusion cumulative mass 0.9": "RAINFUSION_ATTN mass_threshold=0.9",
+}
+EXACT_LABEL = "FLASH_ATTN bf16 (exact)"
+
+
+def derive_lossy(results: list[dict], sources: list[str]) -> dict:
+    """Per lossy setting, what ``tune_bench.py --lossy`` measured on each model: the relative error of the whole
+    transformer output against Diffusers' native attention (and the exact FLASH_ATTN bf16 kernel's own, for scale),
+    and its step time against the fastest exact configuration. Read by the warning logged when a lossy backend is
+    enabled (``routing.measured_error``)."""
+    out: dict = defaultdict(list)
+    for result, source in zip(results, sources):
+        for model in result["models"].values():
+            lossy = model.get("lossy", {})
+            exact = lossy.get(EXACT_LABEL, {}).get("rel_err_vs_native")
+            for label, row in lossy.items():
+                key = row.get("lossy_key") or LOSSY_LABELS.get(label)
+                if key is None or "rel_err_vs_native" not in row:
+                    continue
+                out[key].append({
+                    "model": f"{model['label']}, random weights, {result['device']}",
+                    "rel_err": round(row["rel_err_vs_native"], 5),
+                    "exact_rel_err": round(exact, 5) if exact is not None else None,
+                    "step_s": round(row["step_s"], 4),
+                    "exact_step_s": round(row["exact_fastest_step_s"], 4),
+                    "source": source,
+                })
+    return dict(out)
+
+
 def distinct_exact(shape: dict) -> dict:
     """A shape's rows for distinct exact kernels: no lossy kernel, no Hub backend that fell back to FLASH_ATTN."""
     return {n: r for n, r in shape["results"].items()
@@ -124,12 +193,17 @@ def main() -> None:
     parser.add_argument("--tolerance", type=float, default=0.03)
     parser.add_argument("--out", default=str(TABLE_PATH))
     parser.add_argument("--check", default=None, help="also write a markdown routing check of the first results file")
-    parser.add_argument("--fp8", nargs="*", default=[], help="hopper_bench.py JSON results (FP8 rules)")
+    parser.add_argument("--lossy", nargs="*", default=[], help="tune_bench.py --lossy JSON results (lossy errors)")
+    parser.add_argument("--fp8", nargs="*", default=[],
+                        help="hopper_bench.py JSON results (FP8 rules and block-sparse break-evens)")
     args = parser.parse_args()
     table = derive([json.loads(Path(p).read_text()) for p in args.results], args.tolerance)
     if args.fp8:
         table["fp8_margin"] = FP8_MARGIN
         table["fp8"] = derive_fp8([json.loads(Path(p).read_text()) for p in args.fp8])
+        table["sparse"] = derive_sparse([json.loads(Path(p).read_text()) for p in args.fp8])
+    if args.lossy:
+        table["lossy"] = derive_lossy([json.loads(Path(p).read_text()) for p in args.lossy], args.lossy)
     Path(args.out).write_text(json.dumps(table, indent=2) + "\n")
     if args.check:
         Path(args.check).write_text(check(json.loads(Path(args.results[0]).read_text()), table))

@@ -166,6 +166,12 @@ class _cache_scope:
         clear_resolution_cache()
 
 
+LOSSY_KEYS = {"FP8 FLASH_ATTN": "FLASH_ATTN fp8_e4m3", "SAGE_ATTN (INT8)": "SAGE_ATTN",
+              "RainFusion sparsity 0.5": "RAINFUSION_ATTN sparsity=0.5",
+              "RainFusion sparsity 0.8": "RAINFUSION_ATTN sparsity=0.8",
+              "RainFusion cumulative mass 0.9": "RAINFUSION_ATTN mass_threshold=0.9"}
+
+
 def lossy_configs(name: str) -> dict:
     fp8 = {"default": {"backend": "FLASH_ATTN", "quant": {"dtype_qk": "fp8_e4m3", "dtype_vo": "fp8_e4m3"}}}
     configs = {"FLASH_ATTN bf16 (exact)": {"default": {"backend": "FLASH_ATTN"}}, "FP8 FLASH_ATTN": fp8,
@@ -214,7 +220,8 @@ def run_model(name: str, args, tuned_dir: str, shipped_dir: str) -> dict:
                     apply_attention(model, config)
                 out = forward(model, inputs).float()
                 seconds = statistics.median(step(model, inputs) for _ in range(args.rounds))
-                lossy[label] = {"rel_err_vs_native": rel_err(out, reference), "step_s": seconds,
+                lossy[label] = {"lossy_key": LOSSY_KEYS.get(label), "rel_err_vs_native": rel_err(out, reference),
+                                "step_s": seconds,
                                 "native_step_s": steps.get("Diffusers native"),
                                 "exact_fastest_step_s": steps[fastest]}
                 print(f"{name}: {label}: rel err {lossy[label]['rel_err_vs_native']:.4f}, {seconds:.4f} s", flush=True)

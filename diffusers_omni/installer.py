@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +27,8 @@ from .attention.model_state import remove_states
 from .attention.platform import Platform, current_platform
 from .attention.processors import MaskPolicy, RoleAttention, is_omni_processor
 from .attention.backends.flash import FlashAttentionBackend, load_kernels, usable_implementations
-from .attention.registry import get_backend_class, registered_backend_names
-from .attention.routing import ShapeRouter, active_table, load_table, rule_key
+from .attention.registry import get_backend_class, is_registered, registered_backend_names
+from .attention.routing import ShapeRouter, active_table, load_table, lossy_key, measured_error, rule_key
 from .attention.selector import (
     Resolution,
     check_per_role_keys,
@@ -34,7 +36,7 @@ from .attention.selector import (
     deterministic_requested,
     resolve,
 )
-from .attention.tuning import CallShape, build_table, measure, save_table
+from .attention.tuning import CallShape, build_table, measure, near_ties, save_table, use_tuned_table
 from .config.attention import AttentionConfig
 from .models.base import declaration_for, supported_transformers
 from .utils.modules import model_dtype
@@ -220,7 +222,33 @@ def apply_attention_all(models, config: Any = None, *, seen_roles=(), check_role
         return {id(model): _commit(model, config, processors, journal) for model, processors in staged}
 
     reports = _transaction(journal, steps)
+    _warn_lossy([entry for report in reports.values() for entry in report])
     return [[dict(entry) for entry in reports[id(model)]] for model in models]
+
+
+_warned_lossy: set[str] = set()
+
+
+def _warn_lossy(entries: list[dict]) -> None:
+    """One warning per lossy setting and process, naming the backend, the roles and its measured error."""
+    roles: dict[str, list[str]] = {}
+    notes: dict[str, tuple[str, str]] = {}
+    for entry in entries:
+        if entry.get("lossy") and entry.get("lossy_key"):
+            roles.setdefault(entry["lossy_key"], [])
+            if entry["role"] not in roles[entry["lossy_key"]]:
+                roles[entry["lossy_key"]].append(entry["role"])
+            notes[entry["lossy_key"]] = (entry["backend"], entry["measured_error"])
+    for key, role_names in roles.items():
+        if key in _warned_lossy:
+            continue
+        _warned_lossy.add(key)
+        backend, error = notes[key]
+        logger.warning(
+            "lossy attention: %s (%s) approximates attention for role(s) %s — %s. Compare it with an exact config "
+            "on your pipeline: diffusers-omni compare --candidate '<config>'",
+            key, backend, ", ".join(role_names), error,
+        )
 
 
 def _stage(model: nn.Module, declaration, plan, journal: _Journal) -> dict[str, tuple]:
@@ -343,16 +371,25 @@ def reapply_attention(model: nn.Module) -> list[dict]:
 
 def _report_entry(module: str, role, resolution: Resolution, backend=None) -> dict:
     lossy = bool(getattr(backend, "lossy", False)) if backend is not None else resolution.lossy
-    return {
+    # A tuned table made with allow_lossy may shape-route some calls to a lossy kernel.
+    lossy_routes = [n for n in resolution.shape_routed if get_backend_class(n).is_lossy(None)]
+    entry = {
         "module": module,
         "role": role.role,
         "category": role.category,
         "backend": resolution.backend,
         "shape_routed": list(resolution.shape_routed),
         "source": resolution.source,
-        "lossy": lossy,
+        "lossy": lossy or bool(lossy_routes),
         "quality": resolution.quality_note() if lossy else "exact",
     }
+    if lossy:
+        entry.update(lossy_key=lossy_key(resolution.backend, resolution.spec),
+                     measured_error=measured_error(resolution.backend, resolution.spec))
+    elif lossy_routes:
+        entry.update(quality=f"shape-routed to lossy {', '.join(lossy_routes)} (tuned with allow_lossy)",
+                     lossy_key=lossy_key(lossy_routes[0], None), measured_error=measured_error(lossy_routes[0], None))
+    return entry
 
 
 def remove_attention(model: nn.Module) -> bool:
@@ -497,7 +534,8 @@ def _tune_candidates(platform: Platform, allow_lossy: bool):
 
 
 def tune_attention(models, run, config: Any = None, *, allow_lossy: bool = False, warmup: int = 3,
-                   repeats: int = 7, progress=None) -> TuneResult:
+                   repeats: int = 7, verify_margin: float = 0.05, verify_rounds: int = 3,
+                   progress=None) -> TuneResult:
     """Measure every candidate attention backend at the calls ``models`` really make, on this GPU, and cache the
     routing table that ranks them (``attention.tuning``); ``auto`` uses it from then on, in this process and later
     ones, until a driver, CUDA, torch or kernel package version changes.
@@ -509,6 +547,10 @@ def tune_attention(models, run, config: Any = None, *, allow_lossy: bool = False
         allow_lossy (`bool`, defaults to `False`): also time lossy backends (SageAttention's INT8 kernels) and let
             the table route to them. Never on by default: a faster kernel that changes the image is not a tuning.
         warmup, repeats: calls per backend before timing, and timed rounds (interleaved across backends).
+        verify_margin (`float`, defaults to 0.05): where several backends time within this share of the fastest
+            kernel for a shape class, each is timed inside the model too (``run`` with that class routed to it,
+            ``verify_rounds`` interleaved rounds after one warm-up) and the fastest whole run decides: a kernel timed
+            alone does not see what it costs next to the model's other work. 0 skips this.
 
     The models end as they began: omni attention re-applied with its config when it was applied (now routed by the
     new table), removed again when it was not.
@@ -549,14 +591,70 @@ def tune_attention(models, run, config: Any = None, *, allow_lossy: bool = False
     except BaseException:
         _restore_after_tune(models, previous)
         raise
-    seconds = time.perf_counter() - started
     table = build_table(platform, timings, rule_key, allow_lossy=allow_lossy, shipped=load_table(),
-                        models=sorted({type(m).__name__ for m in models}), seconds=seconds)
+                        models=sorted({type(m).__name__ for m in models}), seconds=0.0)
+    try:
+        if verify_margin > 0:
+            _verify_in_model(models, run, config, table, platform, verify_margin, verify_rounds, progress)
+    except BaseException:
+        clear_resolution_cache()
+        _restore_after_tune(models, previous)
+        raise
+    seconds = time.perf_counter() - started
+    table["tune_seconds"] = round(seconds, 2)
     path = save_table(table)
     clear_resolution_cache()
     _restore_after_tune(models, previous)
     logger.info("tuned attention routing written to %s (%.1f s)", path, seconds)
     return TuneResult(str(path), active_table(platform), [e["shape"].describe() for e in shapes], seconds)
+
+
+def _timed_run(run) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        run()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _verify_in_model(models, run, config, table: dict, platform: Platform, margin: float, rounds: int,
+                     progress) -> None:
+    """Re-rank the near ties of every measured shape class by the whole ``run`` with that class routed to each of
+    them (the other classes as the table has them), in interleaved rounds. Updates ``table`` in place: the class's
+    ranking and ``worst_ratio`` become the in-model ones (its kernel times stay under ``kernel_worst_ratio``)."""
+    rules = table["families"][platform.family]
+    for key, rule in rules.items():
+        near = near_ties(rule, margin, lambda n: is_registered(n) and "[" not in n)
+        if len(near) < 2:
+            continue
+        samples: dict[str, list[float]] = {name: [] for name in near}
+        for round_index in range(rounds + 1):
+            for name in near:
+                trial = json.loads(json.dumps(table))
+                trial_rule = trial["families"][platform.family][key]
+                trial_rule["ranking"] = [name]  # this class goes to ``name`` alone
+                trial_rule["worst_ratio"] = {name: 1.0}
+                trial["tolerance"] = 0.0
+                with use_tuned_table(trial):
+                    clear_resolution_cache()
+                    apply_attention_all(models, config, check_roles=False)
+                    seconds = _timed_run(run)
+                if round_index:
+                    samples[name].append(seconds)
+        clear_resolution_cache()
+        medians = {name: statistics.median(values) for name, values in samples.items()}
+        fastest = min(medians.values())
+        rule["kernel_worst_ratio"] = dict(rule["worst_ratio"])
+        rule["in_model_seconds"] = {name: round(value, 6) for name, value in medians.items()}
+        in_model = sorted(near, key=medians.get)
+        rule["ranking"] = in_model + [n for n in rule["ranking"] if n not in near]
+        rule["worst_ratio"] = {**{n: round(fastest / medians[n], 4) for n in near},
+                               **{n: r for n, r in rule["worst_ratio"].items() if n not in near}}
+        if progress is not None:
+            progress(f"{key} in the model: " + ", ".join(f"{n} {medians[n]:.4f} s" for n in in_model))
 
 
 def _restore_after_tune(models, previous: dict) -> None:

@@ -9,7 +9,7 @@ Two checks:
 - **Isolated** (``diffusers-omni info``): ``probe(tasks)`` runs the imports, and on a real GPU one tiny attention call
   per backend, in a child interpreter, so a package whose import kills the interpreter (a segfault, ``os.abort()``)
   cannot take the caller down; the task that was running when the child died is reported with its exit signal and
-  the tail of its stderr, and the tasks after it run in a fresh child. ``isolated_results(results)`` makes the
+  the end of its output, and the tasks after it run in a fresh child. ``isolated_results(results)`` makes the
   selection-time check use those results instead of importing in this process.
 """
 
@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 
 # name -> None (imports) or "ExceptionType: message". Filled on first use, or from an isolated probe.
@@ -141,8 +142,6 @@ def task_key(task: list) -> str:
 
 
 def _run_task(task: list) -> str | None:
-    import torch
-
     if task[0] == "import":
         try:
             importlib.import_module(task[1])
@@ -150,6 +149,8 @@ def _run_task(task: list) -> str | None:
             return describe_exception(exc)
         return None
     if task[0] == "call":
+        import torch  # only here: an import task costs that import alone
+
         module_name, _, qualname = task[1].partition(":")
         backend_cls = importlib.import_module(module_name)
         for part in qualname.split("."):
@@ -172,9 +173,6 @@ def _run_task(task: list) -> str | None:
 
 def probe_child(results_path: str) -> None:
     request = json.loads(sys.stdin.read())
-    for module in request.get("preload", []):
-        with contextlib.suppress(Exception):
-            importlib.import_module(module)
     with open(results_path, "a", encoding="utf-8") as out:
         for task in request["tasks"]:
             out.write(json.dumps({"start": task}) + "\n")
@@ -186,7 +184,7 @@ def probe_child(results_path: str) -> None:
 
 def _death(returncode: int | None, stderr: str, timeout_s: float | None = None) -> str:
     if timeout_s is not None:
-        how = f"did not finish within {timeout_s:g} s"
+        how = f"did not finish within {timeout_s:g} s (stopped)"
     elif returncode is not None and returncode < 0:
         try:
             how = f"crashed the interpreter (killed by {signal.Signals(-returncode).name})"
@@ -195,7 +193,7 @@ def _death(returncode: int | None, stderr: str, timeout_s: float | None = None) 
     else:
         how = f"ended the interpreter (exit status {returncode})"
     tail = _one_line(stderr.strip()[-300:]) if stderr and stderr.strip() else ""
-    return f"{how}; stderr: {tail!r}" if tail else how
+    return f"{how}; its output ends: {tail!r}" if tail else how
 
 
 # The child loads this file alone (not the diffusers_omni package, so an import task costs only that import).
@@ -207,42 +205,58 @@ _CHILD = (
 )
 
 
-def probe(tasks: list[list], preload: tuple[str, ...] = (), timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, str | None]:
+def _read_results(path: str) -> tuple[dict[str, str | None], list | None]:
+    """The finished tasks in a child's results file, and the task it started and has not finished (or ``None``)."""
+    results, running = {}, None
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as lines:
+            for line in lines:
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by the child's death or still being written
+                if "start" in entry:
+                    running = entry["start"]
+                else:
+                    results[task_key(entry["done"])] = entry["error"]
+                    running = None
+    return results, running
+
+
+def probe(tasks: list[list], timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, str | None]:
     """Run ``tasks`` in child interpreters; ``{task key: None or the error}`` for every task (``task_key``).
 
-    A child that dies (signal, exit, timeout) fails the task it was running with how it died and its stderr's tail;
-    the tasks after it run in a new child. ``preload`` modules are imported (errors ignored) at the start of each
-    child, e.g. those that register the backends a call task builds.
+    A child that dies (signal, exit) or spends more than ``timeout_s`` on one task fails the task it was running
+    with how it died and the end of its output; the tasks after it run in a new child.
     """
     results: dict[str, str | None] = {}
     remaining = [list(t) for t in tasks]
     while remaining:
         with tempfile.TemporaryDirectory(prefix="omni-probe-") as folder:
             path = os.path.join(folder, "results.jsonl")
-            request = json.dumps({"tasks": remaining, "preload": list(preload)})
             command = [sys.executable, "-c", _CHILD.format(source=__file__, results=path)]
-            timed_out = None
-            try:
-                done = subprocess.run(command, input=request, capture_output=True, text=True, timeout=timeout_s)
-                returncode, stderr = done.returncode, done.stderr
-            except subprocess.TimeoutExpired as exc:
-                returncode, timed_out = None, timeout_s
-                stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-            running = None
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as lines:
-                    for line in lines:
-                        try:
-                            entry = json.loads(line)
-                        except json.JSONDecodeError:
-                            continue  # a line cut short by the child's death
-                        if "start" in entry:
-                            running = entry["start"]
-                        else:
-                            results[task_key(entry["done"])] = entry["error"]
-                            running = None
-        finished = [t for t in remaining if task_key(t) in results]
-        if running is None and len(finished) == len(remaining):
+            # Output to files, not pipes: a chatty import cannot fill a pipe and block the child.
+            with open(os.path.join(folder, "request.json"), "w+", encoding="utf-8") as request, \
+                    open(os.path.join(folder, "output.txt"), "w+", encoding="utf-8", errors="replace") as output:
+                request.write(json.dumps({"tasks": remaining}))
+                request.seek(0)
+                child = subprocess.Popen(command, stdin=request, stdout=output, stderr=subprocess.STDOUT)
+                timed_out, seen, since = None, None, time.monotonic()
+                while child.poll() is None:
+                    time.sleep(0.05)
+                    _, running = _read_results(path)
+                    if running != seen:
+                        seen, since = running, time.monotonic()
+                    elif time.monotonic() - since > timeout_s:
+                        child.kill()
+                        child.wait()
+                        timed_out = timeout_s
+                returncode = child.returncode
+                output.seek(0)
+                stderr = output.read()
+            found, running = _read_results(path)
+        results.update(found)
+        if running is None and all(task_key(t) in results for t in remaining):
             break
         culprit = running if running is not None else next(t for t in remaining if task_key(t) not in results)
         results[task_key(culprit)] = _death(returncode, stderr, timed_out)

@@ -717,6 +717,7 @@ class BlockSparseRunner:
         self._orders: dict[tuple, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.plan_count = 0
         self.host_syncs = 0  # host synchronisations of the selection (cumulative mass: one small read per call)
+        self.last_kept_share = 0.0
 
     def _order(self, layout: SparseLayout, device) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(query order [S] or ``None``, key order padded to key_pages·128 rows with repeats of real rows)."""
@@ -959,14 +960,21 @@ class BlockSparseRunner:
         return mask.view(groups, mb, layout.key_pages).to(call.qt.device)
 
     def __call__(self, query, key, value, layout: SparseLayout, sparsity: float | None = None, scale=None,
-                 return_mask: bool = False, *, mass_threshold: float | None = None):
+                 return_mask: bool = False, *, mass_threshold: float | None = None, dense_above: float | None = None):
         """Block-sparse attention on ``[B, S, H, D]`` inputs (equal head counts); returns ``[B, S, H, D]`` (and the
         ``[B·H, query_blocks, key_pages]`` block mask with ``return_mask``). ``sparsity`` selects the top-k blocks,
-        ``mass_threshold`` (instead) the cumulative-mass set (see ``BlockSparseSpec``)."""
+        ``mass_threshold`` (instead) the cumulative-mass set (see ``BlockSparseSpec``).
+
+        ``dense_above``: a cumulative-mass call whose kept count is above this share of the key blocks returns
+        ``None`` after its selection instead of attending (the caller runs dense attention: past the measured
+        break-even the sparse kernel is slower); ``self.last_kept_share`` holds the share of the last call."""
         if (sparsity is None) == (mass_threshold is None):
             raise ValueError("pass one of sparsity (top-k) and mass_threshold (cumulative mass)")
-        call = self.attend(self.select(self.prepare(query, key, value, layout, sparsity, scale,
-                                                    mass_threshold=mass_threshold)))
+        call = self.select(self.prepare(query, key, value, layout, sparsity, scale, mass_threshold=mass_threshold))
+        self.last_kept_share = (call.kept or 0) / max(layout.full_key_blocks, 1)
+        if dense_above is not None and mass_threshold is not None and self.last_kept_share > dense_above:
+            return None
+        call = self.attend(call)
         result = self.finish(call)
         if return_mask:
             return result, self.block_mask(call)

@@ -148,12 +148,50 @@ def route_margins(table: dict, family: str, head_dim: int | None, may_mask: bool
     return tuple(lines)
 
 
-def sparse_dense_above(family: str) -> float | None:
-    """Cumulative-mass block-sparse calls that keep more than this share of their key blocks are slower than dense
-    attention on ``family`` (the break-even the committed H200 measurement derived, ``sparse`` in the shipped table);
-    ``None`` where nothing was measured."""
-    rule = load_table().get("sparse", {}).get(family)
+def sparse_dense_above(family: str, q_len: int, kv_len: int, head_dim: int) -> float | None:
+    """Block-sparse calls of this shape class that keep more than this share of their key blocks are slower than
+    dense attention on ``family``: the break-even the committed measurement of sparse against dense kernel time
+    derived (``sparse`` in the shipped table, ``python -m benchmarks.derive_routing --sparse``); ``None`` where
+    nothing was measured."""
+    rule = load_table().get("sparse", {}).get(family, {}).get(rule_key(q_len, kv_len, head_dim, False))
     return rule.get("dense_above_kept_share") if rule else None
+
+
+def lossy_key(backend: str, spec) -> str:
+    """The name a lossy setting's measurements are filed under in the table's ``lossy`` section."""
+    if spec is not None and getattr(spec, "quant", None) is not None:
+        return f"{backend} {spec.quant.dtype_qk}"
+    sparse = getattr(spec, "block_sparse", None) if spec is not None else None
+    if sparse is not None:
+        if sparse.mass_threshold is not None:
+            return f"{backend} mass_threshold={sparse.mass_threshold}"
+        return f"{backend} sparsity={sparse.sparsity}"
+    return backend
+
+
+def measured_error(backend: str, spec) -> str:
+    """What the committed measurement says this lossy setting costs: the relative error of the whole transformer
+    output against Diffusers' native attention and the step time against the fastest exact configuration, per
+    measured model (``lossy`` in the shipped table, from ``benchmarks/results/tune_h200.json``); a sentence saying
+    that nothing was measured otherwise."""
+    entries = load_table().get("lossy", {}).get(lossy_key(backend, spec), [])
+    if not entries:
+        return (f"no committed measurement of {lossy_key(backend, spec)}; measure it on your pipeline with "
+                "`diffusers-omni compare`")
+    parts = []
+    for entry in entries:
+        speed = ""
+        if entry.get("step_s") and entry.get("exact_step_s"):
+            speed = f", step {entry['exact_step_s'] / entry['step_s']:.2f}× the fastest exact one"
+        exact = f" (exact FLASH_ATTN bf16: {entry['exact_rel_err']:.1%})" if entry.get("exact_rel_err") else ""
+        parts.append(f"{entry['rel_err']:.1%} relative error of the whole transformer output vs Diffusers' native "
+                     f"attention{exact}{speed} ({entry['model']})")
+    return "measured " + "; ".join(parts) + f" [{entries[0].get('source', 'committed run')}]"
+
+
+def sparse_rules(family: str) -> dict:
+    """Every measured break-even of ``family`` by shape class (for ``explain``)."""
+    return dict(load_table().get("sparse", {}).get(family, {}))
 
 
 class ShapeRouter:

@@ -15,6 +15,7 @@ allow it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -134,6 +135,28 @@ def forget_tuned_table() -> None:
     """Read the cache again on the next ``tuned_table`` call (after ``tune`` wrote one, or a version changed)."""
     global _tuned, _tuned_read
     _tuned, _tuned_read = None, False
+
+
+@contextlib.contextmanager
+def use_tuned_table(table: dict):
+    """Route by ``table`` as this machine's tuned table inside the block (tune's in-model verification)."""
+    global _tuned, _tuned_read
+    saved = (_tuned, _tuned_read)
+    _tuned, _tuned_read = table, True
+    try:
+        yield table
+    finally:
+        _tuned, _tuned_read = saved
+
+
+def near_ties(rule: dict, margin: float, routable: Callable[[str], bool]) -> list[str]:
+    """The backends of a rule within ``margin`` of its best kernel time (those worth timing inside the model)."""
+    ratios = rule.get("worst_ratio", {})
+    names = [n for n in rule.get("ranking", ()) if routable(n) and n in ratios]
+    if not names:
+        return []
+    best = ratios[names[0]]
+    return [n for n in names if ratios[n] >= (1 - margin) * best]
 
 
 # Measuring ------------------------------------------------------------------------------------------------------

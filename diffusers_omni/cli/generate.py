@@ -35,11 +35,13 @@ def run(args) -> int:
     if args.output is not None:
         check_writable(Path(args.output))
     _check_flag_combinations(args)
-    if args.image is not None and not Path(args.image).is_file():
-        raise UsageError(f"--image={args.image!r}: no such file")
+    if args.image is not None:
+        _check_image(args.image)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = _dtype(args, device)
+    # Everything that can be checked without weights is checked before any are loaded.
+    preflight(args, device, dtype)
     rank, world_size, own_group = _setup_distributed(offload)
     say = print if rank == 0 else (lambda *a, **k: None)
     try:
@@ -68,7 +70,7 @@ def run(args) -> int:
         enabled = time.perf_counter()
         backends = summarize(pipe.omni_attention_report())
         if not args.json:
-            say(table(backends, ["role", "category", "backend", "source", "modules"]))
+            say(table(backends, ["role", "category", "backend", "lossy", "source", "modules"]))
 
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -142,6 +144,282 @@ def _check_flag_combinations(args) -> None:
                              f"{', '.join(_IMAGE_SUFFIXES + _VIDEO_SUFFIXES)}")
 
 
+# Refuse before work: the arguments checked against the pipeline before any weights load -------------------------
+
+_GiB = 2**30
+# Per denoising step, the schedule holds at once the pipeline's float64 sigmas (8 bytes) and the scheduler's
+# timesteps and sigmas (FlowMatch's ``set_timesteps`` peaked at ~20 bytes a step, measured; 16 counted): a lower
+# bound, so a refusal is certain to be right.
+_SCHEDULE_BYTES_PER_STEP = 24
+
+
+class _Skeleton:
+    """What a pipeline is, without its weights: the Omni class, and (when it can be built) the Diffusers pipeline
+    object around its VAE and DiT made on the meta device from their configs (no storage), the rest ``None``."""
+
+    def __init__(self, omni_cls: type, pipe: Any = None, dit: Any = None, vae_config: dict | None = None) -> None:
+        self.omni_cls, self.pipe, self.dit, self.vae_config = omni_cls, pipe, dit, vae_config or {}
+
+
+def _tiny_factories(model: str):
+    """(Diffusers pipeline class, VAE factory, DiT factory taking the VAE) of a tiny model: the factories
+    ``testing`` builds it with."""
+    from ..testing import tiny
+
+    if model == "tiny-flux":
+        return tiny.FluxPipeline, tiny._flux_vae, tiny._flux_transformer
+    if model == "tiny-wan":
+        return tiny.WanPipeline, tiny._wan_vae, lambda vae: tiny._wan_transformer(tiny._WAN_LATENT_CHANNELS)
+    return (tiny.WanImageToVideoPipeline, tiny._wan_vae,
+            lambda vae: tiny._wan_transformer(2 * tiny._WAN_LATENT_CHANNELS + 4, image_dim=tiny._CLIP_VISION_DIM))
+
+
+def _read_config(model: str, name: str) -> dict | None:
+    """A config file of a local pipeline directory, or of a hub repository (that one file is downloaded)."""
+    root = Path(model).expanduser()
+    try:
+        if root.is_dir():
+            path = root / name
+            return json.loads(path.read_text()) if path.is_file() else None
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(model, name)).read_text())
+    except Exception:  # offline, no such file or repository, unreadable JSON: the load reports it
+        return None
+
+
+def _meta_module(entry: Any, config: dict | None):
+    """A component built on the meta device from its ``model_index.json`` entry and config (no storage)."""
+    import importlib
+
+    import torch
+
+    if config is None or not isinstance(entry, (list, tuple)) or entry[1] is None:
+        return None
+    cls = getattr(importlib.import_module(entry[0]), entry[1])
+    with torch.device("meta"):
+        return cls.from_config(config)
+
+
+def _build_skeleton(pipeline_cls: type, components: dict[str, Any]):
+    """The pipeline object around the given components (every other one ``None``), or ``None`` when its
+    ``__init__`` needs more than that."""
+    parameters = inspect.signature(pipeline_cls.__init__).parameters
+    kwargs = {name: components.get(name) for name, p in parameters.items()
+              if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+              and (name in components or p.default is inspect.Parameter.empty)}
+    try:
+        return pipeline_cls(**kwargs)
+    except Exception:
+        return None
+
+
+def skeleton(model: str) -> _Skeleton | None:
+    """The pipeline ``model`` names, from configs only: a tiny model's factories, a local directory's
+    ``model_index.json`` and component configs, or those files of a hub repository. ``None`` when they cannot be
+    read (the load then reports why); a pipeline diffusers-omni does not support is refused here (``TypeError``)."""
+    import logging
+
+    from diffusers.utils import logging as diffusers_logging
+
+    from ..utils.quiet import quiet_torchvision_fallback
+    from .common import check_model
+
+    check_model(model)
+    previous = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity(logging.ERROR)
+    try:
+        with quiet_torchvision_fallback():
+            return _tiny_skeleton(model) if model in TINY_MODELS else _config_skeleton(model)
+    finally:
+        diffusers_logging.set_verbosity(previous)
+
+
+def _tiny_skeleton(model: str) -> _Skeleton:
+    import torch
+
+    from ..pipelines.registry import omni_pipeline_class
+
+    pipeline_cls, vae_factory, dit_factory = _tiny_factories(model)
+    omni_cls = omni_pipeline_class(pipeline_cls)
+    with torch.device("meta"):
+        vae = vae_factory()
+        dit = dit_factory(vae)
+    pipe = _build_skeleton(pipeline_cls, {"vae": vae, omni_cls._dit_modules[0]: dit})
+    return _Skeleton(omni_cls, pipe, dit, dict(vae.config))
+
+
+def _config_skeleton(model: str) -> _Skeleton | None:
+    import diffusers
+
+    from ..pipelines.registry import omni_pipeline_class
+
+    index = _read_config(model, "model_index.json")
+    if index is None or "_class_name" not in index:
+        return None
+    pipeline_cls = getattr(diffusers, index["_class_name"], None)
+    if pipeline_cls is None:
+        return None
+    omni_cls = omni_pipeline_class(pipeline_cls)
+    dit_name = next((n for n in omni_cls._dit_modules if isinstance(index.get(n), (list, tuple))
+                     and index[n][1] is not None), None)
+    vae_config = _read_config(model, "vae/config.json") if "vae" in index else None
+    dit_config = _read_config(model, f"{dit_name}/config.json") if dit_name else None
+    try:
+        vae = _meta_module(index.get("vae"), vae_config)
+        dit = _meta_module(index.get(dit_name), dit_config) if dit_name else None
+    except Exception:  # a component class this diffusers does not have: the load reports it
+        return _Skeleton(omni_cls, vae_config=vae_config)
+    pipe = None
+    if vae is not None and dit is not None:
+        pipe = _build_skeleton(pipeline_cls, {"vae": vae, dit_name: dit})
+    return _Skeleton(omni_cls, pipe, dit, vae_config)
+
+
+def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
+    """Refuse, before any weights load, every argument the pipeline's configs already rule out: the output type
+    (image or video, an installed mp4 encoder), flags the pipeline takes no value for, height/width against its
+    multiple and the DiT's position table, frames against the VAE's temporal multiple, and sizes and steps whose
+    smallest allocation cannot fit in the memory of the machine."""
+    _check_steps(args.steps)
+    plan = skeleton(args.model)
+    if plan is None:
+        return None
+    name = plan.omni_cls.__name__
+    takes = inspect.signature(plan.omni_cls.__call__).parameters
+    video = "num_frames" in takes
+    if args.output is not None:
+        _output_path(args, video=video)
+    for flag, parameter, value in (("--negative-prompt", "negative_prompt", args.negative_prompt),
+                                   ("--guidance-scale", "guidance_scale", args.guidance_scale),
+                                   ("--frames", "num_frames", args.frames), ("--image", "image", args.image)):
+        if value is not None and parameter not in takes:
+            raise UsageError(f"{flag}={value!r}: {name} takes no {parameter}")
+    frames = args.frames if args.frames is not None else (5 if args.model in TINY_MODELS else None)
+    frames = frames if video else 1
+    if plan.pipe is not None:
+        multiple, why = _spatial_multiple(plan.pipe, plan.dit)
+        for flag, value in (("--height", args.height), ("--width", args.width)):
+            if value % multiple:
+                raise UsageError(f"{flag}={value}: {name} needs a multiple of {multiple} ({why}); e.g. "
+                                 f"{max(multiple, value // multiple * multiple)}")
+        temporal = _temporal_multiple(plan.pipe) if video else None
+        if frames is not None and temporal and (frames - 1) % temporal:
+            raise UsageError(f"--frames={frames}: {name} needs 1 + a multiple of {temporal} frames (e.g. "
+                             f"{(frames - 1) // temporal * temporal + 1})")
+        _check_positions(args, plan, name, multiple, frames, temporal)
+    _check_memory(args, plan, device, dtype, frames or 1)
+    return plan
+
+
+def _check_positions(args, plan: _Skeleton, name: str, multiple: int, frames: int | None,
+                     temporal: int | None) -> None:
+    """A DiT with a fixed rotary table (Wan's ``rope_max_seq_len``) cannot place more latent patches along an axis
+    than the table has rows."""
+    limit = getattr(plan.dit.config, "rope_max_seq_len", None) if plan.dit is not None else None
+    if not isinstance(limit, int):
+        return
+    for flag, value in (("--height", args.height), ("--width", args.width)):
+        if value // multiple > limit:
+            raise UsageError(f"{flag}={value}: {name}'s transformer places at most {limit} patches along an axis "
+                             f"(rope_max_seq_len in its config), i.e. at most {limit * multiple} pixels "
+                             f"({value // multiple} patches asked)")
+    if frames and temporal:
+        patch = getattr(plan.dit.config, "patch_size", None) or (1,)
+        patch_t = patch[0] if isinstance(patch, (tuple, list)) else 1
+        latent = ((frames - 1) // temporal + 1) // patch_t
+        if latent > limit:
+            raise UsageError(f"--frames={frames}: {name}'s transformer places at most {limit} latent frames "
+                             f"(rope_max_seq_len in its config), i.e. at most {(limit * patch_t - 1) * temporal + 1} "
+                             "frames")
+
+
+def host_memory_bytes() -> int | None:
+    """Physical memory of this machine (``None`` where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def device_memory_bytes(device: str) -> tuple[int | None, str]:
+    """Total memory of ``device`` and how to name it (CPU and MPS share the host's)."""
+    import torch
+
+    dev = torch.device(device)
+    backend = getattr(torch, dev.type, None) if dev.type in ("cuda", "xpu", "npu") else None
+    if backend is not None and backend.is_available():
+        index = dev.index if dev.index is not None else backend.current_device()
+        return backend.get_device_properties(index).total_memory, f"{dev.type}:{index}"
+    return host_memory_bytes(), f"{dev.type} (host memory)"
+
+
+def _check_steps(steps: int) -> None:
+    total = host_memory_bytes()
+    if total is not None and steps * _SCHEDULE_BYTES_PER_STEP > total:
+        raise UsageError(f"--steps={steps}: the denoising schedule alone keeps at least {_SCHEDULE_BYTES_PER_STEP} bytes a step "
+                         f"(its sigmas and timesteps), {steps * _SCHEDULE_BYTES_PER_STEP / _GiB:.1f} GiB, more than this "
+                         f"machine's {total / _GiB:.1f} GiB; at most {total // _SCHEDULE_BYTES_PER_STEP:,}")
+
+
+def _decoder_channels(vae_config: dict) -> int:
+    """Channels of the VAE decoder's last, full-resolution stage (3, the image itself, when the config does not
+    say)."""
+    if vae_config.get("block_out_channels"):
+        return int(vae_config["block_out_channels"][0])
+    if vae_config.get("base_dim"):
+        return int(vae_config["base_dim"]) * int((vae_config.get("dim_mult") or [1])[0])
+    return 3
+
+
+def _check_memory(args, plan: _Skeleton, device: str, dtype: Any, frames: int) -> None:
+    """Sizes whose smallest allocation cannot fit: one frame through the VAE decoder's full-resolution stage on the
+    device (offloading moves DiT weights, not the decoder's activations), and the decoded frames as float32 on the
+    host (the pipeline's post-processing). Lower bounds: a refusal is certain, a pass is not a promise."""
+    import torch
+
+    pixels = args.height * args.width
+    element = (dtype if dtype is not None else torch.float32).itemsize
+    channels = _decoder_channels(plan.vae_config)
+    need = channels * pixels * element
+    total, where = device_memory_bytes(device)
+    size = f"--height={args.height} --width={args.width}"
+    if total is not None and need > total:
+        raise UsageError(f"{size}: decoding one frame needs at least {need / _GiB:.1f} GiB on {where} (the VAE "
+                         f"decoder's last stage: {channels} channels × {args.height} × {args.width} × {element} bytes), "
+                         f"more than its {total / _GiB:.1f} GiB")
+    host = host_memory_bytes()
+    need = 3 * pixels * frames * 4
+    if host is not None and need > host:
+        frames_text = f" × {frames} frames" if frames > 1 else ""
+        raise UsageError(f"{size}{f' --frames={frames}' if frames > 1 else ''}: the decoded output needs at least "
+                         f"{need / _GiB:.1f} GiB of host memory (3 channels × {args.height} × {args.width}"
+                         f"{frames_text} × 4 bytes, float32), more than this machine's {host / _GiB:.1f} GiB")
+
+
+def _check_image(path: str) -> None:
+    """``--image`` names a file PIL can read as an image."""
+    if not Path(path).is_file():
+        raise UsageError(f"--image={path!r}: no such file")
+    _open_image(path, verify=True)
+
+
+def _open_image(path: str, verify: bool = False):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            if verify:
+                image.verify()
+                return None
+            return image.convert("RGB")
+    except UnidentifiedImageError:
+        raise UsageError(f"--image={path!r}: not an image (PIL cannot identify the file's format); give a .png, "
+                         ".jpg or .webp") from None
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise UsageError(f"--image={path!r}: cannot be read as an image ({exc})") from None
+
+
 def _dtype(args, device: str):
     import torch
 
@@ -156,12 +434,11 @@ def _accepts(pipe, name: str) -> bool:
     return name in inspect.signature(type(pipe).__call__).parameters
 
 
-def _spatial_multiple(pipe) -> tuple[int, str]:
+def _spatial_multiple(pipe, dit) -> tuple[int, str]:
     """The multiple height and width must be, and how it comes about (VAE downscale × DiT patch)."""
     spatial = next((getattr(pipe, a) for a in ("vae_scale_factor_spatial", "vae_spatial_compression_ratio",
                                                "vae_scale_factor") if isinstance(getattr(pipe, a, None), int)), 8)
     patch: Any = 1
-    dit = next(iter(pipe.omni_dits().values()), None)
     if dit is not None:
         patch = getattr(dit.config, "patch_size", None) or 1
         patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
@@ -182,7 +459,7 @@ def _call_kwargs(args, pipe, rank: int, world_size: int) -> dict:
     import torch
 
     name = type(pipe).__name__
-    multiple, why = _spatial_multiple(pipe)
+    multiple, why = _spatial_multiple(pipe, next(iter(pipe.omni_dits().values()), None))
     for flag, value in (("--height", args.height), ("--width", args.width)):
         if value % multiple:
             raise UsageError(f"{flag}={value}: {name} needs a multiple of {multiple} ({why}); e.g. "
@@ -217,7 +494,7 @@ def _call_kwargs(args, pipe, rank: int, world_size: int) -> dict:
     if _accepts(pipe, "image") and ("ImageToVideo" in name or args.image is not None):
         from PIL import Image
 
-        kwargs["image"] = (Image.open(args.image).convert("RGB") if args.image
+        kwargs["image"] = (_open_image(args.image) if args.image
                            else Image.new("RGB", (args.width, args.height), "gray"))
     if _accepts(pipe, "output_type"):
         kwargs["output_type"] = "pil"

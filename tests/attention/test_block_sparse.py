@@ -593,3 +593,16 @@ def test_ascend_rf_v2_refuses_cumulative_mass():
     with use_platform(Platform("npu", "Ascend")), pytest.raises(ValueError, match="mass_threshold=0.9 is not supported "
                                                                 "by MindIE-SD rf_v2"):
         RainFusionBackend(AttentionSpec("RAINFUSION_ATTN", block_sparse={"mass_threshold": 0.9}))
+
+
+def test_cumulative_mass_above_the_break_even_returns_none_for_a_dense_run():
+    """``dense_above``: a cumulative-mass call keeping more than that share of the key blocks attends nothing (the
+    caller runs dense: past the measured break-even block-sparse is slower); below it, the call runs sparse."""
+    q, k, v = _structured(s=40 * 128, h=1, d=8, strength=0.0)  # near-uniform attention: most blocks are needed
+    layout = bs.SparseLayout(q.shape[1])
+    runner = _runner()
+    assert runner(q, k, v, layout, mass_threshold=0.95, dense_above=0.5) is None
+    assert runner.last_kept_share > 0.5
+    out = runner(q, k, v, layout, mass_threshold=0.95, dense_above=1.0)
+    assert out is not None and out.shape == q.shape
+    assert runner(q, k, v, layout, 0.5, dense_above=0.1) is not None  # top-k shares are decided by the backend

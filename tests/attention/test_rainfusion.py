@@ -174,3 +174,19 @@ def test_zero_sparsity_is_dense():
     backend = RainFusionBackend(AttentionSpec("RAINFUSION_ATTN", block_sparse={"sparsity": 0.0}))
     q = torch.randn(1, 4, 1, 8)
     assert backend.why_dense(q, q) == "block_sparse.sparsity is 0"
+
+
+def test_top_k_above_the_measured_break_even_runs_dense(monkeypatch):
+    """A block-sparse setting that keeps more key blocks than the measured break-even (``sparse`` in the routing
+    table) runs dense for that call, saying why."""
+    from diffusers_omni.attention import routing
+
+    backend = RainFusionBackend(AttentionSpec("RAINFUSION_ATTN", block_sparse={"sparsity": 0.1}))
+    q = torch.randn(1, 64 * BLOCK, 1, 8)
+    monkeypatch.setattr(rainfusion, "sparse_dense_above", lambda family, q_len, kv_len, d: 0.755)
+    reason = backend.why_dense_cuda(q, q)
+    assert reason is not None and "above the measured break-even 76%" in reason and "keeps 91%" in reason
+    monkeypatch.setattr(rainfusion, "sparse_dense_above", lambda family, q_len, kv_len, d: None)
+    assert backend.why_dense_cuda(q, q) is None
+    # The committed table carries the Hopper break-even of Wan's 480p/81f self-attention class.
+    assert routing.sparse_dense_above("hopper", 32760, 32760, 128) == pytest.approx(0.755, abs=0.01)

@@ -35,7 +35,14 @@ def test_committed_table_is_derived_from_committed_results():
     derived = module.derive([results])
     derived["fp8_margin"] = module.FP8_MARGIN
     derived["fp8"] = module.derive_fp8([hopper])
+    derived["sparse"] = module.derive_sparse([hopper])
+    lossy_source = "benchmarks/results/tune_h200_kernel_only.json"
+    derived["lossy"] = module.derive_lossy([json.loads((ROOT / lossy_source).read_text())], [lossy_source])
     assert derived == load_table()
+    # Block-sparse break-even: Wan's 480p/81f self-attention class from its cumulative-mass rows.
+    assert 0.7 < derived["sparse"]["hopper"]["q2/kv2/d128/dense"]["dense_above_kept_share"] < 0.8
+    # Every lossy setting the warning can name has at least one measured model.
+    assert {"FLASH_ATTN fp8_e4m3", "SAGE_ATTN", "RAINFUSION_ATTN sparsity=0.8"} <= set(derived["lossy"])
     # FP8 only where the whole FP8 call won at every measured shape of the class: long self-attention, never
     # short sequences or short KV.
     assert {key for key, rule in derived["fp8"]["hopper"].items() if rule["fp8"]} == {

@@ -221,7 +221,7 @@ def test_routing_table_naming_an_unregistered_backend_is_skipped(monkeypatch):
         "q1/kv1/d128/dense": {"ranking": ["GONE_ATTN", "FLASH_ATTN", "TORCH_SDPA"],
                               "worst_ratio": {"GONE_ATTN": 1.0, "FLASH_ATTN": 0.9, "TORCH_SDPA": 0.5}},
     }}}
-    monkeypatch.setattr(selector, "load_table", lambda: table)
+    monkeypatch.setattr(selector, "active_table", lambda platform=None: table)
     resolution = resolve(None, "flux.joint", "self", cuda_call(), HOPPER)
     assert (resolution.backend, resolution.shape_routed) == ("TORCH_SDPA", ("FLASH_ATTN",))
 

@@ -43,6 +43,8 @@ from ..rainfusion_plan import (
     plan_geometry,
     video_order,
 )
+from ..platform import current_platform
+from ..routing import sparse_dense_above, sparse_rules
 from .base import AttentionBackend, package_importable
 from .sdpa import TorchSDPABackend
 
@@ -256,7 +258,18 @@ class RainFusionBackend(AttentionBackend):
         layout = self.layout_for(q_len)
         if not mass and kept_blocks(layout, self.block_sparse.sparsity) >= layout.full_key_blocks:
             return f"block_sparse.sparsity={self.block_sparse.sparsity} keeps every key block at {q_len} rows"
+        limit = self.dense_above(query)
+        if not mass and limit is not None:
+            share = kept_blocks(layout, self.block_sparse.sparsity) / layout.full_key_blocks
+            if share > limit:
+                return (f"block_sparse.sparsity={self.block_sparse.sparsity} keeps {share:.0%} of the key blocks, above "
+                        f"the measured break-even {limit:.0%} where block-sparse is slower than dense")
         return None
+
+    @staticmethod
+    def dense_above(query: torch.Tensor) -> float | None:
+        """The kept share above which a call of this shape runs dense (measured break-even; ``None``: unmeasured)."""
+        return sparse_dense_above(current_platform().family, query.shape[1], query.shape[1], query.shape[-1])
 
     def _log_once(self, kind: str, message: str, *args) -> None:
         if kind not in self._logged:
@@ -280,7 +293,16 @@ class RainFusionBackend(AttentionBackend):
             self._log_once(("sparse", layout.source), "RAINFUSION_ATTN (%s): block-sparse on CUDA, %s layout, each "
                            "query block keeps the key blocks holding %s of its pooled attention mass (of %d)",
                            self.site_name, layout.source, spec.mass_threshold, layout.full_key_blocks)
-            return self.runner(query, key, value, layout, scale=scale, mass_threshold=spec.mass_threshold)
+            limit = self.dense_above(query)
+            out = self.runner(query, key, value, layout, scale=scale, mass_threshold=spec.mass_threshold,
+                              dense_above=limit)
+            if out is None:
+                self._log_once(("mass-dense", layout.source), "RAINFUSION_ATTN (%s): dense for this call — "
+                               "cumulative mass %s keeps %.0f%% of the key blocks, above the measured break-even "
+                               "%.0f%% where block-sparse is slower than dense (logged once)", self.site_name,
+                               spec.mass_threshold, 100 * self.runner.last_kept_share, 100 * limit)
+                return self.dense(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            return out
         self._log_once(("sparse", layout.source), "RAINFUSION_ATTN (%s): block-sparse on CUDA, %s layout, %d of %d "
                        "key blocks kept per query block (a partial tail block counts as one)", self.site_name,
                        layout.source, kept_pages(layout, spec.sparsity), layout.key_pages)
