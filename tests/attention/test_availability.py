@@ -147,3 +147,10 @@ def test_isolated_dotted_names_are_not_found_by_importing_their_parent(fakes):
         assert package_reason("omni_fake_abort.cute", "x") is None  # not probed yet: recorded, nothing imported
         assert package_reason("omni_fake_nowhere.cute", "x").endswith("is not importable; to install: x")
     assert unprobed == {"omni_fake_abort.cute"} and "omni_fake_abort" not in sys.modules
+
+
+def test_isolated_probe_stops_an_import_that_hangs(fakes):
+    write_package(fakes, "omni_fake_hangs", "import time\nprint('loading kernels...', flush=True)\ntime.sleep(600)\n")
+    found = probe_imports(["omni_fake_hangs", "omni_fake_fine"], timeout_s=3)
+    assert found["omni_fake_hangs"] == "did not finish within 3 s (stopped); its output ends: 'loading kernels...'"
+    assert found["omni_fake_fine"] is None
