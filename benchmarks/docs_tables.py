@@ -984,7 +984,65 @@ def quality_h200() -> str:
     return to_markdown(json.loads(path.read_text()), image_base=base)
 
 
+def _tune_runs() -> list[tuple[str, dict]]:
+    runs = [(name, result(name)) for name in ("tune_h200", "tune_h200_no_fa3") if (RESULTS / f"{name}.json").is_file()]
+    return runs
+
+
+def tune_h200() -> str:
+    """``benchmarks/tune_bench.py``: tune's time and picks per model, and the whole step of every candidate
+    configuration in the same process (``docs/user_guide/tuning.md``)."""
+    runs = _tune_runs()
+    if not runs:
+        return ("Not measured yet: `bash benchmarks/h200/run_all.sh tune tune-no-fa3` on an H200 writes the results "
+                "this table is rendered from.\n")
+    out = []
+    for name, report in runs:
+        rows = []
+        for model in report["models"].values():
+            if "error" in model:
+                rows.append([model["label"], "failed", _short_error(model["error"]), "", "", ""])
+                continue
+            steps = model["whole_step"]["seconds"]
+            fastest = model["whole_step"]["fastest"]
+            picks = "; ".join(f"{key}: {rule['ranking'][0]}" for key, rule in
+                              next(iter(model["tune"]["families"].values())).items())
+            candidates = ", ".join(f"{'**' if n == fastest else ''}{n.replace('omni ', '')} {t:.3f}"
+                                   f"{'**' if n == fastest else ''}" for n, t in sorted(steps.items(), key=lambda i: i[1]))
+            ratio = model["whole_step"]["tuned_over_fastest"]
+            rows.append([model["label"], f"{model['tune']['seconds']:.1f} s", picks, candidates,
+                         f"{ratio:.3f}" if ratio else "—", _verdict(model["whole_step"]["within_tolerance"])])
+        out.append(f"**{report['label']}** ({report['device']}, torch {report['torch']}, {report['date'][:10]}; "
+                   f"`{name}.json`)\n\n" + table(
+                       ["Model", "tune took", "tuned pick per shape class", "whole step of every candidate (s, "
+                        "fastest bold)", "tuned auto / fastest", "within 3%"], rows))
+    return "\n".join(out)
+
+
+def tune_lossy() -> str:
+    """The lossy modes measured beside the exact ones (the errors the enable-time warning quotes)."""
+    report = result("tune_h200_kernel_only")
+    rows = []
+    for model in report["models"].values():
+        lossy = model.get("lossy", {})
+        exact = lossy.get("FLASH_ATTN bf16 (exact)", {})
+        for label, row in lossy.items():
+            if "unavailable" in row:
+                rows.append([model["label"], label, "—", "—", _short_error(row["unavailable"])])
+                continue
+            speed = row["exact_fastest_step_s"] / row["step_s"]
+            rows.append([model["label"], label, f"{row['rel_err_vs_native']:.2%}",
+                         f"{row['step_s']:.3f} s", f"{speed:.2f}× the fastest exact ({row['exact_fastest_step_s']:.3f} s)"
+                         if label != "FLASH_ATTN bf16 (exact)" else "exact kernel, for scale"])
+        del exact
+    return (f"{report['device']}, torch {report['torch']}, {report['date'][:10]}, random weights (`tune_h200_kernel_only"
+            ".json`): relative error of the whole transformer output against Diffusers' native attention.\n\n"
+            + table(["Model", "Mode", "rel. error vs native", "step", "speed"], rows))
+
+
 RENDERERS = {
+    "tune-h200": tune_h200,
+    "tune-lossy": tune_lossy,
     "gpu-backends": gpu_backends,
     "diffusers-names": diffusers_names,
     "readme-wins": readme_wins,
