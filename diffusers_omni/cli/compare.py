@@ -79,7 +79,7 @@ def run(args) -> int:
     from ..pipelines.registry import omnify
     from ..utils.text import table
     from .common import TINY_MODELS, UsageError, check_writable, configure_logging, load_pipeline
-    from .generate import _call_kwargs, _dtype
+    from .generate import call_kwargs, preflight, torch_dtype
 
     configure_logging(args.verbose)
     output = Path(args.output)
@@ -96,11 +96,14 @@ def run(args) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     generate_args = _generate_args(args)
-    dtype = _dtype(generate_args, device)
+    dtype = torch_dtype(generate_args, device)
+    # generate's checks before any weights load (sizes, frames, flags the pipeline takes no value for); the output
+    # here is always a still image, checked above.
+    preflight(argparse.Namespace(**{**vars(generate_args), "output": None}), device, dtype)
     pipe = load_pipeline(args.model, dtype)
     pipe.to(device, dtype) if dtype is not None else pipe.to(device)
     pipe = omnify(pipe, enable_attention=False)  # each run installs its own configuration
-    kwargs = _call_kwargs(generate_args, pipe, 0, 1)
+    kwargs = call_kwargs(generate_args, pipe, 0, 1)
     kwargs.pop("generator")
     kwargs.pop("output_type", None)
     for flag, text, config in (("--reference", args.reference, reference), ("--candidate", args.candidate, candidate)):

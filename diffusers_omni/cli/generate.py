@@ -598,3 +598,8 @@ def _teardown(created: bool) -> None:
 
         dist.barrier()
         dist.destroy_process_group()
+
+
+# Shared with ``compare``, which generates with the same flags (one process, no per-rank values).
+call_kwargs = _call_kwargs
+torch_dtype = _dtype

@@ -81,3 +81,17 @@ def test_argument_errors_exit_2(argv, capsys):
         main(["compare", *argv])
     assert exit_info.value.code == 2
     assert "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag", [(["--height", "30"], "--height=30"), (["--frames", "5"], "--frames=5"),
+                                        (["--model", "tiny-wan", "--frames", "6"], "--frames=6")])
+def test_refused_before_any_weights_load(argv, flag, capsys, monkeypatch, tmp_path):
+    import diffusers_omni.cli.common as common
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before the arguments were checked")
+
+    monkeypatch.setattr(common, "load_pipeline", no_load)
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--candidate", "stock", *argv]) == 2
+    assert flag in capsys.readouterr().err
