@@ -32,7 +32,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     compare.add_argument("--output", default="compare.png",
                          help="side-by-side image (a frame grid for videos): .png, .jpg or .webp")
     compare.add_argument("--json", action="store_true", help="print the summary as JSON instead of the tables")
-    compare.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
+    compare.add_argument("--prompt", default="a lighthouse on a cliff at dawn", help="the prompt of both runs")
     compare.add_argument("--negative-prompt", help="what to steer away from (pipelines that take one)")
     compare.add_argument("--guidance-scale", type=finite_float, help="classifier-free guidance (default: the pipeline's)")
     compare.add_argument("--steps", type=positive_int, default=4, help="denoising steps")
