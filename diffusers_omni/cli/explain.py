@@ -7,6 +7,7 @@ import json
 
 from ..installer import check_roles_of_plans, plan_attention
 from ..attention.platform import current_platform, use_platform
+from ..attention.routing import sparse_rules
 from ..config.attention import AttentionConfig
 
 
@@ -78,7 +79,13 @@ def run(args) -> int:
         if row.get("lossy"):
             print(fit(f"  {row['role']}: LOSSY — {row['backend']} approximates attention (quantised or "
                       "block-sparse); compare it with an exact config on your model: "
-                      "diffusers-omni align --a TORCH_SDPA --b '<config>'"))
+                      "diffusers-omni compare --candidate '<config>'"))
+            if row["backend"] == "RAINFUSION_ATTN":
+                family = (platform or current_platform()).family
+                for key, rule in sparse_rules(family).items():
+                    print(fit(f"  {row['role']}: calls of class {key} keeping more than "
+                              f"{rule['dense_above_kept_share']:.0%} of the key blocks run dense (measured "
+                              f"break-even: {rule['from']})"))
         for rejected in row["rejected"]:
             print(fit(f"  {row['role']}: skipped {rejected['backend']}: {'; '.join(rejected['reasons'])}"))
     return 0

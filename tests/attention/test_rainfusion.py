@@ -190,3 +190,14 @@ def test_top_k_above_the_measured_break_even_runs_dense(monkeypatch):
     assert backend.why_dense_cuda(q, q) is None
     # The committed table carries the Hopper break-even of Wan's 480p/81f self-attention class.
     assert routing.sparse_dense_above("hopper", 32760, 32760, 128) == pytest.approx(0.755, abs=0.01)
+
+
+def test_explain_lists_the_break_evens_for_a_rainfusion_role(monkeypatch, capsys):
+    from diffusers_omni.cli.main import main
+
+    monkeypatch.setattr(RainFusionBackend, "not_supported_reasons", classmethod(lambda cls, call, platform: []))
+    config = '{"per_role": {"wan.self": {"backend": "RAINFUSION_ATTN", "block_sparse": {"sparsity": 0.8}}}}'
+    assert main(["explain", "--model", "tiny-wan", "--platform", "sm_90", "--attention", config]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "wan.self: LOSSY" in out
+    assert "calls of class q2/kv2/d128/dense keeping more than 76% of the key blocks run dense" in out
