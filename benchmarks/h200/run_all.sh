@@ -79,7 +79,8 @@ for job in "$@"; do
           # compile in parallel first, as `diffusers-omni warmup` would on a user's machine; tune_bench reports tune's own time
           python3 -m benchmarks.h200.prewarm_flashinfer 128 & python3 -m benchmarks.h200.prewarm_block_sparse &
           python3 -m benchmarks.h200.prewarm_triton & wait
-          python3 -m benchmarks.tune_bench --models flux,wan,qwen --lossy --out "$out/tune_h200" ;;
+          python3 -m benchmarks.tune_bench --models flux,wan,qwen --out "$out/tune_h200" ;;
+    tune-lossy) python3 -m benchmarks.tune_bench --models flux,wan,qwen --lossy --out "$out/tune_h200_lossy" ;;
     tune-no-fa3) # FA3 hidden (stands in for an Ampere/Ada user: no FA3/FA4 there): the same wheels without fa3-fwd
                  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
                    --target /tmp/site-nofa3 $(ls .whl/*.whl | grep -v fa3_fwd) || exit 1
