@@ -68,7 +68,8 @@ IMPLEMENTATIONS: tuple[FlashImplementation, ...] = (
                         True, False),
     FlashImplementation("FA3-fwd", "fa3_fwd_interface", ("fa3-fwd", "fa3_fwd"), "pip install fa3-fwd",
                         ((9, 0),), (9, 0), 256, 8, False, False),
-    FlashImplementation("FA2", "flash_attn", ("flash-attn", "flash_attn"), "pip install 'flash-attn>=2.6'",
+    FlashImplementation("FA2", "flash_attn", ("flash-attn", "flash_attn"),
+                        "pip install 'flash-attn>=2.6' --no-build-isolation",
                         None, (8, 0), 256, 8, True, True, FA2_MIN_VERSION),
 )
 _BY_LABEL = {impl.label: impl for impl in IMPLEMENTATIONS}
