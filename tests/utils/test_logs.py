@@ -15,8 +15,9 @@ ALIAS_INFO = "backend='native' is Diffusers' name for TORCH_SDPA"  # an INFO lin
 
 @pytest.fixture
 def verbosity():
-    """Diffusers' verbosity and our logger's own level, restored after the test."""
+    """Diffusers' verbosity and our logger's own level (unset for the test: the CLI's tests set it), restored after."""
     before, ours = diffusers_logging.get_verbosity(), logging.getLogger("diffusers_omni").level
+    logging.getLogger("diffusers_omni").setLevel(logging.NOTSET)
     yield diffusers_logging
     diffusers_logging.set_verbosity(before)
     logging.getLogger("diffusers_omni").setLevel(ours)
