@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--platform", help=_PLATFORM_HELP)
 
     models = sub.add_parser("models", help="supported architectures, pipelines, roles and blocks")
-    models.add_argument("--json", action="store_true", help="machine-readable output")
+    models_format = models.add_mutually_exclusive_group()
+    models_format.add_argument("--json", action="store_true", help="machine-readable output")
+    models_format.add_argument("--markdown", action="store_true",
+                               help="the Markdown table of the docs (default: a table fitted to the terminal)")
 
     explain = sub.add_parser("explain", help="per-role backend resolution for a pipeline")
     explain.add_argument("--model", default="tiny-flux", help=_MODEL_HELP)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..models.base import declarations
 from ..pipelines.registry import omni_pipelines
-from ..utils.text import fit, output_width, table
+from ..utils.text import Width, fit, output_width, table
 
 BEGIN = "<!-- BEGIN GENERATED: supported-models (python -m diffusers_omni.cli.models --write) -->"
 END = "<!-- END GENERATED: supported-models -->"
@@ -97,14 +97,14 @@ def _terminal_rows() -> list[dict]:
     return rows
 
 
-def supported_models_table(width: int | None = None) -> str:
+def supported_models_table(width: Width = "terminal") -> str:
     """The table ``diffusers-omni models`` prints on a terminal, one row per architecture.
 
-    ``width`` (default: the terminal's, ``None`` when not on a terminal: every column) decides how many of
+    ``width`` (default: the terminal's; ``None``, also when not on a terminal: every column) decides how many of
     ``TERMINAL_COLUMNS`` are shown: the first ones whose cells fit whole, at least the first two; the note under the
     table names the columns left out and where to see them.
     """
-    width = width if width is not None else output_width()
+    width = output_width() if width == "terminal" else width
     rows = _terminal_rows()
     shown = len(TERMINAL_COLUMNS)
     while width is not None and shown > 2:

@@ -11,12 +11,14 @@ import io
 import shutil
 import sys
 import textwrap
-from typing import Sequence, TextIO
+from typing import Literal, Sequence, TextIO, Union
 
 # Narrower terminals still get lines this long: below it a table column cannot hold a backend name.
 MIN_WIDTH = 40
 # Continuation lines of a wrapped line are indented this much more than the line itself.
 HANG = "  "
+# ``width`` of ``table`` and ``fit``: a number of columns, ``None`` (no limit) or "terminal" (``output_width()``).
+Width = Union[int, None, Literal["terminal"]]
 
 
 def output_width(stream: TextIO | None = None) -> int | None:
@@ -52,12 +54,13 @@ def _column_widths(cells: Sequence[Sequence[str]], width: int) -> list[int] | No
     return widths
 
 
-def table(rows: Sequence[dict], columns: Sequence[str], *, width: int | None = None, row_gap: bool = False) -> str:
+def table(rows: Sequence[dict], columns: Sequence[str], *, width: Width = "terminal", row_gap: bool = False) -> str:
     """``rows`` restricted to ``columns`` as a plain-text table (rendered by ``rich``, no colour codes).
 
-    ``width``: the most columns a line may take (default ``output_width()``; ``None`` there: each column as wide as
-    its widest cell). Cells that do not fit wrap inside their column at spaces; a word is split only when the longest
-    words of all columns together do not fit. ``row_gap``: a blank line between rows (for cells of several lines).
+    ``width``: the most columns a line may take; ``None``: no limit, each column as wide as its widest cell;
+    ``"terminal"`` (default): ``output_width()``, the terminal's width or no limit when not on a terminal. Cells
+    that do not fit wrap inside their column at spaces; a word is split only when the longest words of all columns
+    together do not fit. ``row_gap``: a blank line between rows (for cells of several lines).
     """
     from rich import box
     from rich.console import Console
@@ -65,7 +68,7 @@ def table(rows: Sequence[dict], columns: Sequence[str], *, width: int | None = N
     from rich.text import Text
 
     cells = [[str(column)] + [str(row.get(column, "")) for row in rows] for column in columns]
-    width = width if width is not None else output_width()
+    width = output_width() if width == "terminal" else width
     widths = _column_widths(cells, width) if width is not None else None
     grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True, show_lines=row_gap)
     for index, column in enumerate(columns):
@@ -85,11 +88,11 @@ def table(rows: Sequence[dict], columns: Sequence[str], *, width: int | None = N
     return "\n".join(lines)
 
 
-def fit(text: str, width: int | None = None) -> str:
-    """``text`` with each line longer than ``width`` (default ``output_width()``; ``None``: ``text`` unchanged)
+def fit(text: str, width: Width = "terminal") -> str:
+    """``text`` with each line longer than ``width`` (default ``"terminal"``: ``output_width()``; ``None``: no limit)
     wrapped at spaces; continuation lines keep the line's indent plus two spaces, so a ``- item`` continues under
     its text. A word longer than the width is broken."""
-    width = width if width is not None else output_width()
+    width = output_width() if width == "terminal" else width
     if width is None:
         return text
     lines = []
