@@ -137,7 +137,7 @@ def embed(document: str) -> str:
 def run(args) -> int:
     if args.json:
         print(json.dumps(supported_models(), indent=2))
-    elif getattr(args, "markdown", False):
+    elif args.markdown:
         print(supported_models_markdown())
     else:
         print(supported_models_table())
