@@ -125,6 +125,9 @@ def select_spec(config: AttentionConfig, role: str, category: str) -> tuple[Atte
     return environment_backend()
 
 
+_env_logged: set[str] = set()
+
+
 def environment_backend() -> tuple[AttentionSpec | None, str]:
     """The default backend the environment asks for, and a label for where it came from (``None, ""``: neither
     variable is set).
@@ -149,8 +152,10 @@ def environment_backend() -> tuple[AttentionSpec | None, str]:
             f"equivalent here ({entry.note}); set {ENV_BACKEND} (it takes precedence) to one of "
             f"{', '.join(registered_backend_names())} or {AUTO!r}, or unset {ENV_DIFFUSERS_BACKEND}"
         )
-    logger.info("environment variable %s=%r is Diffusers' name for %s (%s)", ENV_DIFFUSERS_BACKEND, theirs,
-                entry.omni, entry.note)
+    if theirs not in _env_logged:  # once per value, not once per role
+        _env_logged.add(theirs)
+        logger.info("environment variable %s=%r is Diffusers' name for %s (%s)", ENV_DIFFUSERS_BACKEND, theirs,
+                    entry.omni, entry.note)
     return AttentionSpec(backend=entry.omni), f"environment variable {ENV_DIFFUSERS_BACKEND}"
 
 
@@ -314,3 +319,4 @@ def clear_resolution_cache() -> None:
     _resolve_cached.cache_clear()
     _logged.clear()
     _warned_keys.clear()
+    _env_logged.clear()

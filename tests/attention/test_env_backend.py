@@ -94,3 +94,13 @@ def test_unknown_value_of_ours_is_one_line(monkeypatch):
     assert str(info.value).startswith(f"environment variable {ENV_BACKEND}='FAST_ATTN' is not a known attention "
                                       "backend")
     assert "TORCH_SDPA" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_mapping_is_logged_once_not_once_per_role(monkeypatch, caplog):
+    caplog.set_level("INFO", logger="diffusers_omni.attention")
+    monkeypatch.setenv(ENV_DIFFUSERS_BACKEND, "_native_cudnn")
+    for _ in range(3):
+        environment_backend()
+    lines = [r.getMessage() for r in caplog.records if "is Diffusers' name for" in r.getMessage()]
+    assert lines == ["environment variable DIFFUSERS_ATTN_BACKEND='_native_cudnn' is Diffusers' name for CUDNN_ATTN "
+                     "(torch's cuDNN attention kernel)"]
