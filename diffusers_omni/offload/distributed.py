@@ -265,9 +265,15 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
     # The DiT's output layers stay resident here (the AllGather ring installs its own hooks, and no last block
     # of it ends with the DiT's forward).
     fold_tail = False
+    # Every rank runs the local stages between two agreements (``_agree``): discover ends with one, the local
+    # stages with ``agree_local`` (before prime, whose AllGather is a collective), prime with ``agree_primed``. A
+    # rank that fails in between joins the next agreement with its error (``enable``), so every rank rolls back.
     stages = ("discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_step_check",
-              "install_guards", "prime")
+              "install_guards", "agree_local", "prime", "agree_primed")
     use_allgather: bool = False
+    # Whether prime runs a collective (AllGather: it gathers the first block): a rank failing inside it cannot
+    # join the agreement after it, since the others may be inside the collective.
+    prime_is_collective: bool = False
 
     @classmethod
     def for_config(cls, config) -> "DistributedLayerwiseOffloadBackend":
@@ -297,6 +303,55 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         state.stats = DistributedStats(rank=self.rank, world_size=self.world_size, use_allgather=self.use_allgather)
         return state
 
+    # Enable is collective: every rank's failure becomes every rank's failure --------------------------------
+
+    def enable(self, target: Any) -> "DistributedLayerwiseOffloadBackend":
+        """Enable on every rank (collective). If any rank fails at any stage, every rank rolls back and raises:
+        the failing rank its own error (with a note naming it), the others a ``RuntimeError`` naming the failing
+        rank and its error; within one agreement, not after the process group's timeout."""
+        self._pending_agreement: str | None = None  # the agreement this rank owes the others if it fails now
+        try:
+            return super().enable(target)  # a failing stage is rolled back here (the journal), then re-raised
+        except BaseException as error:
+            pending, self._pending_agreement = self._pending_agreement, None
+            if pending is not None:
+                try:
+                    self._agree(pending, error)  # the others wait there: tell them, then raise here
+                except Exception as agreeing:  # noqa: BLE001 - this rank's own error is the one to raise
+                    logger.warning("distributed offload rank %d: telling the other ranks that enabling failed "
+                                   "failed too (%s: %s)", self.rank, type(agreeing).__name__, agreeing)
+                else:
+                    error.add_note(
+                        f"distributed layerwise offload: rank {self.rank} of {self.world_size} (this rank) failed "
+                        "while enabling; the other ranks were told, and every rank rolled back: none enabled it"
+                    )
+            raise
+
+    def _agree(self, point: str, error: BaseException | None = None, payload: Any = None) -> list[Any]:
+        """All ranks exchange ``(error text or None, payload)``; returns the payloads. Raises on every rank when
+        any rank failed (this rank's own ``error`` is re-raised by the caller)."""
+        answers: list[Any] = [None] * self.world_size
+        text = None if error is None else f"{type(error).__name__}: {error}"
+        dist.all_gather_object(answers, (text, payload), group=self.group)
+        failed = [(r, message) for r, (message, _) in enumerate(answers) if message is not None]
+        if failed and error is None:
+            rank, message = failed[0]
+            others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+            raise RuntimeError(
+                f"distributed layerwise offload: rank {rank}{others} could not enable ({message}); every rank "
+                "rolled back, no rank enabled it"
+            )
+        return [p for _, p in answers]
+
+    def _stage_agree_local(self, state: LayerwiseState, journal: Journal) -> None:
+        self._pending_agreement = None  # from here on this rank is in the agreement itself
+        self._agree("agree_local")
+        self._pending_agreement = None if self.prime_is_collective else "agree_primed"
+
+    def _stage_agree_primed(self, state: LayerwiseState, journal: Journal) -> None:
+        self._pending_agreement = None
+        self._agree("agree_primed")
+
     # Discover: local checks, then every rank agrees (so one rank's error never leaves the others in a collective).
 
     def _stage_discover(self, state: LayerwiseState, journal: Journal) -> None:
@@ -324,6 +379,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                 "distributed layerwise offload: ranks hold different models (block layouts differ: "
                 f"{[d[:8] for _, d in answers]}); every rank must load the same model and pipeline"
             )
+        self._pending_agreement = "agree_local"  # the ranks agreed: a failure from here on is told at agree_local
 
     def _check_and_place_residents(self, state: LayerwiseState) -> None:
         layers = self.config.resident_layers
@@ -400,6 +456,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
     on the device by an all-gather of the shards before it runs."""
 
     use_allgather = True
+    prime_is_collective = True
 
     def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
@@ -505,6 +562,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
             ring = [b for b in row if b is not None]
             if ring:
                 state.streamer.enter_stack(ring)
+        self._pending_agreement = "agree_primed"  # past the collective: a failure now is told at agree_primed
 
     def _disable(self) -> None:
         state = self._state
