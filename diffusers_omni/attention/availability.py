@@ -152,11 +152,11 @@ def _run_task(task: list) -> str | None:
         import torch  # only here: an import task costs that import alone
 
         module_name, _, qualname = task[1].partition(":")
-        backend_cls = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            backend_cls = getattr(backend_cls, part)
         device, dtype = torch.device(task[2]), getattr(torch, task[3])
         try:
+            backend_cls = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                backend_cls = getattr(backend_cls, part)
             backend = backend_cls(None)
             q, k, v = (torch.randn(1, 256, 2, 128, device=device, dtype=dtype) for _ in range(3))
             out = backend(q, k, v)
