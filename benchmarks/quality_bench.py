@@ -261,7 +261,7 @@ def to_markdown(results: dict, image_base: str = "") -> str:
             rows.append([label, candidate, f"{step:.4f}" if step else "—", speed, _fmt(c["output_rel_err"]),
                          f"{_fmt(att['rel_err_max'])} ({_fmt(att['rel_err_mean'])})", _fmt(att["local_rel_err_max"])])
     if rows:
-        lines.append("| Transformer (random weights, bf16) | Config | s / forward | ÷ native | output rel err | "
+        lines.append("| Transformer (random weights, bf16) | Config | s / forward | speed-up (native s ÷ this s) | output rel err | "
                      "attention rel err, max (mean) | local max |")
         lines.append("|" + "---|" * 7)
         lines += ["| " + " | ".join(r) + " |" for r in rows]
