@@ -244,7 +244,8 @@ def to_markdown(results: dict, image_base: str = "") -> str:
                          f"{_fmt(att['rel_err_max'])} ({_fmt(att['rel_err_mean'])})", _fmt(att["local_rel_err_max"]),
                          f"{c['wall_s']['reference']:.2f} / {c['wall_s']['candidate']:.2f}", image])
     if rows:
-        lines.append("| Tiny pipeline | Candidate vs native | PSNR dB | SSIM | attention rel err, max (mean) | local max "
+        lines.append("| Tiny pipeline | Candidate vs native | PSNR dB | SSIM | attention rel err, max (mean) "
+                     "| local max "
                      "| wall s native / candidate | side by side |")
         lines.append("|" + "---|" * 8)
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -261,7 +262,8 @@ def to_markdown(results: dict, image_base: str = "") -> str:
             rows.append([label, candidate, f"{step:.4f}" if step else "—", speed, _fmt(c["output_rel_err"]),
                          f"{_fmt(att['rel_err_max'])} ({_fmt(att['rel_err_mean'])})", _fmt(att["local_rel_err_max"])])
     if rows:
-        lines.append("| Transformer (random weights, bf16) | Config | s / forward | speed-up (native s ÷ this s) | output rel err | "
+        lines.append("| Transformer (random weights, bf16) | Config | s / forward | speed-up (native s ÷ this s) "
+                     "| output rel err | "
                      "attention rel err, max (mean) | local max |")
         lines.append("|" + "---|" * 7)
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -270,7 +272,8 @@ def to_markdown(results: dict, image_base: str = "") -> str:
                  f"{results.get('date', '?')}, commit {(results.get('commit') or '?')[:10]} "
                  "(`benchmarks/quality_bench.py`). Random weights throughout: the errors show what each mode does to "
                  "these activations, not image quality on a trained model. Attention errors: each attention "
-                 "module's output in the first transformer call, ‖candidate − native‖ / ‖native‖; \"local\": the "
+                 "module's output in the first transformer call, ‖candidate − native‖ / ‖native‖; "
+                 "\"local\": the "
                  "module's own kernel on the same inputs.")
     for where, message in results.get("unavailable", {}).items():
         lines.append(f"\n- not run: {where}: {message.splitlines()[0][:200]}")

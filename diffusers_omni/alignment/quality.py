@@ -530,7 +530,8 @@ class QualityReport:
         lines.append("\nattention error in the first transformer call (step 0): rel_err = ‖c − r‖ / ‖r‖ of\n"
                      "each module's output, errors of earlier layers included; local = the module's kernel alone")
         lines.append(f"{what}: PSNR {self.psnr_db:.2f} dB, SSIM {self.ssim:.4f}, max |diff| {self.max_abs_diff:.3g}")
-        lines.append(f"wall time: reference {self.wall_s['reference']:.2f} s, candidate {self.wall_s['candidate']:.2f} s")
+        lines.append(f"wall time: reference {self.wall_s['reference']:.2f} s, "
+                     f"candidate {self.wall_s['candidate']:.2f} s")
         if not self.first_call_inputs_equal:
             lines.append("WARNING: the first transformer call's inputs differ between the runs (something\n"
                          "besides the DiTs' attention changed); the per-layer errors include that difference")

@@ -28,13 +28,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
     compare.add_argument("--model", default="tiny-flux",
                          help=f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}")
     compare.add_argument("--reference", default="native", help=f"reference attention: {_CONFIG_HELP}")
-    compare.add_argument("--candidate", required=True, help=f"candidate attention, same forms as --reference")
+    compare.add_argument("--candidate", required=True, help="candidate attention, same forms as --reference")
     compare.add_argument("--output", default="compare.png",
                          help="side-by-side image (a frame grid for videos): .png, .jpg or .webp")
     compare.add_argument("--json", action="store_true", help="print the summary as JSON instead of the tables")
     compare.add_argument("--prompt", default="a lighthouse on a cliff at dawn", help="the prompt of both runs")
     compare.add_argument("--negative-prompt", help="what to steer away from (pipelines that take one)")
-    compare.add_argument("--guidance-scale", type=finite_float, help="classifier-free guidance (default: the pipeline's)")
+    compare.add_argument("--guidance-scale", type=finite_float,
+                         help="classifier-free guidance (default: the pipeline's)")
     compare.add_argument("--steps", type=positive_int, default=4, help="denoising steps")
     compare.add_argument("--height", type=positive_int, default=64, help="pixels; a multiple the model needs")
     compare.add_argument("--width", type=positive_int, default=64, help="pixels; a multiple the model needs")

@@ -115,7 +115,8 @@ def test_two_exact_configs_compare_equal():
     assert report.side_by_side().size == (3 * 32 + 2 * 2, 32)
     assert applied_attention_config(pipe.transformer) is None  # left as found
     payload = report.to_dict()
-    assert payload["attention"]["rel_err_max"] == 0 and payload["reference"]["attention"]["default"]["backend"] == "TORCH_SDPA"
+    assert payload["attention"]["rel_err_max"] == 0
+    assert payload["reference"]["attention"]["default"]["backend"] == "TORCH_SDPA"
     assert payload["candidate"]["attention"] == "stock"
 
 

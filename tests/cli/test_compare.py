@@ -20,7 +20,8 @@ def _json(capsys) -> dict:
 
 def test_exact_candidate_json(tmp_path, capsys):
     out = tmp_path / "sub" / "cmp.png"
-    assert main(["compare", "--model", "tiny-flux", "--candidate", "stock", "--output", str(out), "--json", *SMALL]) == 0
+    argv = ["compare", "--model", "tiny-flux", "--candidate", "stock", "--output", str(out), "--json", *SMALL]
+    assert main(argv) == 0
     summary = _json(capsys)
     assert summary["psnr_db"] == math.inf and summary["ssim"] == 1.0 and summary["output"] == str(out)
     assert summary["attention"]["rel_err_max"] == 0 and summary["attention"]["modules"] == 2
