@@ -442,13 +442,16 @@ class GuardInstaller:
 
         @functools.wraps(original)
         def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise OffloadConflictError(
-                f"{_call_text(owner, name, args, kwargs)}: {what} cannot run while diffusers-omni {self.strategy} "
-                f"offload is enabled (both would place the same weights); nothing was changed. Use one: "
-                f"{self.way_out} first, then {owner}.{name}(...); or keep omni's offload"
-            )
+            self.refuse_foreign(owner, name, args, kwargs)
 
         return refuse
+
+    def refuse_foreign(self, owner: str, name: str, args: tuple, kwargs: dict) -> None:
+        raise OffloadConflictError(
+            f"{_call_text(owner, name, args, kwargs)}: {FOREIGN_OFFLOADERS[name]} cannot run while diffusers-omni "
+            f"{self.strategy} offload is enabled (both would place the same weights); nothing was changed. Use one: "
+            f"{self.way_out} first, then {owner}.{name}(...); or keep omni's offload"
+        )
 
     def _suspending(self, obj: Any, owner: str, name: str) -> Callable:
         original = getattr(obj, name)
@@ -456,16 +459,53 @@ class GuardInstaller:
         @functools.wraps(original)
         def suspended(*args: Any, **kwargs: Any) -> Any:
             call = _call_text(owner, name, args, kwargs)
-            if self.suspend is None:
-                raise OffloadActiveError(
-                    f"{call} changes weights, which {self.strategy} offload cannot follow while enabled "
-                    f"({self.suspend_refusal}); nothing was changed. Allowed: {self.way_out}, then {owner}.{name}"
-                    "(...), then enable the offload again"
-                )
+            self.check_suspendable(call, owner, name)
             with self.suspend(call):
                 return original(*args, **kwargs)
 
         return suspended
+
+    def check_suspendable(self, call: str, owner: str, name: str) -> None:
+        if self.suspend is None:
+            raise OffloadActiveError(
+                f"{call} changes weights, which {self.strategy} offload cannot follow while enabled "
+                f"({self.suspend_refusal}); nothing was changed. Allowed: {self.way_out}, then {owner}.{name}"
+                "(...), then enable the offload again"
+            )
+
+
+def _installers(pipe: Any) -> list[GuardInstaller]:
+    """The installer of each enabled offload placing a component of ``pipe``, one per backend."""
+    installers: list[GuardInstaller] = []
+    for _, _, membership in memberships(pipe):
+        if not any(i.backend is membership.backend for i in installers):
+            installers.append(membership.installer)
+    return installers
+
+
+def call_suspended(pipe: Any, name: str, original: Callable, args: tuple, kwargs: dict) -> Any:
+    """``original(pipe, *args, **kwargs)`` (a method that changes weights, e.g. ``load_lora_weights``) with every
+    offload placing a component of ``pipe`` suspended around it: what an Omni pipeline other than the one the offload
+    was enabled on does (that one carries instance guards doing the same)."""
+    installers = _installers(pipe)
+    if not installers:
+        return original(pipe, *args, **kwargs)
+    call = _call_text("pipe", name, args, kwargs)
+    for installer in installers:
+        installer.check_suspendable(call, "pipe", name)
+    with contextlib.ExitStack() as stack:
+        for installer in installers:
+            stack.enter_context(installer.suspend(call))
+        return original(pipe, *args, **kwargs)
+
+
+def call_refused(pipe: Any, name: str, original: Callable, args: tuple, kwargs: dict) -> Any:
+    """``original(pipe, *args, **kwargs)`` (another offloader, e.g. ``enable_model_cpu_offload``), refused before its
+    loop touches any component when an offload places one of ``pipe``'s components."""
+    installers = _installers(pipe)
+    if installers:
+        installers[0].refuse_foreign("pipe", name, args, kwargs)
+    return original(pipe, *args, **kwargs)
 
 
 def _shown(found: list[tuple[str, str]]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import logging
 import sys
@@ -21,6 +22,7 @@ from ..installer import (
     remove_attention_all,
     tune_attention,
 )
+from ..offload.guards import FOREIGN_OFFLOADERS, SUSPENDING_METHODS, call_refused, call_suspended
 from ..utils.modules import get_submodule_path
 
 logger = logging.getLogger("diffusers_omni")
@@ -57,6 +59,28 @@ def diffusers_pipeline_class(cls: type) -> type | None:
         if base.__module__.startswith("diffusers.") and base.__name__.endswith("Pipeline"):
             return base
     return None
+
+
+def _follow_offload(cls: type) -> None:
+    """Make ``cls``'s methods that change weights (``load_lora_weights``, ``fuse_lora``, ...) suspend, and its other
+    offloaders (``enable_model_cpu_offload``, ...) refuse, whenever an offload places its components, whichever
+    pipeline object enabled it: Diffusers' loops reach into the components directly (``unfuse_lora`` unmerges every
+    LoRA layer itself), which no guard on a component can see."""
+    for name in (*SUSPENDING_METHODS, *FOREIGN_OFFLOADERS):
+        original = getattr(cls, name, None)
+        if not callable(original) or getattr(original, "_omni_follows_offload", False):
+            continue
+        handler = call_refused if name in FOREIGN_OFFLOADERS else call_suspended
+        setattr(cls, name, _following(name, original, handler))
+
+
+def _following(name: str, original: Any, handler: Any) -> Any:
+    @functools.wraps(original)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return handler(self, name, original, args, kwargs)
+
+    method._omni_follows_offload = True  # type: ignore[attr-defined]
+    return method
 
 
 def _expose_in_diffusers(cls: type) -> None:
@@ -107,6 +131,8 @@ class OmniPipelineMixin:
         super().__init_subclass__(**kwargs)
         if cls.__name__.startswith("Omni") and diffusers_pipeline_class(cls) is not None:
             _expose_in_diffusers(cls)
+        if diffusers_pipeline_class(cls) is not None:
+            _follow_offload(cls)
 
     def to_json_string(self) -> str:
         # ``save_pretrained`` → ``save_config`` → here: Diffusers writes ``type(self).__name__`` as ``_class_name``;

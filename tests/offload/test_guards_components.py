@@ -349,3 +349,52 @@ def test_faster_cache_added_after_enable_runs_bitwise(strategy):
     _enable(pipe, strategy)
     assert torch.equal(generate(cached(pipe), steps=3), reference)
     pipe.disable_omni_offload()
+
+
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory):
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    directory = tmp_path_factory.mktemp("lora")
+    source = tiny_flux_pipeline()
+    torch.manual_seed(1)
+    source.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, init_lora_weights=False,
+                                              target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    FluxPipeline.save_lora_weights(directory, transformer_lora_layers=get_peft_model_state_dict(source.transformer))
+    return directory
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_lora_through_another_omni_pipeline_suspends_the_offload(strategy, lora_dir):
+    """Diffusers' LoRA loops reach into the components directly (``unfuse_lora`` unmerges each layer itself; FLUX's
+    ``load_lora_weights`` reads weight shapes first): on an Omni pipeline sharing the components they run with the
+    offload suspended, as on the pipeline that enabled it. Was: wrong output after ``unfuse_lora`` (model-level),
+    ``ValueError: not enough values to unpack`` (layerwise)."""
+    resident = _resident()
+    outputs = []
+    for step in ("load_lora_weights", "fuse_lora", "unfuse_lora", "unload_lora_weights"):
+        getattr(resident, step)(lora_dir) if step == "load_lora_weights" else getattr(resident, step)()
+        outputs.append(generate(resident, steps=2))
+    _, omni, _ = _shared(strategy)
+    backend = omni.omni_offload_backend
+    second = OmniFluxPipeline(**omni.components)
+    for step, expected in zip(("load_lora_weights", "fuse_lora", "unfuse_lora", "unload_lora_weights"), outputs):
+        getattr(second, step)(lora_dir) if step == "load_lora_weights" else getattr(second, step)()
+        assert backend.is_enabled() and second.omni_offload_backend is backend, step
+        assert torch.equal(generate(second, steps=2), expected), step
+    omni.disable_omni_offload()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_another_omni_pipeline_refuses_foreign_offloaders_before_its_loop(strategy):
+    _, omni, reference = _shared(strategy)
+    second = OmniFluxPipeline(**omni.components)
+    before = _state(second)
+    for call in (lambda: second.enable_group_offload(onload_device=CPU, offload_type="leaf_level"),
+                 lambda: second.enable_model_cpu_offload(device="cpu")):
+        with pytest.raises(OffloadConflictError, match=r"^pipe\.enable_.*cannot run while diffusers-omni .* offload "
+                                                       r"is enabled.*nothing was changed"):
+            call()
+        assert_same_snapshot(before, _state(second))
+    assert torch.equal(generate(second, steps=1), reference)
