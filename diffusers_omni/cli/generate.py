@@ -161,19 +161,6 @@ class _Skeleton:
         self.omni_cls, self.pipe, self.dit, self.vae_config = omni_cls, pipe, dit, vae_config or {}
 
 
-def _tiny_factories(model: str):
-    """(Diffusers pipeline class, VAE factory, DiT factory taking the VAE) of a tiny model: the factories
-    ``testing`` builds it with."""
-    from ..testing import tiny
-
-    if model == "tiny-flux":
-        return tiny.FluxPipeline, tiny._flux_vae, tiny._flux_transformer
-    if model == "tiny-wan":
-        return tiny.WanPipeline, tiny._wan_vae, lambda vae: tiny._wan_transformer(tiny._WAN_LATENT_CHANNELS)
-    return (tiny.WanImageToVideoPipeline, tiny._wan_vae,
-            lambda vae: tiny._wan_transformer(2 * tiny._WAN_LATENT_CHANNELS + 4, image_dim=tiny._CLIP_VISION_DIM))
-
-
 def _read_config(model: str, name: str) -> dict | None:
     """A config file of a local pipeline directory, or of a hub repository (that one file is downloaded)."""
     root = Path(model).expanduser()
@@ -239,8 +226,9 @@ def _tiny_skeleton(model: str) -> _Skeleton:
     import torch
 
     from ..pipelines.registry import omni_pipeline_class
+    from ..testing.tiny import tiny_pipeline_parts
 
-    pipeline_cls, vae_factory, dit_factory = _tiny_factories(model)
+    pipeline_cls, vae_factory, dit_factory = tiny_pipeline_parts(model)
     omni_cls = omni_pipeline_class(pipeline_cls)
     with torch.device("meta"):
         vae = vae_factory()

@@ -39,6 +39,15 @@ class _Parser(argparse.ArgumentParser):
         message = " ".join(message.split())
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        # Unknown arguments are found by the top parser; name the subcommand they were given to.
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = getattr(namespace, "command", None)
+            prog = f"{self.prog} {command}" if command else self.prog
+            self.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see {prog} --help)\n")
+        return namespace
+
     def _check_value(self, action: argparse.Action, value) -> None:
         if action.choices is not None and value not in action.choices:
             choices = [str(c) for c in action.choices]

@@ -379,3 +379,18 @@ def tiny_wan_i2v_pipeline(seed: int = ..., pipeline_cls: type[P] = ...) -> P: ..
 def tiny_wan_i2v_pipeline(seed: int = 0, pipeline_cls: type[DiffusionPipeline] | None = None) -> DiffusionPipeline:
     """Tiny ``WanImageToVideoPipeline`` (or ``pipeline_cls``) built from :func:`tiny_wan_i2v_components`."""
     return (pipeline_cls or WanImageToVideoPipeline)(**tiny_wan_i2v_components(seed))
+
+
+def tiny_pipeline_parts(name: str) -> tuple[type[DiffusionPipeline], Callable[[], Any], Callable[[Any], Any]]:
+    """``(pipeline class, VAE factory, DiT factory taking the VAE)`` of ``tiny-flux``, ``tiny-wan`` or
+    ``tiny-wan-i2v``: the factories the pipelines above are built with, unseeded, so a caller can build the VAE and
+    DiT alone (``generate`` builds them on the meta device to check its arguments before any weights exist)."""
+    parts = {
+        "tiny-flux": (FluxPipeline, _flux_vae, _flux_transformer),
+        "tiny-wan": (WanPipeline, _wan_vae, lambda vae: _wan_transformer(_WAN_LATENT_CHANNELS)),
+        "tiny-wan-i2v": (WanImageToVideoPipeline, _wan_vae,
+                         lambda vae: _wan_transformer(2 * _WAN_LATENT_CHANNELS + 4, image_dim=_CLIP_VISION_DIM)),
+    }
+    if name not in parts:
+        raise ValueError(f"tiny model {name!r} is not one of {', '.join(parts)}")
+    return parts[name]
