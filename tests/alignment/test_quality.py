@@ -1,5 +1,6 @@
-"""Quality of a lossy configuration against a reference one (issue 15): per-layer relative error and the final
-output's PSNR, from the API and from ``diffusers-omni align``."""
+"""Quality of a lossy configuration against a reference one: per-layer relative error and the final output's PSNR
+of one transformer call (issue 15, ``diffusers-omni align``), and a whole generation under each (issue 30,
+``compare_pipelines``: PSNR, SSIM, side-by-side image or frame grid, per-module attention error)."""
 
 import json
 import math
