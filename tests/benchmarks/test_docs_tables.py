@@ -159,3 +159,20 @@ def test_schedule_bound_takes_the_run_whose_copies_outlast_its_compute_and_the_w
     assert bound == 14.0 and run == ["b", "c"]
     # A wider window hides the pair's copies: the bound is the compute.
     assert docs_tables.schedule_bound(blocks, window_bytes=6, bandwidth=1.0) == (12.0, [])
+
+
+def test_no_measured_number_is_typed_outside_a_rendered_block():
+    # Numbers that read as measurements (×, %, GiB, GB/s, seconds) in the README and the number-bearing pages live
+    # only in <!-- results --> blocks; config values in code spans and the target's definition are not measurements.
+    import re
+
+    block = re.compile(r"<!-- results: [a-z0-9-]+ -->\n.*?<!-- /results -->", re.S)
+    code = re.compile(r"```.*?```|`[^`\n]*`", re.S)
+    measured = re.compile(r"\d+(\.\d+)?\s?(×|%|GiB|GB/s|MiB|ms\b)|\d+\.\d+\s?s\b")
+    allowed = ("1 GiB or more", "at 4 and 5 GiB", "up to 1 MiB", "≤ 1 MiB", "1.05 × max(")
+    typed = []
+    for page in ("README.md", "docs/index.md", "docs/coming_from_diffusers.md", "docs/user_guide/offload.md"):
+        text = code.sub("", block.sub("", (ROOT / page).read_text()))
+        typed += [f"{page}: {line.strip()}" for line in text.splitlines()
+                  if measured.search(line) and not any(a in line for a in allowed)]
+    assert typed == []
