@@ -9,7 +9,9 @@ bf16 on the host, filled from a small random pool) and measures, side by side:
   and True;
 * our layerwise offload, and (FLUX) with ``max_device_memory="12GiB"``;
 * our model-level switch: time to bring the DiT in while an encoder is on the device, against bytes ÷ bandwidth;
-* pinned host→device bandwidth (4 GiB) in the same process.
+* pinned host→device bandwidth (4 GiB) in the same process;
+* per variant, host memory: RSS before and at its peak during enable, RSS while the steps run, and the
+  page-locked bytes holding the weights (pinned tensors, and host memory diffusers-omni registered).
 
 A step is one transformer forward under ``torch.inference_mode`` (median of several after warm-up, synchronised).
 
@@ -280,9 +282,14 @@ def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], 
         "host_rss_after_setup": rss["rss"],
         "host_rss_peak_setup": rss["hwm"] if peak_reset else None,
     }
+    result.update(pinned_host_bytes(model))
     reset_peak(device)
     result.update(time_steps(model, inputs, device, args.warmup, args.repeats))
     result["peak_device_bytes"] = peak_bytes(device)
+    # Steady state: what the offload holds on the host while steps run (the peak since setup started).
+    rss = host_rss()
+    result["host_rss_steady"] = rss["rss"]
+    result["host_rss_peak_run"] = rss["hwm"] if peak_reset else None
     stats = getattr(handle, "stats", None)
     if stats is not None and hasattr(stats, "streamed_bytes_per_pass"):
         result.update({
@@ -301,6 +308,34 @@ def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], 
     print(f"[{label}] step {result['step_s']:.4f} s, setup {setup_s:.2f} s, peak "
           f"{_gib(result['peak_device_bytes'])}", flush=True)
     return result
+
+
+def pinned_host_bytes(model: nn.Module) -> dict[str, int]:
+    """Page-locked host memory holding ``model``'s weights: ``pinned_host_bytes`` counts the unique storages that
+    report ``is_pinned()`` among its parameters and buffers and the host copies of Diffusers' group-offload hooks
+    (``cpu_param_dict``); ``registered_host_bytes`` is what diffusers-omni registered with ``cudaHostRegister``."""
+    from diffusers_omni.offload.memory import registered_host_bytes
+
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        for hook in (getattr(registry, "hooks", None) or {}).values():
+            copies = getattr(getattr(hook, "group", None), "cpu_param_dict", None) or {}
+            tensors += [t for t in copies.values() if isinstance(t, torch.Tensor)]
+    seen: set[int] = set()
+    pinned = 0
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            continue
+        try:
+            is_pinned = tensor.is_pinned()
+        except RuntimeError:  # no accelerator to ask
+            is_pinned = False
+        storage = tensor.untyped_storage()
+        if is_pinned and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            pinned += storage.nbytes()
+    return {"pinned_host_bytes": pinned, "registered_host_bytes": registered_host_bytes()}
 
 
 def remove_group_offload(model: nn.Module) -> None:
@@ -540,8 +575,9 @@ def markdown(report: dict) -> str:
         lines += [
             f"## {entry['model']} ({_gib(entry['param_bytes'])} bf16)",
             "",
-            "| Variant | Step (s) | Target (s) | Peak device | Setup (s) | Host RSS peak in setup | Streamed | Meets |",
-            "|---|---|---|---|---|---|---|---|",
+            "| Variant | Step (s) | Target (s) | Peak device | Setup (s) | Host RSS peak in setup | Host RSS while "
+            "stepping | Pinned / registered host | Streamed | Meets |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for v in entry["variants"]:
             meets = [v.get(k) for k in ("meets_step_target", "meets_peak_target", "meets_setup_target",
@@ -552,7 +588,8 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {v['variant']} | {_fmt(v['step_s'])} | {_fmt(v.get('target_step_s'))} | "
                 f"{_gib(v['peak_device_bytes'])} | {_fmt(v['setup_s'], '.1f')} | {_gib(v['host_rss_peak_setup'])} | "
-                f"{_gib(v.get('streamed_bytes'))} | {verdict} |"
+                f"{_gib(v.get('host_rss_steady'))} | {_gib(v.get('pinned_host_bytes'))} / "
+                f"{_gib(v.get('registered_host_bytes'))} | {_gib(v.get('streamed_bytes'))} | {verdict} |"
             )
         distributed = [v for v in entry["variants"] if "ratio_to_layerwise" in v]
         if distributed:
