@@ -374,6 +374,13 @@ def readme_costs() -> str:
          *each(lambda e, o, t, r: f"{gib(o['host_rss_peak_setup'])} / {gib(t[0]['host_rss_peak_setup'])}")],
         ["Host memory (process RSS) after enable, held while offloaded: layerwise / group offload",
          *each(lambda e, o, t, r: f"{gib(o['host_rss_after_setup'])} / {gib(t[0]['host_rss_after_setup'])}")],
+        *([["Host memory (process RSS) while steps run: layerwise / group offload",
+            *each(lambda e, o, t, r: f"{gib(o['host_rss_steady'])} / {gib(t[0]['host_rss_steady'])}")],
+           ["Page-locked host memory holding the weights (pinned or registered): layerwise / group offload",
+            *each(lambda e, o, t, r: " / ".join(gib(max(v["pinned_host_bytes"], v["registered_host_bytes"]))
+                                                for v in (o, t[0])))]]
+          # Runs of offload_bench before these were recorded lack them.
+          if all("host_rss_steady" in v for *_, o, t, r in runs for v in (o, t[0])) else []),
         ["Enable, first time in the process: layerwise / group offload",
          *each(lambda e, o, t, r: f"{o['setup_s']:.1f} s / {t[0]['setup_s']:.1f} s")],
         ["Enable again on the same model in the same process: group offload",

@@ -176,3 +176,23 @@ def test_no_measured_number_is_typed_outside_a_rendered_block():
         typed += [f"{page}: {line.strip()}" for line in text.splitlines()
                   if measured.search(line) and not any(a in line for a in allowed)]
     assert typed == []
+
+
+def test_readme_costs_show_steady_host_memory_once_the_runs_record_it(monkeypatch):
+    import copy
+
+    docs_tables = _module()
+    assert "while steps run" not in docs_tables.readme_costs()  # the committed runs predate the measurement
+    original = docs_tables.result
+
+    def with_host_memory(name):
+        data = copy.deepcopy(original(name))
+        for entry in data.get("models", []):
+            for v in entry["variants"]:
+                v.update(host_rss_steady=30 * 2**30, pinned_host_bytes=0, registered_host_bytes=22 * 2**30)
+        return data
+
+    monkeypatch.setattr(docs_tables, "result", with_host_memory)
+    costs = docs_tables.readme_costs()
+    assert "| Host memory (process RSS) while steps run: layerwise / group offload | 30.00 GiB / 30.00 GiB |" in costs
+    assert "(pinned or registered): layerwise / group offload | 22.00 GiB / 22.00 GiB |" in costs
