@@ -146,3 +146,25 @@ def test_parse_errors_are_one_line_with_a_help_hint(argv, capsys):
     assert err.count("\n") == 1 and "usage:" not in err, err
     command = f"diffusers-omni {argv[0]}"
     assert err.startswith(f"{command}: error: ") and err.rstrip().endswith(f"(see {command} --help)")
+
+
+def test_hub_id_is_checked_from_model_index_and_configs_only(configs_only, monkeypatch, capsys, tmp_path):
+    # A hub snapshot in a local cache (offline) holding model_index.json and the VAE and transformer configs, no
+    # weights: the refusal needs those three files only.
+    import huggingface_hub.constants as constants
+
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--someone--flux-configs"
+    for name in ("model_index.json", "vae/config.json", "transformer/config.json"):
+        target = repo / "snapshots" / revision / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text((configs_only / name).read_text())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    line = _one_line_error(["generate", "--model", "someone/flux-configs", "--frames", "5"], capsys)
+    assert "--frames=5: OmniFluxPipeline takes no num_frames" in line
+    line = _one_line_error(["generate", "--model", "someone/flux-configs", "--width", "30"], capsys)
+    assert "--width=30: OmniFluxPipeline needs a multiple of 4" in line
