@@ -25,6 +25,9 @@ def _run_threads(work, count: int, timeout: float = 120.0) -> list[BaseException
     start = threading.Barrier(count)
 
     def run(k: int) -> None:
+        # Like the main thread (conftest): OpenMP's thread count is per thread, and another count changes the order
+        # of CPU reductions (the last bit of a CLIP output, with or without offload).
+        torch.set_num_threads(1)
         try:
             start.wait()
             work(k)
