@@ -1053,7 +1053,7 @@ def quality_h200() -> str:
 
 
 def _tune_runs() -> list[tuple[str, dict]]:
-    runs = [(name, result(name)) for name in ("tune_h200", "tune_h200_no_fa3") if (RESULTS / f"{name}.json").is_file()]
+    runs = [(name, result(name)) for name in ("tune_h200", "tune_h200_no_fa3", "tune_h200_no_fa3_flux") if (RESULTS / f"{name}.json").is_file()]
     return runs
 
 
@@ -1073,8 +1073,8 @@ def tune_h200() -> str:
                 continue
             steps = model["whole_step"]["seconds"]
             fastest = model["whole_step"]["fastest"]
-            picks = "; ".join(f"{key}: {rule['ranking'][0]}" for key, rule in
-                              next(iter(model["tune"]["families"].values())).items())
+            ran = model["whole_step"]["backends"].get("omni auto (tuned table)", [])
+            picks = "; ".join(f"{role}: {routed[0] if routed else backend}" for role, backend, routed in ran)
             candidates = ", ".join(f"{'**' if n == fastest else ''}{n.replace('omni ', '')} {t:.3f}"
                                    f"{'**' if n == fastest else ''}" for n, t in sorted(steps.items(), key=lambda i: i[1]))
             ratio = model["whole_step"]["tuned_over_fastest"]
@@ -1082,7 +1082,7 @@ def tune_h200() -> str:
                          f"{ratio:.3f}" if ratio else "—", _verdict(model["whole_step"]["within_tolerance"])])
         out.append(f"**{report['label']}** ({report['device']}, torch {report['torch']}, {report['date'][:10]}; "
                    f"`{name}.json`)\n\n" + table(
-                       ["Model", "tune took", "tuned pick per shape class", "whole step of every candidate (s, "
+                       ["Model", "tune took", "auto ran, per role (tuned table)", "whole step of every candidate (s, "
                         "fastest bold)", "tuned auto / fastest", "within 3%"], rows))
     return "\n".join(out)
 

@@ -120,8 +120,11 @@ def interleaved(model, inputs, configs: dict, rounds: int, warmup: int = 1) -> t
     round; configurations that cannot be applied or run are returned with their error."""
     times: dict[str, list[float]] = {name: [] for name in configs}
     errors, backends = {}, {}
+    names = list(configs)
     for index in range(warmup + rounds):
-        for name, config in configs.items():
+        shift = index % len(names)  # every configuration takes every place in the round in turn
+        for name in names[shift:] + names[:shift]:
+            config = configs[name]
             if name in errors:
                 continue
             try:
@@ -138,6 +141,7 @@ def interleaved(model, inputs, configs: dict, rounds: int, warmup: int = 1) -> t
             if index >= warmup:
                 times[name].append(seconds)
     remove_attention(model)
+    interleaved.samples = {name: [round(t, 6) for t in v] for name, v in times.items()}
     return ({name: statistics.median(v) for name, v in times.items() if v and name not in errors}, errors,
             {name: [list(b) for b in v] for name, v in backends.items()})
 
@@ -207,7 +211,8 @@ def run_model(name: str, args, tuned_dir: str, shipped_dir: str) -> dict:
     steps, errors, backends = interleaved(model, inputs, candidates, args.rounds)
     fastest = min(steps, key=steps.get)
     tuned_step = steps.get("omni auto (tuned table)")
-    result["whole_step"] = {"seconds": steps, "unavailable": errors, "backends": backends, "fastest": fastest,
+    result["whole_step"] = {"seconds": steps, "samples": interleaved.samples, "unavailable": errors,
+                            "backends": backends, "fastest": fastest,
                             "tuned_over_fastest": tuned_step / steps[fastest] if tuned_step else None,
                             "within_tolerance": bool(tuned_step and tuned_step <= (1 + TOLERANCE) * steps[fastest])}
     print(f"{name}: whole step {json.dumps({k: round(v, 4) for k, v in steps.items()})}; fastest {fastest}; "
