@@ -1108,7 +1108,38 @@ def tune_lossy() -> str:
             + table(["Model", "Mode", "rel. error vs native", "step", "speed"], rows))
 
 
+def readme_lossy() -> str:
+    """The lossy modes' speed beside their error, both from one run (``quality_h200/quality.json``): seconds per
+    transformer forward, speed-up over Diffusers' native attention, the output's and the attention modules' relative
+    error against it."""
+    path = RESULTS / "quality_h200" / "quality.json"
+    if not path.is_file():
+        return "Not measured yet (`python -m benchmarks.quality_bench`).\n"
+    data = json.loads(path.read_text())
+    rows = []
+    for model, entry in data["full_size"].items():
+        steps = entry["step_s"]
+        native = steps[entry["reference"]]
+        for name, seconds in steps.items():
+            if name == entry["reference"]:
+                rows.append([model, "Diffusers native (reference)", f"{seconds:.3f}", "1.00×", "—", "—"])
+                continue
+            cand = entry["candidates"].get(name, {})
+            attention = cand.get("attention", {})
+            rows.append([model, name, f"{seconds:.3f}", f"{native / seconds:.2f}×",
+                         f"{cand['output_rel_err']:.2%}" if "output_rel_err" in cand else "—",
+                         f"{attention['local_rel_err_mean']:.2%} (worst {attention['local_rel_err_max']:.2%})"
+                         if "local_rel_err_mean" in attention else "—"])
+    return table(["Model", "Attention", "Forward (s)", "Speed-up (native ÷ this, per forward)",
+                  "Output rel. error vs native", "Attention rel. error, per module (mean)"], rows) + (
+        f"\nOne run, {data['device']}, {data['date'][:10]}, commit {data.get('commit') or '?'} "
+        "(`benchmarks/quality_bench.py`, `benchmarks/results/quality_h200/quality.json`). Random weights: the errors "
+        "show what each mode does to these activations, not image quality on a trained checkpoint; measure yours with "
+        "`diffusers-omni compare`. \"FP8 (routed)\" is FP8 as shipped: at FLUX's size every call stays bf16.\n")
+
+
 RENDERERS = {
+    "readme-lossy": readme_lossy,
     "tune-h200": tune_h200,
     "tune-lossy": tune_lossy,
     "gpu-backends": gpu_backends,
