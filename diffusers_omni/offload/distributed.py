@@ -441,9 +441,18 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
 
     # Disable ---------------------------------------------------------------------------------------------
 
+    def disable(self) -> None:
+        """Collective, like enable. Refused (``ConcurrentCallError``, nothing changed) while another thread of this
+        rank runs a forward: the lock is taken before the guards come off."""
+        state = self._state
+        if not self._enabled or state is None or state.lock is None:
+            return super().disable()
+        with state.lock:
+            super().disable()
+
     def _disable(self) -> None:
         self._remove_step_check_hook()
-        super()._disable()  # under the forward lock: refused while another thread runs a forward
+        super()._disable()  # re-enters the forward lock disable() holds
 
     def _remove_step_check_hook(self) -> None:
         remove = self.__dict__.pop("_remove_step_check", None)

@@ -202,6 +202,11 @@ class LockedCallbackHook(NotPicklable, ModelHook):
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         self.lock.acquire(self.label)
+        if self.fn_ref is None:
+            # The offload was disabled while this call waited for the lock: the hook is gone, and the module's
+            # forward (its own weights again) serves the call.
+            self.lock.release()
+            return module.forward(*args, **kwargs)
         try:
             if self._before is not None:
                 self._before()

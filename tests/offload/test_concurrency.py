@@ -155,6 +155,55 @@ def test_model_level_keeps_a_running_component_onloaded_while_another_thread_cal
     pipe.disable_omni_offload()
 
 
+@pytest.mark.parametrize("strategy", ["layerwise", "model_level"])
+def test_disable_waits_for_a_running_forward_and_a_waiting_caller_still_gets_its_output(strategy):
+    """One caller runs, another waits for the lock, a third thread disables: disable waits for the running forward;
+    whichever of the other two goes next, the waiting caller gets the same output (through the offload, or
+    through the resident model if the offload was disabled meanwhile)."""
+    for _ in range(ROUNDS):
+        model = bare_flux()
+        inputs = flux_inputs(0)
+        with torch.no_grad():
+            reference = model(**inputs)[0]
+        backend = apply_offload(model, OffloadConfig(strategy, device="cpu"))
+        inside, release = threading.Event(), threading.Event()
+
+        def hold(module, args):
+            if threading.current_thread().name == "caller-0" and not inside.is_set():
+                inside.set()
+                assert release.wait(30)
+
+        handle = model.transformer_blocks[0].register_forward_pre_hook(hold)
+        outputs: dict[int, torch.Tensor] = {}
+
+        def work(k: int) -> None:
+            if k == 0:
+                with torch.no_grad():
+                    outputs[k] = model(**inputs)[0]
+                return
+            assert inside.wait(30)
+            if k == 1:
+                backend.disable()
+            else:
+                threading.Event().wait(0.05)
+                with torch.no_grad():
+                    outputs[k] = model(**inputs)[0]
+
+        def releaser() -> None:
+            assert inside.wait(30)
+            threading.Event().wait(0.2)  # the disabling and the waiting caller are both blocked by now
+            release.set()
+
+        helper = threading.Thread(target=releaser)
+        helper.start()
+        errors = _run_threads(work, 3, timeout=60)
+        helper.join(30)
+        handle.remove()
+        assert not errors, [f"{type(e).__name__}: {e}" for e in errors]
+        assert not backend.is_enabled()
+        assert torch.equal(outputs[0], reference) and torch.equal(outputs[2], reference)
+
+
 @pytest.fixture
 def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -187,8 +236,15 @@ def test_distributed_refuses_a_second_concurrent_call_at_once(one_rank_group, us
                 results[k] = model(**inputs)[0]
         except ConcurrentCallError as error:
             results[k] = error
+        try:
+            if k == 1:  # disabling under a running forward is refused too, before anything changed
+                backend.disable()
+                results["disable"] = None
+        except ConcurrentCallError as error:
+            results["disable"] = error
         finally:
             if k == 1:
+                results["enabled"] = backend.is_enabled() and "__getstate__" in model.__dict__
                 tried.set()
 
     assert not _run_threads(work, 2, timeout=60)
@@ -199,6 +255,7 @@ def test_distributed_refuses_a_second_concurrent_call_at_once(one_rank_group, us
     message = str(refused)
     assert "'caller-0'" in message and "'caller-1'" in message and "one thread" in message
     assert "enable_layerwise_offload()" in message
+    assert isinstance(results["disable"], ConcurrentCallError) and results["enabled"], results
     with torch.no_grad():  # the refused call changed nothing
         assert torch.equal(model(**inputs)[0], reference)
     backend.disable()
