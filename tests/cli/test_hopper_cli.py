@@ -29,5 +29,5 @@ def test_explain_marks_lossy_roles(capsys):
     finally:
         reset_backend("LOSSY_TEST")
     out = capsys.readouterr().out
-    assert "wan.self: LOSSY" in out and "diffusers-omni align" in out
+    assert "wan.self: LOSSY" in out and "diffusers-omni compare" in out
     assert "wan.cross: LOSSY" not in out
