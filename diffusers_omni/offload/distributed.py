@@ -327,13 +327,14 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                     )
             raise
 
-    def _agree(self, point: str, error: BaseException | None = None, payload: Any = None) -> list[Any]:
-        """All ranks exchange ``(error text or None, payload)``; returns the payloads. Raises on every rank when
-        any rank failed (this rank's own ``error`` is re-raised by the caller)."""
+    def _agree(self, point: str, error: BaseException | None = None) -> None:
+        """Agreement ``point``: all ranks exchange their error text (``None``: this rank succeeded). When any rank
+        failed, every other rank raises here, naming it (a failing rank passes its own ``error``, which its
+        caller raises)."""
         answers: list[Any] = [None] * self.world_size
         text = None if error is None else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(answers, (text, payload), group=self.group)
-        failed = [(r, message) for r, (message, _) in enumerate(answers) if message is not None]
+        dist.all_gather_object(answers, (point, text), group=self.group)
+        failed = [(r, message) for r, (_, message) in enumerate(answers) if message is not None]
         if failed and error is None:
             rank, message = failed[0]
             others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
@@ -341,7 +342,6 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                 f"distributed layerwise offload: rank {rank}{others} could not enable ({message}); every rank "
                 "rolled back, no rank enabled it"
             )
-        return [p for _, p in answers]
 
     def _stage_agree_local(self, state: LayerwiseState, journal: Journal) -> None:
         self._pending_agreement = None  # from here on this rank is in the agreement itself
