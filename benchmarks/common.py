@@ -41,6 +41,19 @@ def time_ms(fn: Callable[[], Any], repeats: int, inner: int, warmup: int = 2) ->
     return statistics.median(samples)
 
 
+def random_parameters_on(model: torch.nn.Module, device, dtype: torch.dtype = torch.bfloat16, seed: int = 0):
+    """Give every meta-device parameter of ``model`` storage on ``device`` filled with N(0, 0.02) (drawn there: a
+    12B-parameter model in seconds); buffers are left as the model built them. Returns the model on ``device``."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                data = torch.empty(param.shape, device=device, dtype=dtype)
+                data.normal_(0.0, 0.02, generator=generator)
+                module._parameters[name] = torch.nn.Parameter(data, requires_grad=False)
+    return model.to(device)
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 attention of ``[B, S, H, D]`` tensors (``mask``: ``[B, S_kv]`` key padding); on the GPU through the
     memory-efficient kernel (no S×S materialisation, fp32 accumulation throughout)."""

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import reference, rel_err, sync, time_ms
+from benchmarks.common import random_parameters_on, reference, rel_err, sync, time_ms
 from benchmarks.derive_routing import derive_fp8
 from diffusers_omni.attention import block_sparse as bs
 from diffusers_omni.attention import fp8_quant as fq
@@ -278,14 +278,7 @@ def build_model(name: str, device: str, smoke: bool):
         "wan": dict(num_layers=2, num_attention_heads=2, attention_head_dim=64, ffn_dim=64, text_dim=32, freq_dim=32),
     }
     model = meta_transformer(name, smoke_config.get(name, smoke_config["wan"]) if smoke else {})
-    generator = torch.Generator(device=device).manual_seed(0)
-    for module in model.modules():
-        for pname, param in list(module._parameters.items()):
-            if param is not None and param.is_meta:
-                data = torch.empty(param.shape, device=device, dtype=torch.bfloat16)
-                data.normal_(0.0, 0.02, generator=generator)
-                module._parameters[pname] = torch.nn.Parameter(data, requires_grad=False)
-    return model.to(device).eval()
+    return random_parameters_on(model, device).eval()
 
 
 def model_inputs(name: str, model, device: str, smoke: bool) -> tuple[dict, int]:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import rel_err, sync
+from benchmarks.common import random_parameters_on, rel_err, sync
 from diffusers_omni.attention.platform import current_platform
 from diffusers_omni.attention.routing import table_label
 from diffusers_omni.attention.selector import clear_resolution_cache
@@ -65,14 +65,7 @@ def build(name: str, device: str, smoke: bool):
     kwargs = {"guidance_embeds": True} if name == "flux" else {}
     with parameters_on_meta():
         model = cls(**kwargs, **overrides)
-    generator = torch.Generator(device=device).manual_seed(0)
-    for module in model.modules():
-        for pname, param in list(module._parameters.items()):
-            if param is not None and param.is_meta:
-                data = torch.empty(param.shape, device=device, dtype=torch.bfloat16)
-                data.normal_(0.0, 0.02, generator=generator)
-                module._parameters[pname] = torch.nn.Parameter(data, requires_grad=False)
-    model = model.to(device).eval()
+    model = random_parameters_on(model, device).eval()
     return model, inputs_for(name, model.config, device, smoke)
 
 
