@@ -23,6 +23,7 @@ from ..installer import (
     tune_attention,
 )
 from ..offload.guards import FOREIGN_OFFLOADERS, SUSPENDING_METHODS, call_refused, call_suspended
+from ..offload.report import OffloadReport, call_peak_end, call_peak_start, offload_report
 from ..utils.modules import get_submodule_path
 
 logger = logging.getLogger("diffusers_omni")
@@ -50,6 +51,10 @@ def sharing_components() -> Iterator[None]:
         yield
     finally:
         _sharing_components.reset(token)
+
+
+# True inside a pipeline call whose device peak is being recorded (a call nested in it records nothing of its own).
+_in_tracked_call: contextvars.ContextVar[bool] = contextvars.ContextVar("omni_in_tracked_call", default=False)
 
 
 def diffusers_pipeline_class(cls: type) -> type | None:
@@ -81,6 +86,40 @@ def _following(name: str, original: Any, handler: Any) -> Any:
 
     method._omni_follows_offload = True  # type: ignore[attr-defined]
     return method
+
+
+def _track_call_peak(cls: type) -> None:
+    """Make ``cls``'s ``__call__`` record the device's peak memory over each call (``omni_offload_report``). The
+    wrapper keeps the original's signature and docstring (``functools.wraps``)."""
+    original = next((klass.__dict__["__call__"] for klass in cls.__mro__
+                     if klass is not OmniPipelineMixin and "__call__" in klass.__dict__), None)
+    if original is None or getattr(original, "_omni_tracks_peak", False):
+        return
+
+    @functools.wraps(original)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return _tracked_call(self, functools.partial(original, self), args, kwargs)
+
+    __call__._omni_tracks_peak = True  # type: ignore[attr-defined]
+    cls.__call__ = __call__
+
+
+def _tracked_call(pipe: Any, call: Any, args: tuple, kwargs: dict) -> Any:
+    """Run ``call``; the outermost pipeline call in this thread resets the execution device's peak counter first
+    and records the peak after (also when the call raises)."""
+    if _in_tracked_call.get():
+        return call(*args, **kwargs)
+    device = torch.device(pipe._execution_device)
+    token = _in_tracked_call.set(True)
+    tracked = call_peak_start(device)
+    completed = False
+    try:
+        result = call(*args, **kwargs)
+        completed = True
+        return result
+    finally:
+        _in_tracked_call.reset(token)
+        pipe.__dict__["_omni_last_call_peak"] = call_peak_end(device, tracked, completed)
 
 
 def _expose_in_diffusers(cls: type) -> None:
@@ -133,6 +172,12 @@ class OmniPipelineMixin:
             _expose_in_diffusers(cls)
         if diffusers_pipeline_class(cls) is not None:
             _follow_offload(cls)
+            _track_call_peak(cls)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Reached only through ``super().__call__`` from a class that replaced the tracked ``__call__`` after
+        # ``__init_subclass__`` (the PAG pipelines' wrapper): the call is tracked here instead.
+        return _tracked_call(self, super().__call__, args, kwargs)
 
     def to_json_string(self) -> str:
         # ``save_pretrained`` → ``save_config`` → here: Diffusers writes ``type(self).__name__`` as ``_class_name``;
@@ -474,6 +519,25 @@ class OmniPipelineMixin:
             backend.disable()
         for other in offload_backends(self):  # enabled on another pipeline object sharing the components
             other.disable()
+
+    def omni_offload_report(self) -> OffloadReport:
+        """Where every component's weights live now, and the peak device memory of the last pipeline call.
+
+        Per component (transformers, text and image encoders, VAEs, other modules): its bytes on the device, in
+        pinned host memory, in pageable host memory and on disk; whether the offload streams it block by block,
+        swaps it in whole while it runs (model-level) or leaves it resident; where it computes. Works with no
+        offload and with every strategy; it reads the offload's records and changes nothing. The peak is
+        ``torch.cuda.max_memory_allocated`` over the last call on a CUDA device, ``None`` elsewhere (CPU) or before
+        the first call; ``peak_note`` says which. ``str(report)`` is a table.
+
+        Example:
+        ```py
+        >>> pipe.enable_layerwise_offload(device="cuda")
+        >>> image = pipe("a cat").images[0]
+        >>> print(pipe.omni_offload_report())
+        ```
+        """
+        return offload_report(self, self.omni_offload_backend, self.__dict__.get("_omni_last_call_peak"))
 
     @property
     def omni_offload_backend(self) -> Any:
