@@ -93,6 +93,7 @@ def run(args) -> int:
             "height": kwargs["height"],
             "width": kwargs["width"],
             "frames": kwargs.get("num_frames"),
+            "guidance_scale": kwargs.get("guidance_scale"),
             "seed": kwargs["generator"].initial_seed(),
             "output": str(output),
             "timings_s": {"load": loaded - started, "enable": enabled - loaded, "generate": done - enabled},
@@ -109,7 +110,7 @@ def run(args) -> int:
         peak = summary["peak_device_memory_bytes"]
         print(f"model: {model} ({summary['pipeline']}, {summary['dtype']})")
         print(f"load {loaded - started:.2f} s, enable {enabled - loaded:.2f} s, generate {done - enabled:.2f} s "
-              f"({args.steps} steps on {device}" + (f", peak device memory {peak / 2**30:.2f} GiB)" if peak else ")"))
+              f"({kwargs['width']}×{kwargs['height']}, {args.steps} steps on {device}" + (f", peak device memory {peak / 2**30:.2f} GiB)" if peak else ")"))
         print(f"wrote {output}" + (f" (rank {rank}/{world_size}, seed {summary['seed']})" if world_size > 1 else ""))
         return 0
     finally:
@@ -268,8 +269,10 @@ def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
     """Refuse, before any weights load, every argument the pipeline's configs already rule out: the output type
     (image or video, an installed mp4 encoder), flags the pipeline takes no value for, height/width against its
     multiple and the DiT's position table, frames against the VAE's temporal multiple, and sizes and steps whose
-    smallest allocation cannot fit in the memory of the machine."""
-    _check_steps(args.steps)
+    smallest allocation cannot fit in the memory of the machine. Flags left out get the pipeline's defaults here
+    (``fill_defaults``), so they are checked too."""
+    if args.steps is not None:
+        _check_steps(args.steps)
     plan = skeleton(args.model)
     if plan is None:
         return None
@@ -283,8 +286,12 @@ def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
                                    ("--frames", "num_frames", args.frames), ("--image", "image", args.image)):
         if value is not None and parameter not in takes:
             raise UsageError(f"{flag}={value!r}: {name} takes no {parameter}")
-    frames = args.frames if args.frames is not None else (5 if args.model in TINY_MODELS else None)
-    frames = frames if video else 1
+    fill_defaults(args, plan.omni_cls, plan.pipe)
+    if args.steps is not None:
+        _check_steps(args.steps)
+    frames = args.frames if video else 1
+    if args.height is None or args.width is None:
+        return plan  # no default size from the configs alone: the loaded pipeline gives it (``call_kwargs``)
     if plan.pipe is not None:
         multiple, why = _spatial_multiple(plan.pipe, plan.dit)
         for flag, value in (("--height", args.height), ("--width", args.width)):
@@ -298,6 +305,52 @@ def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
         _check_positions(args, plan, name, multiple, frames, temporal)
     _check_memory(args, plan, device, dtype, frames or 1)
     return plan
+
+
+# The tiny models' sizes: small enough that the README's first command runs in seconds on a CPU.
+TINY_DEFAULTS = {"height": 64, "width": 64, "steps": 4, "frames": 5}
+
+
+def pipeline_defaults(pipeline_cls: type, pipe: Any = None) -> dict[str, Any]:
+    """The defaults ``pipeline_cls``'s ``__call__`` uses for what it is not given: ``steps``
+    (``num_inference_steps``), ``guidance_scale`` and ``frames`` (``num_frames``) from its signature, ``height`` and
+    ``width`` from its signature when it declares them (Wan: 480 × 832), else ``default_sample_size ×
+    vae_scale_factor`` of ``pipe`` (the pipeline object, or one built around its configs), as Diffusers' ``__call__``
+    computes them (FLUX.1-dev: 128 × 8 = 1024). A value it does not declare is left out."""
+    parameters = inspect.signature(pipeline_cls.__call__).parameters
+
+    def default(name: str) -> Any:
+        parameter = parameters.get(name)
+        if parameter is None or parameter.default is inspect.Parameter.empty or parameter.default is None:
+            return None
+        return parameter.default
+
+    found = {"steps": default("num_inference_steps"), "guidance_scale": default("guidance_scale"),
+             "frames": default("num_frames"), "height": default("height"), "width": default("width")}
+    sample, scale = getattr(pipe, "default_sample_size", None), getattr(pipe, "vae_scale_factor", None)
+    if isinstance(sample, int) and isinstance(scale, int):
+        for side in ("height", "width"):
+            if found[side] is None and side in parameters:
+                found[side] = sample * scale
+    return {key: value for key, value in found.items() if isinstance(value, (int, float)) and value is not True}
+
+
+def fill_defaults(args, pipeline_cls: type, pipe: Any = None) -> None:
+    """Set every size and schedule flag left out (``None``) to its default: the tiny models' small sizes
+    (``TINY_DEFAULTS``), else the pipeline's own (``pipeline_defaults``). ``--frames`` only for pipelines taking
+    ``num_frames``; ``--guidance-scale`` only for those taking ``guidance_scale``. Flags given are never changed."""
+    parameters = inspect.signature(pipeline_cls.__call__).parameters
+    own = pipeline_defaults(pipeline_cls, pipe)
+    tiny = TINY_DEFAULTS if args.model in TINY_MODELS else {}
+    for flag, key in (("steps", "steps"), ("height", "height"), ("width", "width"), ("frames", "frames"),
+                      ("guidance_scale", "guidance_scale")):
+        if getattr(args, flag, None) is not None:
+            continue
+        if key == "frames" and "num_frames" not in parameters:
+            continue
+        value = tiny.get(key, own.get(key))
+        if value is not None:
+            setattr(args, flag, value)
 
 
 def _check_positions(args, plan: _Skeleton, name: str, multiple: int, frames: int | None,
@@ -447,6 +500,11 @@ def _call_kwargs(args, pipe, rank: int, world_size: int) -> dict:
     import torch
 
     name = type(pipe).__name__
+    fill_defaults(args, type(pipe), pipe)
+    for flag, value in (("--height", args.height), ("--width", args.width), ("--steps", args.steps)):
+        if value is None:
+            raise UsageError(f"{flag}: {name} declares no default (no default in its __call__, no "
+                             "default_sample_size × vae_scale_factor); give --height, --width and --steps")
     multiple, why = _spatial_multiple(pipe, next(iter(pipe.omni_dits().values()), None))
     for flag, value in (("--height", args.height), ("--width", args.width)):
         if value % multiple:
@@ -472,7 +530,7 @@ def _call_kwargs(args, pipe, rank: int, world_size: int) -> dict:
     if args.guidance_scale is not None:
         kwargs["guidance_scale"] = args.guidance_scale
     if _accepts(pipe, "num_frames"):
-        frames = args.frames if args.frames is not None else (5 if args.model in TINY_MODELS else None)
+        frames = args.frames
         temporal = _temporal_multiple(pipe)
         if frames is not None and temporal and (frames - 1) % temporal:
             raise UsageError(f"--frames={frames}: {name} needs 1 + a multiple of {temporal} frames (e.g. "

@@ -84,11 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
     generate.add_argument("--negative-prompt", help="what to steer away from (pipelines that take one)")
     generate.add_argument("--guidance-scale", type=finite_float, help="classifier-free guidance (default: the pipeline's)")
-    generate.add_argument("--steps", type=positive_int, default=4, help="denoising steps")
-    generate.add_argument("--height", type=positive_int, default=64, help="pixels; a multiple the model needs")
-    generate.add_argument("--width", type=positive_int, default=64, help="pixels; a multiple the model needs")
+    generate.add_argument("--steps", type=positive_int,
+                          help="denoising steps (default: the pipeline's, e.g. 28 for FLUX.1-dev; 4 for the tiny models)")
+    generate.add_argument("--height", type=positive_int,
+                          help="pixels; a multiple the model needs (default: the pipeline's, e.g. 1024 for FLUX.1-dev; "
+                               "64 for the tiny models)")
+    generate.add_argument("--width", type=positive_int,
+                          help="pixels; a multiple the model needs (default: the pipeline's; 64 for the tiny models)")
     generate.add_argument("--frames", type=positive_int,
-                          help="video pipelines: number of frames (default: 5 for the tiny models, else the pipeline's)")
+                          help="video pipelines: number of frames (default: the pipeline's; 5 for the tiny models)")
     generate.add_argument("--image", help="image-to-video pipelines: conditioning image path")
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--attention", help="backend name (ours or Diffusers'), or JSON {'default': ..., 'per_role': ...}")

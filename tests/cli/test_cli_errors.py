@@ -139,7 +139,7 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "denoising steps (default: 4)" in out and "(default: tiny-flux)" in out and "(default: auto)" in out
+    assert "denoising steps (default: the pipeline's" in out and "(default: tiny-flux)" in out and "(default: auto)" in out
 
 
 def test_generate_json_summary(tmp_path, capsys):
