@@ -202,3 +202,18 @@ def test_a_pipeline_whose_call_is_wrapped_again_still_records_its_call():
     pipe(prompt="a cat", height=32, width=32, num_inference_steps=1, guidance_scale=1.0, pag_scale=3.0,
          output_type="latent")
     assert "computes on cpu" in pipe.omni_offload_report().peak_note
+
+
+def test_encoder_blocks_streamed_through_the_plan_are_reported_under_their_encoder(pipe):
+    from diffusers_omni.config.offload import OffloadPlan
+
+    expected = {name: weight_bytes(getattr(pipe, name)) for name in ("text_encoder", "text_encoder_2")}
+    t5_blocks = weight_bytes(pipe.text_encoder_2.encoder.block)
+    plan = OffloadPlan(extra_streamed=("text_encoder_2.encoder.block",))
+    pipe.enable_layerwise_offload(device="cpu", plan=plan)
+    report = pipe.omni_offload_report()
+    t5 = report["text_encoder_2"]
+    assert t5.placement == "streamed" and t5.streamed_blocks == len(pipe.text_encoder_2.encoder.block)
+    assert t5.weight_bytes == expected["text_encoder_2"] and t5.pageable_bytes == t5_blocks
+    assert report["text_encoder"].placement == "resident"
+    assert report["text_encoder"].device_bytes == expected["text_encoder"]
