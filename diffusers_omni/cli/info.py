@@ -204,11 +204,14 @@ def bug_report_block(info: dict) -> str:
 
 
 def _shape_routing(platform) -> dict:
-    """The committed routing table's ranking per measured shape class of this platform family."""
-    from ..attention.routing import TABLE_PATH, load_table
+    """The ranking per measured shape class of this platform family, from the table that decides here: one tuned on
+    this machine (``diffusers-omni tune``) when it matches this environment, the shipped one otherwise."""
+    from ..attention.routing import active_table, is_tuned, table_label
 
-    rules = load_table().get("families", {}).get(platform.family, {})
-    return {"table": TABLE_PATH.name, "classes": {key: rule["ranking"] for key, rule in rules.items()}}
+    table = active_table(platform)
+    rules = table.get("families", {}).get(platform.family, {})
+    return {"table": table_label(table), "tuned": is_tuned(table),
+            "classes": {key: rule["ranking"] for key, rule in rules.items()}}
 
 
 def _environment_backend() -> dict:

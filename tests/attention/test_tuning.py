@@ -267,3 +267,12 @@ def test_an_unmeasured_lossy_setting_says_so(extra_backends, caplog, monkeypatch
         _pipe().enable_omni_attention("LOSSY_FAST")
     [message] = [r.getMessage() for r in caplog.records if "lossy attention" in r.getMessage()]
     assert "no committed measurement of LOSSY_FAST" in message
+
+
+def test_info_shows_the_tuned_table_when_it_decides(extra_backends, capsys):
+    _tuned_file({TINY_CLASS: {"ranking": ["OTHER_EXACT", "TORCH_SDPA"],
+                              "worst_ratio": {"OTHER_EXACT": 1.0, "TORCH_SDPA": 0.8}}})
+    capsys.readouterr()
+    assert main(["info"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "shape routing (tuned on this machine" in out and "OTHER_EXACT > TORCH_SDPA" in out
