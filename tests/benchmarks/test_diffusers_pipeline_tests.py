@@ -1,0 +1,43 @@
+"""The harness that runs Diffusers' own pipeline tests with offload enabled in setup (benchmarks/diffusers_pipeline_tests.py)."""
+
+from __future__ import annotations
+
+import pytest
+from diffusers import FluxPipeline
+
+from benchmarks.diffusers_pipeline_tests import _offloaded_class, summarize
+from diffusers_omni.pipelines.flux import OmniFluxPipeline
+from diffusers_omni.testing.tiny import tiny_flux_components
+
+
+@pytest.mark.parametrize("mode", ["layerwise", "model_level"])
+def test_offloaded_class_enables_offload_and_keeps_diffusers_component_names(mode):
+    cls = _offloaded_class(OmniFluxPipeline, mode)
+    assert cls.__name__ == "OmniFluxPipeline" and issubclass(cls, OmniFluxPipeline)
+    pipe = cls(**tiny_flux_components())
+    try:
+        assert pipe.omni_offload_backend is not None and pipe.omni_offload_backend.strategy.value == mode
+        # Diffusers reads the component names from __init__'s signature (components, from_pipe, save/load)
+        assert set(pipe.components) == set(FluxPipeline(**tiny_flux_components()).components)
+        # a second pipeline built from the same components (as Diffusers' tests do) adopts the offload
+        second = cls(**pipe.components)
+        assert second.omni_offload_backend is pipe.omni_offload_backend
+    finally:
+        pipe.disable_omni_offload()
+
+
+def test_offloaded_class_leaves_a_pipeline_without_its_dit_resident():
+    components = {name: (value if name.startswith(("text_encoder", "tokenizer")) else None)
+                  for name, value in tiny_flux_components().items()}
+    pipe = _offloaded_class(OmniFluxPipeline, "layerwise")(**components)
+    assert pipe.omni_offload_backend is None
+
+
+def test_summarize_counts_only_failures_of_tests_that_pass_in_stock():
+    runs = {"stock": {"outcomes": {"a": "passed", "b": "failed", "c": "passed"}, "errors": {"b": "x"}},
+            "layerwise": {"outcomes": {"a": "failed", "b": "failed", "c": "error"},
+                          "errors": {"a": "boom", "b": "x", "c": "setup"}}}
+    out = summarize(runs)
+    assert out["stock"]["beyond_stock"] == []
+    assert out["layerwise"]["beyond_stock"] == ["a", "c"]
+    assert out["layerwise"]["failures"] == {"a": "boom", "b": "x", "c": "setup"}
