@@ -1143,6 +1143,52 @@ def readme_lossy() -> str:
         "`diffusers-omni compare`. \"FP8 (routed)\" is FP8 as shipped: at FLUX's size every call stays bf16.\n")
 
 
+_DPT_LABELS = {"stock": "Diffusers' classes (stock)", "omni": "Omni classes, no offload",
+               "layerwise": "Omni classes, layerwise offload in setup",
+               "model_level": "Omni classes, model-level offload in setup"}
+
+
+def diffusers_pipeline_tests() -> str:
+    """Diffusers' own fast pipeline tests per mode, and the tests failing beyond stock (by test name)."""
+    data = result("diffusers_pipeline_tests_cpu")
+    runs = data["runs"]
+    rows = []
+    for mode, run in runs.items():
+        counts = run["counts"]
+        rows.append([_DPT_LABELS[mode], ", ".join(run["families"]), counts.get("passed", 0),
+                     counts.get("failed", 0) + counts.get("error", 0), counts.get("skipped", 0),
+                     "–" if mode == "stock" else len(run["beyond_stock"])])
+    text = (f"Diffusers' tests from `{data['diffusers_tests_ref']}`, run against the installed diffusers "
+            f"{data['diffusers']} (torch {data['torch']}, {data['device']}), commit `{data['commit'][:10]}`, "
+            f"{data['date'][:10]} (`python -m benchmarks.diffusers_pipeline_tests`, "
+            "`benchmarks/results/diffusers_pipeline_tests_cpu.json`).\n\n")
+    text += table(["Run", "Families", "Passed", "Failed", "Skipped", "Failed beyond stock"], rows)
+    folders = sorted({nodeid.split("::")[0].split("/")[2] for run in runs.values() for nodeid in run["outcomes"]})
+    per_folder = []
+    for folder in folders:
+        row = [f"`{folder}`"]
+        for run in runs.values():
+            outcomes = [v for k, v in run["outcomes"].items() if k.split("::")[0].split("/")[2] == folder]
+            ran = sum(v != "skipped" for v in outcomes)
+            row.append(f"{sum(v == 'passed' for v in outcomes)} / {ran}")
+        per_folder.append(row)
+    text += "\nPassed / ran (not skipped) per Diffusers test folder:\n\n"
+    text += table(["Folder", *(_DPT_LABELS[mode] for mode in runs)], per_folder)
+    offloaded = [mode for mode in runs if mode != "stock"]
+    beyond: dict[str, dict[str, int]] = {}
+    for mode in offloaded:
+        for nodeid in runs[mode]["beyond_stock"]:
+            name = nodeid.rsplit("::", 1)[-1].split("[")[0]
+            beyond.setdefault(name, {}).setdefault(mode, 0)
+            beyond[name][mode] += 1
+    if beyond:
+        text += "\nFailing beyond stock, by Diffusers test name (number of test classes):\n\n"
+        text += table(["Test", *(_DPT_LABELS[mode] for mode in offloaded)],
+                      [[f"`{name}`", *(counts.get(mode, 0) for mode in offloaded)]
+                       for name, counts in sorted(beyond.items())])
+    return text
+
+
 RENDERERS = {
     "readme-lossy": readme_lossy,
     "tune-h200": tune_h200,
@@ -1183,6 +1229,7 @@ RENDERERS = {
     "peak-diff": peak_diff,
     "offload-lifecycle": offload_lifecycle,
     "quality-h200": quality_h200,
+    "diffusers-pipeline-tests": diffusers_pipeline_tests,
 }
 
 
