@@ -190,7 +190,10 @@ def make_stand_ins(hub: Path) -> list[str]:
     return list(STAND_INS)
 
 
-def _test_paths(src: Path, families: list[str], representative: bool = False) -> list[str]:
+def _test_paths(src: Path, families: list[str], representative: bool = False,
+                files: list[str] | None = None) -> list[str]:
+    if files:  # given explicitly (relative to tests/pipelines)
+        return [str(src / "tests" / "pipelines" / rel) for rel in files]
     paths = []
     for family in families:
         for rel in (REPRESENTATIVE if representative else FAMILY_TEST_PATHS)[family]:
@@ -201,14 +204,14 @@ def _test_paths(src: Path, families: list[str], representative: bool = False) ->
 
 
 def run_mode(src: Path, mode: str, families: list[str], timeout: int, report: Path, hub: Path,
-             representative: bool = False) -> dict:
+             representative: bool = False, files: list[str] | None = None) -> dict:
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, _MODE_ENV: mode, _REPORT_ENV: str(report),
            "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.diffusers_pipeline_tests",
-           "--continue-on-collection-errors", "--rootdir", str(src), *_test_paths(src, families, representative)]
+           "--continue-on-collection-errors", "--rootdir", str(src), *_test_paths(src, families, representative, files)]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=hub, env=env, capture_output=True, text=True, timeout=timeout)
@@ -245,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", nargs="+", choices=sorted(FAMILY_TEST_PATHS), default=sorted(FAMILY_TEST_PATHS))
     parser.add_argument("--representative", action="store_true",
                         help=f"only the main test file of {', '.join(REPRESENTATIVE)} (see REPRESENTATIVE)")
+    parser.add_argument("--files", nargs="+", default=None,
+                        help="test files relative to tests/pipelines, instead of the families' (--families then only "
+                             "labels the run)")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
     parser.add_argument("--source-ref", default="", help="which Diffusers revision the tests come from (recorded)")
     parser.add_argument("--hub", type=Path, default=Path("/tmp/omni-dpt-hub"),
@@ -285,10 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         report.unlink(missing_ok=True)
         if args.representative:
             args.families = [family for family in args.families if family in REPRESENTATIVE]
-        run = run_mode(args.src, mode, args.families, args.timeout, report, args.hub, args.representative)
+        run = run_mode(args.src, mode, args.families, args.timeout, report, args.hub, args.representative, args.files)
         run["families"] = args.families
         run["files"] = [str(Path(path).relative_to(args.src))
-                        for path in _test_paths(args.src, args.families, args.representative)]
+                        for path in _test_paths(args.src, args.families, args.representative, args.files)]
         runs[mode] = run
         print(f"{mode}: {run['counts']} in {run['seconds']} s{' (timed out)' if run['timed_out'] else ''}",
               flush=True)
