@@ -1098,7 +1098,6 @@ def tune_lossy() -> str:
     rows = []
     for model in report["models"].values():
         lossy = model.get("lossy", {})
-        exact = lossy.get("FLASH_ATTN bf16 (exact)", {})
         for label, row in lossy.items():
             if "unavailable" in row:
                 rows.append([model["label"], label, "—", "—", _short_error(row["unavailable"])])
@@ -1107,7 +1106,6 @@ def tune_lossy() -> str:
             rows.append([model["label"], label, f"{row['rel_err_vs_native']:.2%}",
                          f"{row['step_s']:.3f} s", f"{speed:.2f}× the fastest exact ({row['exact_fastest_step_s']:.3f} s)"
                          if label != "FLASH_ATTN bf16 (exact)" else "exact kernel, for scale"])
-        del exact
     return (f"{report['device']}, torch {report['torch']}, {report['date'][:10]}, random weights (`tune_h200_kernel_only"
             ".json`): relative error of the whole transformer output against Diffusers' native attention.\n\n"
             + table(["Model", "Mode", "rel. error vs native", "step", "speed"], rows))

@@ -585,8 +585,8 @@ def tune_attention(models, run, config: Any = None, *, allow_lossy: bool = False
     for entry in shapes:
         entry["shape"] = dataclasses.replace(entry["shape"], roles=tuple(sorted(entry["calls"])))
     try:
-        timings = measure([(e["shape"], e["mask"]) for e in shapes],
-                          lambda shape: candidates(shape, next(e["calls"] for e in shapes if e["shape"] == shape)),
+        calls = {e["shape"]: e["calls"] for e in shapes}
+        timings = measure([(e["shape"], e["mask"]) for e in shapes], lambda shape: candidates(shape, calls[shape]),
                           shapes[0]["device"], warmup=warmup, repeats=repeats, progress=progress)
     except BaseException:
         _restore_after_tune(models, previous)
