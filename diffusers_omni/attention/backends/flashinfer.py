@@ -27,7 +27,7 @@ from .sdpa import SDPAFallback
 
 logger = logging.getLogger(__name__)
 
-# The oldest release this backend was run with (H200, see ../shared/BASELINE.md): 0.6.4.
+# The oldest release this backend was run with (H200, benchmarks/results/attention_h200.json): 0.6.4.
 FLASHINFER_MIN_VERSION = "0.6.4"
 # Prefill with Q/K in 16 bit and V in fp8 (QK16/V8), per the vLLM-Omni contract; not verified against a release here.
 FLASHINFER_DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
