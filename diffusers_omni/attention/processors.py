@@ -1,14 +1,22 @@
-"""Pieces shared by every omni attention processor.
+"""Omni attention processors: how a module's attention calls reach the backend resolved for their role.
 
-A processor replaces a Diffusers processor on one attention module. It keeps the original (restored by
-``remove_attention``) and holds one ``RoleAttention`` per attention call it makes, each bound to the backend
-resolved for that role. The per-architecture processors live with their model declarations in
-``diffusers_omni.models``; they mirror Diffusers' operation order exactly so that ``TORCH_SDPA`` output is
-bitwise equal to stock Diffusers.
+Diffusers' processors of the DiT families call ``dispatch_attention_fn`` from their own modules. A *routed*
+processor (``routed_processor_class`` / ``bind_routed``) runs Diffusers' own processor code unchanged and sends
+those calls to the module's ``RoleAttention`` objects instead: nothing of Diffusers' processor bodies is copied,
+so a Diffusers release that changes a processor changes ours with it. Processors that call
+``F.scaled_dot_product_attention`` directly (the classic ``AttnProcessor2_0`` family) have no such seam; their
+omni versions are copies, kept in ``diffusers_omni.models._classic``.
+
+A processor keeps the one it replaced (restored by ``remove_attention``) and holds one ``RoleAttention`` per role
+of its module, each bound to the backend resolved for that role.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
+import sys
+import types
 import weakref
 
 from typing import Any, Callable
@@ -18,6 +26,11 @@ import torch.nn as nn
 
 from .backends.base import AttentionBackend
 from .selector import Resolution
+
+logger = logging.getLogger("diffusers_omni.attention")
+
+# The name Diffusers' model modules call their attention through (diffusers.models.attention_dispatch).
+DISPATCH_NAME = "dispatch_attention_fn"
 
 
 class MaskPolicy:
@@ -182,3 +195,213 @@ class OmniModuleAttnProcessor(OmniAttnProcessor, nn.Module):
 
 def is_omni_processor(processor: Any) -> bool:
     return isinstance(processor, OmniAttnProcessor)
+
+
+# Routed processors ------------------------------------------------------------------------------------------------
+
+
+def unbound_error(processor: Any) -> RuntimeError:
+    return RuntimeError(
+        f"{type(processor).__name__}() was built without a backend (Diffusers re-instantiates processor classes "
+        "when it loads or unloads IP-adapters); omni attention re-applies itself at the model's next forward. Call "
+        "the model, not the attention module, or call enable_omni_attention() again."
+    )
+
+
+def _rebind(function: types.FunctionType, namespace: dict) -> types.FunctionType:
+    rebound = types.FunctionType(
+        function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__
+    )
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    rebound.__qualname__ = function.__qualname__
+    rebound.__doc__ = function.__doc__
+    rebound.__dict__.update(function.__dict__)
+    return rebound
+
+
+def _calls_dispatch(function: types.FunctionType, names: set[str]) -> bool:
+    """Whether ``function`` (or a function nested in it) reads one of ``names`` as a global."""
+    stack = [function.__code__]
+    while stack:
+        code = stack.pop()
+        if names & set(code.co_names):
+            return True
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return False
+
+
+_ROUTE_COUNT = 0
+
+
+class _Route:
+    """What a bound routed processor runs: the stock ``__call__`` re-created over a copy of its module's namespace
+    in which ``dispatch_attention_fn`` is this route's ``dispatch``, and the roles its calls go to, in call order
+    (call ``i`` of one processor call goes to ``roles[min(i, len(roles) - 1)]``)."""
+
+    __slots__ = ("original", "attend", "roles", "call", "calls", "real_dispatch", "module_name", "_cp_warned")
+
+    def __init__(self, original: Any, attend: dict[str, RoleAttention], stock_call: types.FunctionType) -> None:
+        self.original = original
+        self.attend = attend
+        self.roles = tuple(attend.values())
+        self.calls = 0
+        self._cp_warned = False
+        module = sys.modules[stock_call.__module__]
+        self.real_dispatch = getattr(module, DISPATCH_NAME)
+        # The namespace is a module of its own in sys.modules (torch.compile finds a function's globals through
+        # their module's name); ``bind_routed`` removes it when the processor is garbage-collected.
+        global _ROUTE_COUNT
+        _ROUTE_COUNT += 1
+        self.module_name = f"{__name__}._routes.{module.__name__.rpartition('.')[2]}_{_ROUTE_COUNT}"
+        route_module = types.ModuleType(self.module_name)
+        namespace = route_module.__dict__
+        namespace.update({k: v for k, v in module.__dict__.items() if k not in ("__name__", "__spec__", "__loader__")})
+        namespace[DISPATCH_NAME] = self.dispatch
+        sys.modules[self.module_name] = route_module
+        # Module-level helpers the processor calls that call attention themselves (FLUX.2's KV-cache attention)
+        # are re-created over the same namespace, transitively.
+        rebound = {DISPATCH_NAME}
+        changed = True
+        while changed:
+            changed = False
+            for name, value in module.__dict__.items():
+                if (name not in rebound and isinstance(value, types.FunctionType)
+                        and value.__module__ == module.__name__ and _calls_dispatch(value, rebound)):
+                    namespace[name] = _rebind(value, namespace)
+                    rebound.add(name)
+                    changed = True
+        self.call = _rebind(stock_call, namespace)
+
+    def dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+        index = self.calls
+        self.calls = index + 1
+        attention = self.roles[min(index, len(self.roles) - 1)]
+        if parallel_config is not None:
+            # Context parallelism lives inside Diffusers' dispatch (ring / Ulysses exchanges around its kernels);
+            # an omni backend has no such path, so these calls keep Diffusers' own, said once per processor.
+            if not self._cp_warned:
+                self._cp_warned = True
+                logger.warning(
+                    "context parallelism is enabled: attention role %r runs through Diffusers' dispatch (backend "
+                    "%s), not omni backend %s, which has no context-parallel path",
+                    attention.role, backend or "Diffusers' active backend", attention.resolution.backend,
+                )
+            return self.real_dispatch(
+                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
+                parallel_config=parallel_config,
+            )
+        if attention_kwargs:
+            raise ValueError(
+                f"attention role {attention.role!r}: Diffusers' processor passed attention_kwargs="
+                f"{sorted(attention_kwargs)}, which omni backends do not take; use TORCH_SDPA through Diffusers' "
+                "own dispatch (disable_omni_attention()) for this model"
+            )
+        return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+class RoutedProcessor(OmniAttnProcessor):
+    """Base of the generated routed processor classes (``routed_processor_class``).
+
+    A routed processor is an instance of the Diffusers processor class it stands for (so Diffusers' own checks,
+    ``set_ip_adapter_scale``, ``unload_ip_adapter`` and processor-type tests see what they expect) and shares
+    its original's attributes: both objects hold the same ``__dict__`` (IP-Adapter weights, ``scale``,
+    ``_attention_backend``, ...), so ``state_dict`` keys, ``.to()`` and settings reach the original, which
+    ``remove_attention`` puts back. Its ``__call__`` runs the stock ``__call__`` with attention calls routed to
+    its roles.
+
+    Built with no arguments (Diffusers does ``type(processor)()`` when it loads or unloads IP-adapters), it is an
+    unbound placeholder that refuses to run; omni attention's forward guard replaces it before the model runs.
+    """
+
+    __slots__ = ()
+    _omni_stock: type = object
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        object.__setattr__(self, "_omni_route", None)
+        self._omni_stock.__init__(self, *args, **kwargs)
+
+    @property
+    def original(self) -> Any:
+        route = self._omni_route
+        if route is not None:
+            return route.original
+        # An unbound placeholder stands for a stock processor with its own attributes.
+        stock = self._omni_stock.__new__(self._omni_stock)
+        object.__setattr__(stock, "__dict__", self.__dict__)
+        return stock
+
+    @property
+    def attend(self) -> dict[str, RoleAttention]:
+        route = self._omni_route
+        return {} if route is None else route.attend
+
+    def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
+        route = self._omni_route
+        if route is None:
+            raise unbound_error(self)
+        route.calls = 0
+        return route.call(self, attn, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol: int):
+        # Pickled (or deep-copied) as the stock processor it stands for: routes hold backends and namespaces.
+        return self.original.__reduce_ex__(protocol)
+
+    __repr__ = OmniAttnProcessor.__repr__
+
+
+_ROUTED_CLASSES: dict[type, type] = {}
+
+
+def routed_processor_class(stock: type, name: str | None = None) -> type:
+    """The routed processor class standing for Diffusers processor class ``stock`` (one per class, cached)."""
+    cls = _ROUTED_CLASSES.get(stock)
+    if cls is None:
+        if not isinstance(getattr(stock, "__call__", None), types.FunctionType):
+            raise TypeError(f"{stock.__name__} has no Python __call__ to route")
+        name = name or "Omni" + stock.__name__.removesuffix("2_0")
+
+        def __call__(self, attn: Any, *args: Any, **kwargs: Any) -> Any:
+            return RoutedProcessor.__call__(self, attn, *args, **kwargs)
+
+        # Diffusers' attention modules pass a processor only the keyword arguments its __call__'s signature names.
+        __call__.__signature__ = inspect.signature(stock.__call__)
+        __call__.__qualname__ = f"{name}.__call__"
+        cls = type(name, (RoutedProcessor, stock), {
+            "__slots__": ("_omni_route",), "_omni_stock": stock, "__module__": __name__, "__call__": __call__,
+            "__doc__": f"``{stock.__name__}`` with its attention calls routed to omni backends (see RoutedProcessor).",
+        })
+        _ROUTED_CLASSES[stock] = cls
+    return cls
+
+
+def is_routable(processor_class: type) -> bool:
+    """Whether Diffusers processor class ``processor_class`` calls attention through ``dispatch_attention_fn``
+    (directly or through a helper of its module): the seam routing needs."""
+    call = getattr(processor_class, "__call__", None)
+    if not isinstance(call, types.FunctionType):
+        return False
+    module = sys.modules.get(call.__module__)
+    if module is None or not hasattr(module, DISPATCH_NAME):
+        return False
+    names = {DISPATCH_NAME} | {
+        name for name, value in vars(module).items()
+        if isinstance(value, types.FunctionType) and value.__module__ == module.__name__
+        and _calls_dispatch(value, {DISPATCH_NAME})
+    }
+    return _calls_dispatch(call, names)
+
+
+def bind_routed(processor: Any, attend: dict[str, RoleAttention]) -> RoutedProcessor:
+    """A routed processor standing for ``processor`` (a stock Diffusers processor, or a routed one, bound or not),
+    with attention calls going to ``attend``'s roles in call order. ``processor`` itself is not changed."""
+    original = processor.original if isinstance(processor, RoutedProcessor) else processor
+    stock = type(original)
+    cls = routed_processor_class(stock)
+    routed = cls.__new__(cls)
+    object.__setattr__(routed, "__dict__", original.__dict__)
+    route = _Route(original, attend, stock.__call__)
+    object.__setattr__(routed, "_omni_route", route)
+    weakref.finalize(routed, sys.modules.pop, route.module_name, None)
+    return routed

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from ..attention.processors import OmniAttnProcessor, RoleAttention
+from ..attention.processors import OmniAttnProcessor, RoleAttention, RoutedProcessor, bind_routed
 
 SELF = "self"
 CROSS = "cross"
@@ -163,6 +163,26 @@ def processor_factory(omni_cls: type, *accepted: type) -> Callable[[AttentionSit
         return omni_cls(original, attend)
 
     return make
+
+
+def routed_processors(*accepted: type) -> Callable[[AttentionSite, Any, dict[str, RoleAttention]], Any]:
+    """``make_processor`` for Diffusers processor classes that call ``dispatch_attention_fn``: the module keeps
+    running Diffusers' own processor code, its attention calls routed to the site's roles in call order
+    (``attention.processors.bind_routed``). Anything else raises naming the module."""
+
+    def make(site: AttentionSite, original: Any, attend: dict[str, RoleAttention]) -> OmniAttnProcessor:
+        if isinstance(original, RoutedProcessor):
+            original = original.original
+        if type(original) not in accepted:
+            raise unsupported_processor_error(site, original, accepted)
+        return bind_routed(original, attend)
+
+    return make
+
+
+def unwrap_processor(processor: Any) -> Any:
+    """The Diffusers processor an omni processor stands for (the processor itself when it is not omni)."""
+    return processor.original if isinstance(processor, OmniAttnProcessor) else processor
 
 
 def unsupported_processor_error(site: AttentionSite, processor: Any, expected: tuple[type, ...]) -> TypeError:

@@ -16,7 +16,9 @@ import torch
 import torch.nn as nn
 
 from diffusers_omni import omnify
-from diffusers_omni.attention.processors import is_omni_processor
+from diffusers.models import attention_dispatch
+
+from diffusers_omni.attention.processors import RoleAttention, is_omni_processor
 from diffusers_omni.models.base import blocks_attrs_for, declaration_for
 from diffusers_omni.pipelines.mixin import SupportsComponentDiscovery
 
@@ -70,6 +72,33 @@ def check_bitwise_parity(case: ModelCase) -> None:
     assert torch.equal(case.run(pipe), expected)
     pipe.disable_omni_attention()
     assert torch.equal(case.run(pipe), expected)
+
+
+def check_every_call_reaches_its_role(case: ModelCase) -> None:
+    """Every attention call of an omni forward goes to an omni backend through its role: none falls through to
+    Diffusers' own dispatch (its registered backends raise while the pipeline runs), and every role of the report
+    is called."""
+    pipe = omnify(case.factory(), "TORCH_SDPA")
+    called: dict[str, int] = {}
+    stock_call = RoleAttention.__call__
+
+    def counting(self, *args, **kwargs):
+        called[self.role] = called.get(self.role, 0) + 1
+        return stock_call(self, *args, **kwargs)
+
+    def fell_through(*args, **kwargs):
+        raise AssertionError("an attention call fell through to Diffusers' dispatch")
+
+    registry = attention_dispatch._AttentionBackendRegistry._backends
+    saved = dict(registry)
+    RoleAttention.__call__ = counting
+    registry.update({name: fell_through for name in registry})
+    try:
+        case.run(pipe)
+    finally:
+        RoleAttention.__call__ = stock_call
+        registry.update(saved)
+    assert set(called) == {entry["role"] for entry in pipe.omni_attention_report()}, called
 
 
 def check_role_override(case: ModelCase) -> None:
@@ -141,6 +170,7 @@ def standard_tests(cases: list[ModelCase]) -> dict[str, Callable]:
         "test_omnify_report_lists_every_attention_module": check_omnify_report,
         "test_torch_sdpa_bitwise_equal_to_stock_diffusers": check_bitwise_parity,
         "test_per_role_override_shows_its_source": check_role_override,
+        "test_every_attention_call_reaches_its_role": check_every_call_reaches_its_role,
         "test_block_attrs_resolve_in_forward_order": check_blocks_in_forward_order,
         "test_offload_strategies_keep_bitwise_parity": check_offload_parity,
     }
