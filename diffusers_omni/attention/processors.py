@@ -274,9 +274,15 @@ class _Route:
 
     def dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        index = self.calls
-        self.calls = index + 1
-        attention = self.roles[min(index, len(self.roles) - 1)]
+        roles = self.roles
+        if len(roles) == 1:
+            attention = roles[0]
+        else:
+            # Sites with several roles count their calls (reset by each processor call). Two threads running the
+            # same module at once would share the count: such a model is not thread-safe in Diffusers either.
+            index = self.calls
+            self.calls = index + 1
+            attention = roles[min(index, len(roles) - 1)]
         if parallel_config is not None:
             # Context parallelism lives inside Diffusers' dispatch (ring / Ulysses exchanges around its kernels);
             # an omni backend has no such path, so these calls keep Diffusers' own, said once per processor.
@@ -374,6 +380,11 @@ def routed_processor_class(stock: type, name: str | None = None) -> type:
         })
         _ROUTED_CLASSES[stock] = cls
     return cls
+
+
+def routed_classes() -> dict[type, type]:
+    """Every routed processor class made so far, by the Diffusers class it stands for."""
+    return dict(_ROUTED_CLASSES)
 
 
 def is_routable(processor_class: type) -> bool:
