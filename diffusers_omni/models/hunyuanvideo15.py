@@ -20,7 +20,7 @@ from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
-from ._legacy import _PLAIN, OmniLegacyAttnProcessor
+from ._classic import _PLAIN, OmniLegacyAttnProcessor
 from ..attention.processors import OmniAttnProcessor, RoleAttention
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
 from .base import NORM_PROJ_OUT, unsupported_processor_error

@@ -21,7 +21,7 @@ from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
 from diffusers_omni import omnify
 from diffusers_omni.attention.processors import is_omni_processor
-from diffusers_omni.models._legacy import OmniLegacyAttnProcessor, OmniLegacyIPAdapterAttnProcessor
+from diffusers_omni.models._classic import OmniLegacyAttnProcessor, OmniLegacyIPAdapterAttnProcessor
 from diffusers_omni.models.sd3 import OmniJointAttnProcessor, OmniSD3IPAdapterJointAttnProcessor
 from diffusers_omni.pipelines.mixin import diffusers_pipeline_class
 from diffusers_omni.pipelines.registry import omni_pipelines
