@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from .attention import registry as _registry  # noqa: F401  (the backend names AttentionSpec accepts)
 from .pipelines.registry import OMNI_CLASS_MODULES
 from .config.attention import AttentionConfig, AttentionSpec, AttnQuantSpec, BlockSparseSpec, SkipSoftmaxSpec
 from .utils.logs import follow_diffusers_logging
@@ -42,6 +41,11 @@ _LAZY = {
     "OffloadConfig": "diffusers_omni.config.offload",
     "OffloadStrategy": "diffusers_omni.config.offload",
     "OffloadPlan": "diffusers_omni.config.offload",
+    "NoOffloadConfig": "diffusers_omni.config.offload",
+    "ModelLevelOffloadConfig": "diffusers_omni.config.offload",
+    "LayerwiseOffloadConfig": "diffusers_omni.config.offload",
+    "DistributedLayerwiseOffloadConfig": "diffusers_omni.config.offload",
+    "register_offload_strategy": "diffusers_omni.config.offload",
     "get_offload_backend": "diffusers_omni.offload.factory",
     "apply_offload": "diffusers_omni.offload.api",
     "disable_offload": "diffusers_omni.offload.api",
@@ -80,7 +84,9 @@ if TYPE_CHECKING:
     from .attention.platform import Platform, current_platform, use_platform
     from .attention.registry import get_backend_class, register_backend
     from .attention.selector import BackendNotSupportedError, resolve
-    from .config.offload import OffloadConfig, OffloadPlan, OffloadStrategy
+    from .config.offload import OffloadConfig, OffloadPlan, OffloadStrategy, register_offload_strategy
+    from .config.offload import (DistributedLayerwiseOffloadConfig, LayerwiseOffloadConfig, ModelLevelOffloadConfig,
+                                 NoOffloadConfig)
     from .offload.api import apply_offload, disable_offload
     from .offload.factory import get_offload_backend
     from .pipelines.flux import OmniFluxPipeline

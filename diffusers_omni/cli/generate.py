@@ -6,6 +6,7 @@ Images are written with PIL; videos through ``diffusers.utils.export_to_video`` 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import TINY_MODELS, UsageError, check_writable
+from .offload import collective_names, installs_nothing, is_collective, offload_config
 
 _VIDEO_SUFFIXES = (".mp4", ".gif")
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -30,7 +32,8 @@ def run(args) -> int:
     from .explain import summarize
 
     offload = args.offload
-    rank_hint = int(os.environ.get("RANK", "0")) if offload == "distributed-layerwise" else 0
+    collective = is_collective(offload)
+    rank_hint = int(os.environ.get("RANK", "0")) if collective else 0
     configure_logging(args.verbose, rank_hint)
     if args.output is not None:
         check_writable(Path(args.output))
@@ -39,17 +42,20 @@ def run(args) -> int:
         _check_image(args.image)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # The offload config (--offload and its flags) is built, and so validated, before anything loads.
+    config = offload_config(args, device)
     dtype = _dtype(args, device)
     # Everything that can be checked without weights is checked before any are loaded.
     preflight(args, device, dtype)
-    rank, world_size, own_group = _setup_distributed(offload)
+    rank, world_size, own_group = _setup_distributed(offload, collective)
     say = print if rank == 0 else (lambda *a, **k: None)
     try:
         started = time.perf_counter()
         pipe = load_pipeline(args.model, dtype, mmap=args.mmap)
-        if offload == "distributed-layerwise" and device == "cuda":
+        if collective and device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
-        if offload == "none":
+            config = dataclasses.replace(config, device=device)
+        if installs_nothing(config):
             pipe.to(device)
         loaded = time.perf_counter()
         pipe = omnify(pipe, args.attention)
@@ -57,16 +63,8 @@ def run(args) -> int:
             pipe.set_progress_bar_config(disable=True)
         kwargs = _call_kwargs(args, pipe, rank, world_size)
         output = _output_path(args, video=_accepts(pipe, "num_frames"))
-        if offload == "distributed-layerwise":
-            pipe.enable_distributed_layerwise_offload(
-                use_allgather=not args.no_allgather, resident_layers=args.resident_layers, device=device,
-                **({"show_progress": False} if rank != 0 else {}),
-            )
-        elif offload == "layerwise":
-            options = {"prefetch_depth": args.prefetch_depth} if args.prefetch_depth is not None else {}
-            pipe.enable_layerwise_offload(device=device, max_device_memory=args.max_device_memory, **options)
-        elif offload == "model-level":
-            pipe.enable_model_level_offload(device=device)
+        if not installs_nothing(config):
+            pipe.enable_omni_offload(config if rank == 0 else dataclasses.replace(config, show_progress=False))
         enabled = time.perf_counter()
         backends = summarize(pipe.omni_attention_report())
         if not args.json:
@@ -118,26 +116,14 @@ def run(args) -> int:
 
 
 def _check_flag_combinations(args) -> None:
-    """Flags that only one offload strategy reads are refused elsewhere rather than ignored."""
-    layerwise_only = {"--max-device-memory": args.max_device_memory, "--prefetch-depth": args.prefetch_depth}
-    for flag, value in layerwise_only.items():
-        if value is not None and args.offload != "layerwise":
-            raise UsageError(f"{flag}={value} needs --offload layerwise (got --offload {args.offload})")
-    distributed_only = {"--no-allgather": args.no_allgather, "--resident-layers": args.resident_layers,
-                        "--rank-seeds": args.rank_seeds, "--rank-prompt": args.rank_prompt,
-                        "--per-rank-outputs": args.per_rank_outputs}
-    for flag, value in distributed_only.items():
-        if value and args.offload != "distributed-layerwise":
-            raise UsageError(f"{flag}={value} needs --offload distributed-layerwise (got --offload {args.offload})")
-    if args.resident_layers and not args.no_allgather:
-        raise UsageError(f"--resident-layers={args.resident_layers} needs --no-allgather")
-    if args.max_device_memory is not None:
-        from ..config.offload import parse_bytes
-
-        try:
-            parse_bytes(args.max_device_memory, "--max-device-memory")
-        except (TypeError, ValueError) as exc:
-            raise UsageError(str(exc)) from None
+    """Flags that only some offload strategies read are refused elsewhere rather than ignored (the strategies' own
+    flags when their config is built: ``offload_config``)."""
+    per_rank = {"--rank-seeds": args.rank_seeds, "--rank-prompt": args.rank_prompt,
+                "--per-rank-outputs": args.per_rank_outputs}
+    for flag, value in per_rank.items():
+        if value and not is_collective(args.offload):
+            raise UsageError(f"{flag}={value} needs --offload {' or '.join(collective_names())} (got --offload "
+                             f"{args.offload})")
     if args.output is not None:
         suffix = Path(args.output).suffix.lower()
         if suffix not in _IMAGE_SUFFIXES + _VIDEO_SUFFIXES:
@@ -600,18 +586,19 @@ def _peak_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def _setup_distributed(offload: str) -> tuple[int, int, bool]:
-    """``(rank, world_size, created)``: joins the torchrun/accelerate process group for distributed offload."""
+def _setup_distributed(offload: str, collective: bool) -> tuple[int, int, bool]:
+    """``(rank, world_size, created)``: joins the torchrun/accelerate process group for a collective offload
+    strategy (distributed layerwise)."""
     import torch
     import torch.distributed as dist
 
-    if offload != "distributed-layerwise":
+    if not collective:
         return 0, 1, False
     created = False
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise UsageError(
-                "--offload distributed-layerwise needs a distributed launch; allowed: "
+                f"--offload {offload} needs a distributed launch; allowed: "
                 "`torchrun --nproc-per-node N -m diffusers_omni.cli.main generate ...` (or accelerate launch)"
             )
         use_cuda = torch.cuda.is_available()

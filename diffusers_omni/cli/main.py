@@ -11,8 +11,8 @@ import sys
 
 from ..config.names import did_you_mean
 from ..utils.versions import omni_version
-from .common import (TINY_MODELS, UsageError, check_attention_environment, device_arg, finite_float, non_negative_int,
-                     positive_int)
+from .common import TINY_MODELS, UsageError, check_attention_environment, device_arg, finite_float, positive_int
+from .offload import add_offload_arguments
 
 _MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}"
 _PLATFORM_HELP = "simulate a platform: cpu, mps or sm_XY[,cudnn=N]"
@@ -105,15 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true",
                           help="print a JSON summary (timings, peak memory, backends) instead of the tables")
     generate.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG")
-    generate.add_argument("--offload", choices=["none", "model-level", "layerwise", "distributed-layerwise"],
-                          default="none", help="offload strategy; distributed-layerwise runs under torchrun")
-    generate.add_argument("--max-device-memory",
-                          help="layerwise: DiT weight bytes allowed on the device, e.g. 12GiB (blocks that fit stay)")
-    generate.add_argument("--prefetch-depth", type=positive_int, help="layerwise: blocks prefetched ahead (default: 1)")
-    generate.add_argument("--no-allgather", action="store_true",
-                          help="distributed-layerwise: a full host copy per rank instead of 1/N shards + all-gather")
-    generate.add_argument("--resident-layers", type=non_negative_int, default=0,
-                          help="distributed-layerwise with --no-allgather: leading blocks kept on the device")
+    add_offload_arguments(generate)  # --offload and each strategy's flags, from the registered offload configs
     generate.add_argument("--rank-seeds", help="comma-separated seed per rank (default: --seed + rank)")
     generate.add_argument("--rank-prompt", action="append", help="prompt for the next rank (repeat once per rank)")
     generate.add_argument("--mmap", action="store_true",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from .common import TINY_MODELS, device_arg, positive_int
+from .offload import add_offload_arguments
 
 _MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}"
 
@@ -18,8 +19,9 @@ def add_parser(sub):
     tune.add_argument("--width", type=positive_int, help="pixels (default: the pipeline's; 64 for the tiny models)")
     tune.add_argument("--frames", type=positive_int, help="video pipelines: number of frames (default: the pipeline's)")
     tune.add_argument("--device", type=device_arg, help="cuda, cuda:N, cpu (default: cuda when available)")
-    tune.add_argument("--offload", choices=["none", "model-level", "layerwise"], default="none",
-                      help="run the pipeline offloaded while recording its calls (models larger than the GPU)")
+    # --offload and each strategy's flags, from the registered offload configs (one process: no collective ones).
+    add_offload_arguments(tune, collective=False,
+                          help="run the pipeline offloaded while recording its calls (models larger than the GPU)")
     tune.add_argument("--allow-lossy", action="store_true",
                       help="also time lossy kernels (SageAttention INT8) and let auto route to them")
     tune.add_argument("--warmup", type=positive_int, default=3, help="calls per backend before timing")
@@ -53,6 +55,7 @@ def run(args) -> int:
     from ..pipelines.registry import omnify
     from ..utils.text import table
     from .common import check_model, configure_logging, load_pipeline
+    from .offload import installs_nothing, offload_config
 
     configure_logging(args.verbose)
     if args.clear:
@@ -63,15 +66,14 @@ def run(args) -> int:
         return _show(args.json)
     check_model(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config = offload_config(args, device, collective=False)  # validated before anything loads
     tiny = args.model in TINY_MODELS
     dtype = None if tiny else (torch.bfloat16 if device != "cpu" else torch.float32)
     pipe = omnify(load_pipeline(args.model, dtype))
-    if args.offload == "model-level":
-        pipe.enable_model_level_offload(device=device)
-    elif args.offload == "layerwise":
-        pipe.enable_layerwise_offload(device=device)
-    else:
+    if installs_nothing(config):
         pipe.to(device)
+    else:
+        pipe.enable_omni_offload(config)
     kwargs = {"prompt": args.prompt}
     height, width = args.height, args.width
     if tiny:

@@ -12,24 +12,31 @@ from .factory import get_offload_backend
 from .guards import offload_backends
 
 
-def apply_offload(model: nn.Module, config: OffloadConfig) -> OffloadBackend | None:
-    """Enable ``config``'s strategy on ``model`` (treated as one DiT) and return the enabled backend, or ``None``
-    for strategy ``"none"``. Call ``backend.disable()`` to remove it.
+def apply_offload(target: Any, config: OffloadConfig) -> OffloadBackend | None:
+    """Enable ``config``'s strategy on ``target`` and return the enabled backend, or ``None`` for a strategy that
+    installs nothing (``NoOffloadConfig``). The handler is the one registered for the config's type.
+
+    ``target`` is a bare model (a ``torch.nn.Module``, treated as one DiT; call ``backend.disable()`` to remove it)
+    or an Omni pipeline, for which this is ``pipe.enable_omni_offload(config)`` (remove it with
+    ``pipe.disable_omni_offload()``).
 
     Example:
     ```py
-    >>> backend = apply_offload(transformer, OffloadConfig("layerwise", device="cuda"))
+    >>> backend = apply_offload(transformer, LayerwiseOffloadConfig(device="cuda"))
     >>> with torch.inference_mode():
     ...     transformer(**inputs)  # non-block weights and inputs on cuda
     >>> backend.disable()
     ```
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}; for pipelines use "
-                        "pipe.enable_omni_offload(config)")
+    enable_on_pipeline = getattr(target, "enable_omni_offload", None)
+    if callable(enable_on_pipeline) and not isinstance(target, nn.Module):
+        return enable_on_pipeline(config)
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"apply_offload: target must be a torch.nn.Module or an Omni pipeline, got "
+                        f"{type(target).__name__}; for a Diffusers pipeline use diffusers_omni.omnify(pipe) first")
     backend = get_offload_backend(config)
     if backend is not None:
-        backend.enable(model)
+        backend.enable(target)
     return backend
 
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..config.offload import OffloadConfig, OffloadStrategy
+from ..config.offload import OffloadConfig
 from .guards import GuardInstaller, Guards, describe_owner, install_group_offloading_check
 
 logger = logging.getLogger("diffusers_omni")
@@ -69,7 +69,8 @@ class OffloadBackend(ABC):
     rebound to its original device and values. ``disable`` is idempotent.
     """
 
-    strategy: ClassVar[OffloadStrategy]
+    # The registered name of the strategy served (an ``OffloadStrategy`` for the built-in ones).
+    strategy: ClassVar[str]
     # Names of the enable stages, in order; each is a method ``_stage_<name>(state, journal)``.
     stages: ClassVar[tuple[str, ...]]
 
@@ -99,7 +100,7 @@ class OffloadBackend(ABC):
                 for stage in self.stages:
                     getattr(self, f"_stage_{stage}")(state, journal)
             except BaseException:
-                logger.info("offload: enabling %s failed; rolling back", self.strategy.value)
+                logger.info("offload: enabling %s failed; rolling back", self.strategy)
                 journal.rollback()
                 self._members = []
                 self._forget()
@@ -137,7 +138,7 @@ class OffloadBackend(ABC):
             return
         target = self._target
         logger.info("offload: %s runs with %s offload suspended (disabled, then enabled again)", reason or "code",
-                    self.strategy.value)
+                    self.strategy)
         self.disable()
         try:
             yield
@@ -171,7 +172,7 @@ class OffloadBackend(ABC):
     def _guard_installer(self, state: Any, guards: Guards) -> GuardInstaller:
         pipeline = not isinstance(state.target, torch.nn.Module)
         way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
-        return GuardInstaller(self.strategy.value, self.suspended, way_out, guards, device=self.device, backend=self)
+        return GuardInstaller(str(self.strategy), self.suspended, way_out, guards, device=self.device, backend=self)
 
     def members(self) -> list[tuple[str, torch.nn.Module, bool]]:
         """``(label, module, managed)`` for every component this enabled backend placed; ``managed``: it holds
@@ -196,7 +197,7 @@ class OffloadBackend(ABC):
 
     def __repr__(self) -> str:
         state = "enabled" if self._enabled else "disabled"
-        return f"{type(self).__name__}(strategy={self.strategy.value!r}, device={str(self.device)!r}, {state})"
+        return f"{type(self).__name__}(strategy={str(self.strategy)!r}, device={str(self.device)!r}, {state})"
 
     @property
     def execution_device(self) -> torch.device:

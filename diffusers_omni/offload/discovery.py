@@ -242,8 +242,8 @@ def resolve_stacks(target: Any, topology: Topology, plan: OffloadPlan | None) ->
         if not attrs:
             raise ValueError(
                 f"DiT {dit.label!r} ({type(dit.module).__name__}) declares no blocks for layerwise offload; set "
-                "_layerwise_offload_blocks_attrs on the model class or pass OffloadConfig(plan=OffloadPlan(blocks="
-                f"{{{dit.path!r}: ('blocks',)}}))"
+                "_layerwise_offload_blocks_attrs on the model class or pass plan=OffloadPlan(blocks="
+                f"{{{dit.path!r}: ('blocks',)}}) in the offload config (e.g. LayerwiseOffloadConfig)"
             )
         blocks: list[tuple[str, nn.Module]] = []
         for attr in attrs:

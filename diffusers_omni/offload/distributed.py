@@ -295,6 +295,11 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
             raise ValueError("device='cpu' cannot use an NCCL process group; allowed: a gloo group for CPU runs")
 
     @property
+    def max_device_memory(self) -> None:
+        """No byte budget: ``resident_layers`` chooses the resident blocks and every other block streams."""
+        return None
+
+    @property
     def stats(self) -> DistributedStats:
         return super().stats
 

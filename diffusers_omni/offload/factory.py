@@ -1,65 +1,65 @@
-"""Pick the one backend an ``OffloadConfig`` asks for, from the registry of offload strategies.
+"""Pick the handler a config asks for: each registered config type maps to one ``OffloadBackend`` class.
 
-A new strategy is its ``OffloadStrategy`` member (config/offload.py), its backend file in this package and one entry
-in ``_BACKENDS`` (or ``register_offload_backend`` at run time).
+The registry is ``config/offload_base.py``'s: a strategy is its config class, its backend module in this package and
+one ``register_offload_strategy(Config, "diffusers_omni.offload.<module>:<Backend>", priority=...)``. Handlers are
+looked up by the config's type (torchao-style) and imported on first use; ``register_offload_backend`` swaps the
+handler of a registered strategy at run time.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from typing import Any
 
-from ..config.offload import OffloadConfig, OffloadStrategy
+from ..config.offload import OffloadConfig, offload_strategy_entry
 from .base import OffloadBackend
 
 logger = logging.getLogger("diffusers_omni")
 
-_PKG = "diffusers_omni.offload"
 
-# Strategy → its backend class, as a lazy "module:Class" path (imported on first use).
-_BACKENDS: dict[OffloadStrategy, str | type[OffloadBackend]] = {
-    OffloadStrategy.MODEL_LEVEL: f"{_PKG}.model_level:ModelLevelOffloadBackend",
-    OffloadStrategy.LAYERWISE: f"{_PKG}.layerwise:LayerwiseOffloadBackend",
-    OffloadStrategy.DISTRIBUTED_LAYERWISE: f"{_PKG}.distributed:DistributedLayerwiseOffloadBackend",
-}
-
-
-def register_offload_backend(strategy: OffloadStrategy | str, backend: type[OffloadBackend] | str) -> None:
-    """Serve ``strategy`` with ``backend`` (an ``OffloadBackend`` subclass or a lazy ``"module:Class"`` path)."""
-    strategy = OffloadStrategy.parse(strategy)
-    if strategy is OffloadStrategy.NONE:
-        raise ValueError("register_offload_backend: strategy 'none' installs nothing and takes no backend")
+def register_offload_backend(strategy: Any, backend: type[OffloadBackend] | str) -> None:
+    """Serve ``strategy`` (a registered name, an ``OffloadStrategy`` or a registered config class) with ``backend``
+    (an ``OffloadBackend`` subclass or a lazy ``"module:Class"`` path)."""
+    entry = offload_strategy_entry(strategy)
+    if entry.handler is None:
+        raise ValueError(f"register_offload_backend: strategy {entry.name!r} installs nothing and takes no backend")
     if isinstance(backend, str) and ":" not in backend:
         raise ValueError(f"register_offload_backend: backend={backend!r} must look like 'package.module:ClassName'")
     if not isinstance(backend, str) and not (isinstance(backend, type) and issubclass(backend, OffloadBackend)):
         raise TypeError(
             f"register_offload_backend: backend must be an OffloadBackend subclass or a 'module:Class' path, got {backend!r}"
         )
-    _BACKENDS[strategy] = backend
+    entry.handler = backend
 
 
-def offload_backend_class(strategy: OffloadStrategy | str) -> type[OffloadBackend]:
-    """The backend class registered for ``strategy``."""
-    strategy = OffloadStrategy.parse(strategy)
-    entry = _BACKENDS.get(strategy)
-    if entry is None:
-        allowed = ", ".join(s.value for s in _BACKENDS)
-        raise ValueError(f"offload strategy {strategy.value!r} has no backend; registered: {allowed}")
-    if isinstance(entry, str):
-        module, _, name = entry.partition(":")
-        entry = _BACKENDS[strategy] = getattr(importlib.import_module(module), name)
-    return entry
+def offload_backend_class(strategy: Any) -> type[OffloadBackend]:
+    """The backend class registered for ``strategy`` (a registered name, an ``OffloadStrategy`` or a registered
+    config class)."""
+    entry = offload_strategy_entry(strategy)
+    handler = entry.handler
+    if handler is None:
+        raise ValueError(f"offload strategy {entry.name!r} installs nothing and has no backend")
+    if isinstance(handler, str):
+        module, _, name = handler.partition(":")
+        handler = getattr(importlib.import_module(module), name)
+        if not (isinstance(handler, type) and issubclass(handler, OffloadBackend)):
+            raise TypeError(f"the handler of offload strategy {entry.name!r}, {entry.handler!r}, is not an "
+                            f"OffloadBackend subclass: {handler!r}")
+        entry.handler = handler
+    return handler
 
 
 def get_offload_backend(config: OffloadConfig | None) -> OffloadBackend | None:
-    """The backend for ``config.strategy``, not yet enabled; ``None`` when no offload is requested.
+    """The backend for ``config`` (looked up by its type), not yet enabled; ``None`` when no offload is requested
+    (``None``, or a strategy that installs nothing such as ``NoOffloadConfig``).
 
-    When several strategies were requested the highest-priority one is used (distributed layerwise > layerwise >
-    model level) and the others are logged as dropped.
+    A config built from several requested strategies (``OffloadConfig(["layerwise", "model_level"])``) is the
+    highest-priority one's; the others are logged as dropped.
 
     Example:
     ```py
-    >>> backend = get_offload_backend(OffloadConfig("layerwise", device="cuda"))
+    >>> backend = get_offload_backend(LayerwiseOffloadConfig(device="cuda"))
     >>> backend.enable(pipe)
     ```
     """
@@ -67,18 +67,21 @@ def get_offload_backend(config: OffloadConfig | None) -> OffloadBackend | None:
         logger.info("offload: no config, nothing installed")
         return None
     if not isinstance(config, OffloadConfig):
-        raise TypeError(f"config must be an OffloadConfig or None, got {type(config).__name__}: {config!r}")
+        raise TypeError(
+            f"config must be an offload config (OffloadConfig, e.g. LayerwiseOffloadConfig) or None, got "
+            f"{type(config).__name__}: {config!r}"
+        )
+    entry = offload_strategy_entry(type(config))
     if config.dropped:
         logger.info(
             "offload: %s requested; using %s (highest priority), dropping %s",
-            [s.value for s in config.requested],
-            config.strategy.value,
-            [s.value for s in config.dropped],
+            [str(s) for s in config.requested],
+            entry.name,
+            [str(s) for s in config.dropped],
         )
-    strategy = config.strategy
-    if strategy is OffloadStrategy.NONE:
-        logger.info("offload: strategy 'none', nothing installed")
+    if entry.handler is None:
+        logger.info("offload: strategy %r, nothing installed", entry.name)
         return None
-    backend = offload_backend_class(strategy).for_config(config)
-    logger.info("offload: %s on %s", strategy.value, backend.device)
+    backend = offload_backend_class(entry.name).for_config(config)
+    logger.info("offload: %s on %s", entry.name, backend.device)
     return backend

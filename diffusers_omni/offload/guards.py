@@ -216,7 +216,7 @@ def install_group_offloading_check() -> bool:
             label = membership.label if not where else f"{membership.label} (module {where!r})"
             raise OffloadConflictError(
                 f"apply_group_offloading({type(module).__name__}): Diffusers' group offloading cannot run on {label} "
-                f"while diffusers-omni {membership.backend.strategy.value} offload places it (both would place the "
+                f"while diffusers-omni {membership.backend.strategy} offload places it (both would place the "
                 f"same weights); nothing was changed. Use one: {membership.installer.way_out} first (or "
                 "diffusers_omni.disable_offload(module)), then the group offloading; or keep omni's offload"
             )

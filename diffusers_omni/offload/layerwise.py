@@ -414,6 +414,12 @@ class LayerwiseOffloadBackend(OffloadBackend):
         self._state: LayerwiseState | None = None
 
     @property
+    def max_device_memory(self) -> int | None:
+        """The byte budget of DiT weights on the device (``config.max_device_memory``); ``None`` streams every
+        block that is not forced resident."""
+        return self.config.max_device_memory
+
+    @property
     def stats(self) -> LayerwiseStats:
         """Counters since enable: blocks, slots, bytes copied, on-demand (not prefetched) loads."""
         if self._state is None:
@@ -445,7 +451,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         forced = [w.path in forced_paths or w.empty for w in flat]
         fixed_bytes = sum(tensor_nbytes(t) for t in self._non_block_tensors(state))
         resident = plan_residency(
-            [w.nbytes for w in flat], forced, fixed_bytes, self.config.max_device_memory, self.config.prefetch_depth + 1
+            [w.nbytes for w in flat], forced, fixed_bytes, self.max_device_memory, self.config.prefetch_depth + 1
         )
         it = iter(resident)
         state.resident = [[next(it) for _ in stack] for stack in state.weights]
@@ -464,7 +470,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
             state.stats.resident_blocks,
             format_bytes(fixed_bytes),
             self.device,
-            "none" if self.config.max_device_memory is None else format_bytes(self.config.max_device_memory),
+            "none" if self.max_device_memory is None else format_bytes(self.max_device_memory),
         )
 
     def _stack_weights(self, stack: Stack, state: LayerwiseState) -> list[PackedWeights]:
@@ -569,7 +575,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.stats.in_flight_capacity = count * state.stats.slot_bytes
         # Without a budget, hold no more blocks than Diffusers' group offload would (running + prefetched); with one,
         # the reserve is paid for, so smaller blocks fill it.
-        state.stats.in_flight_blocks = count if self.config.max_device_memory is None else None
+        state.stats.in_flight_blocks = count if self.max_device_memory is None else None
         state.streamer = _Streamer(state.stats.in_flight_capacity, state.transfers, state.stats,
                                    max_blocks=state.stats.in_flight_blocks)
         logger.info(
@@ -592,7 +598,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         """The error a backward through ``label``'s streamed forward raises (see ``LockedCallbackHook``)."""
         pipeline = not isinstance(state.target, nn.Module)
         way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
-        return inference_only_message(self.strategy.value, label, way_out)
+        return inference_only_message(str(self.strategy), label, way_out)
 
     def _stage_install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         journal.record("remove hooks", state.hooks.remove_all)

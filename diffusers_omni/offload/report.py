@@ -273,7 +273,7 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
     for path, _, module in sorted(components, key=lambda c: -c[0].count(".") - (c[0] != "")):
         tensors_of[path] = {i: t for i, t in _own_tensors(module).items() if i not in seen}
         seen |= set(tensors_of[path])
-    strategy = backend.strategy.value if backend is not None else "none"
+    strategy = str(backend.strategy) if backend is not None else "none"
     entries = []
     for path, role, module in components:
         counts = dict.fromkeys(LOCATIONS, 0)
@@ -321,7 +321,7 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
     notes = []
     if any(entry.bytes.get("meta") for entry in entries):
         notes.append("meta: weights that hold no data (never materialised)")
-    if strategy == "distributed_layerwise" and getattr(backend.config, "use_allgather", False):
+    if backend is not None and getattr(backend, "use_allgather", False):  # AllGather keeps 1/N per rank
         rank, world = getattr(backend, "rank", 0), getattr(backend, "world_size", 1)
         notes.append(f"host bytes of streamed blocks are this rank's 1/{world} shards (rank {rank}); the other ranks "
                      "hold the rest")

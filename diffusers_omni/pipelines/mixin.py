@@ -260,7 +260,7 @@ class OmniPipelineMixin:
             return  # a wrapper around the same component (torch.compile's OptimizedModule): the offload is in place
         # A component the offload places was swapped (``pipe.vae = other``): bring the new one under the offload.
         logger.info("%s.%s was replaced while %s offload places it; re-planning the offload", type(self).__name__,
-                    name, backend.strategy.value)
+                    name, backend.strategy)
         self._replan_omni_offload(backend, undo=lambda: super(OmniPipelineMixin, self).__setattr__(name, old))
 
     def omni_dits(self) -> dict[str, nn.Module]:
@@ -351,8 +351,10 @@ class OmniPipelineMixin:
     # Offload --------------------------------------------------------------------------------------------------
 
     def enable_omni_offload(self, config: Any) -> Any:
-        """Enable the offload strategy ``config`` asks for (an ``OffloadConfig``); returns the enabled backend, or
-        ``None`` for strategy ``"none"``.
+        """Enable the offload strategy ``config`` asks for (a strategy's config: ``LayerwiseOffloadConfig``,
+        ``ModelLevelOffloadConfig``, ``DistributedLayerwiseOffloadConfig``, ..., or ``OffloadConfig("<strategy>",
+        ...)``, which builds one); returns the enabled backend, or ``None`` for ``NoOffloadConfig`` (strategy
+        ``"none"``). The backend is the handler registered for the config's type.
 
         Enabling is all or nothing: if any stage fails, no hook stays installed and every weight is back where it
         was. Only one offload strategy may be active; call ``disable_omni_offload()`` before switching.
@@ -365,7 +367,7 @@ class OmniPipelineMixin:
 
         Example:
         ```py
-        >>> pipe.enable_omni_offload(OffloadConfig("layerwise", device="cuda", max_device_memory="12GiB"))
+        >>> pipe.enable_omni_offload(LayerwiseOffloadConfig(device="cuda", max_device_memory="12GiB"))
         ```
         """
         from ..offload.discovery import OffloadConflictError
@@ -379,7 +381,7 @@ class OmniPipelineMixin:
             labels = ", ".join(label for label, _, _ in active.members())
             requested = "strategy 'none'" if backend is None else repr(backend.config)
             raise OffloadConflictError(
-                f"{active.strategy.value} offload is already enabled on this pipeline's components ({labels}), "
+                f"{active.strategy} offload is already enabled on this pipeline's components ({labels}), "
                 f"enabled on {active.owner()} with {active.config!r}; {requested} is a different config, so nothing "
                 "was changed. Allowed: the same config (this pipeline adopts that offload), or disable it first: "
                 "disable_omni_offload() on any Omni pipeline sharing these components, or "
@@ -388,8 +390,10 @@ class OmniPipelineMixin:
         return self._adopt_omni_offload(active)
 
     def _enable_new_omni_offload(self, backend: Any) -> Any:
+        from ..config.offload import ModelLevelOffloadConfig
+
         delegate = getattr(self, "enable_omni_model_cpu_offload", None)
-        if backend is not None and backend.strategy.value == "model_level" and delegate is not None:
+        if backend is not None and isinstance(backend.config, ModelLevelOffloadConfig) and delegate is not None:
             # Split models (one module serving as DiT and encoder, e.g. Cosmos3) know their own swap points.
             logger.info("%s handles model-level offload itself (enable_omni_model_cpu_offload)", type(self).__name__)
             backend = delegate(backend.config)
@@ -407,7 +411,7 @@ class OmniPipelineMixin:
         placed = {id(module) for _, module, _ in active.members()}
         if wanted == placed:
             logger.info("%s adopts the %s offload enabled on %s (same components, same config)", type(self).__name__,
-                        active.strategy.value, active.owner())
+                        active.strategy, active.owner())
             self.__dict__["_omni_offload_backend"] = active
             return active
         return self._replan_omni_offload(active)
@@ -418,17 +422,17 @@ class OmniPipelineMixin:
         from ..offload.discovery import OffloadConflictError
         from ..offload.factory import get_offload_backend
 
-        if active.strategy.value == "distributed_layerwise":
+        if active.config.collective:
             if undo is not None:
                 undo()
             raise OffloadConflictError(
-                f"distributed_layerwise offload (enabled on {active.owner()}) places other components than "
+                f"{active.strategy} offload (enabled on {active.owner()}) places other components than "
                 f"{type(self).__name__}'s; re-planning it is collective, so nothing was changed. Allowed: "
                 "disable_omni_offload() on every rank, then enable it on this pipeline on every rank"
             )
         previous = active.target
         logger.info("%s re-plans the %s offload enabled on %s for its own components", type(self).__name__,
-                    active.strategy.value, active.owner())
+                    active.strategy, active.owner())
         active.disable()
         try:
             return self._enable_new_omni_offload(get_offload_backend(active.config))
@@ -439,15 +443,15 @@ class OmniPipelineMixin:
                 active.enable(previous)
             except Exception:  # noqa: BLE001 - the original error is the one to raise
                 logger.exception("offload: enabling the previous %s offload again on %s failed",
-                                 active.strategy.value, type(previous).__name__)
+                                 active.strategy, type(previous).__name__)
             raise
 
     def enable_model_level_offload(self, device: str | torch.device = "cuda", **options: Any) -> Any:
-        """Keep only the running DiT or encoder on ``device``; VAEs stay there. ``options`` go to
-        ``OffloadConfig`` (e.g. ``pin_memory``)."""
-        from ..config.offload import OffloadConfig
+        """Keep only the running DiT or encoder on ``device``; VAEs stay there. ``options`` are further
+        ``ModelLevelOffloadConfig`` fields (``pin_memory``, ``plan``, ``show_progress``)."""
+        from ..config.offload import ModelLevelOffloadConfig
 
-        return self.enable_omni_offload(OffloadConfig("model_level", device=device, **options))
+        return self.enable_omni_offload(ModelLevelOffloadConfig(device=device, **options))
 
     def enable_layerwise_offload(
         self, device: str | torch.device = "cuda", max_device_memory: int | str | None = None, **options: Any
@@ -458,12 +462,13 @@ class OmniPipelineMixin:
             device: where the pipeline computes.
             max_device_memory: bytes (or ``"12GiB"``) of DiT weights allowed on the device; blocks that fit stay
                 resident, spread through the stack. ``None`` streams every block.
-            options: further ``OffloadConfig`` fields (``prefetch_depth``, ``pin_memory``, ``plan``, ...).
+            options: further ``LayerwiseOffloadConfig`` fields (``prefetch_depth``, ``pin_memory``, ``plan``,
+                ``show_progress``).
         """
-        from ..config.offload import OffloadConfig
+        from ..config.offload import LayerwiseOffloadConfig
 
         return self.enable_omni_offload(
-            OffloadConfig("layerwise", device=device, max_device_memory=max_device_memory, **options)
+            LayerwiseOffloadConfig(device=device, max_device_memory=max_device_memory, **options)
         )
 
     def enable_distributed_layerwise_offload(
@@ -482,7 +487,8 @@ class OmniPipelineMixin:
             resident_layers: with ``use_allgather=False``, the first N blocks of the main DiT stay on the device.
             group: the process group sharing the host copy (default: the world group).
             device: where this rank computes; ``None`` → the current CUDA device, or ``"cpu"`` without CUDA.
-            options: further ``OffloadConfig`` fields (``pin_memory``, ``plan``, ``tensor_parallel_size``, ...).
+            options: further ``DistributedLayerwiseOffloadConfig`` fields (``prefetch_depth``, ``pin_memory``,
+                ``plan``, ``tensor_parallel_size``, ``hsdp``, ``show_progress``).
 
         Example:
         ```py
@@ -491,15 +497,14 @@ class OmniPipelineMixin:
         >>> pipe.enable_distributed_layerwise_offload()
         ```
         """
-        from ..config.offload import OffloadConfig
+        from ..config.offload import DistributedLayerwiseOffloadConfig
         from ..offload.distributed import require_process_group
 
         require_process_group(group)
         if device is None:
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return self.enable_omni_offload(
-            OffloadConfig(
-                "distributed_layerwise",
+            DistributedLayerwiseOffloadConfig(
                 device=device,
                 use_allgather=use_allgather,
                 resident_layers=resident_layers,

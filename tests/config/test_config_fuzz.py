@@ -9,6 +9,7 @@ CI runs a derandomized few thousand examples in seconds; ``pytest -m slow`` runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -396,12 +397,9 @@ def _valid_offload(case):
     config = OffloadConfig(**kwargs)
     assert config.strategy is strategy and config.requested[0] is strategy
     assert isinstance(config.device, torch.device)
-    rebuilt = OffloadConfig(
-        strategy=config.requested, device=config.device, pin_memory=config.pin_memory,
-        max_device_memory=config.max_device_memory, prefetch_depth=config.prefetch_depth, plan=config.plan,
-        show_progress=config.show_progress, use_allgather=config.use_allgather,
-        resident_layers=config.resident_layers, tensor_parallel_size=config.tensor_parallel_size, hsdp=config.hsdp,
-    )
+    # Each strategy's config holds only its own fields: rebuild from those.
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    rebuilt = OffloadConfig(strategy=config.requested, **fields)
     assert rebuilt == config
 
 

@@ -46,7 +46,7 @@ def test_config_rejects_combinations_before_anything_runs():
             OffloadConfig("distributed_layerwise", device="cpu", **options)
     OffloadConfig("distributed_layerwise", device="cpu", use_allgather=False, resident_layers=2, hsdp=True,
                   tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="apply only to strategy='distributed_layerwise'"):
+    with pytest.raises(ValueError, match="use_allgather=False applies only to the distributed_layerwise strategy"):
         OffloadConfig("layerwise", device="cpu", use_allgather=False)
 
 
