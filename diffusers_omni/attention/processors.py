@@ -233,19 +233,55 @@ def _calls_dispatch(function: types.FunctionType, names: set[str]) -> bool:
 _ROUTE_COUNT = 0
 
 
+def _shared_mask(policy: MaskPolicy, source: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mask to hand a backend for ``mask``, which a processor derived from key-padding mask ``source`` (the
+    same tensor in every module of a forward): ``source`` itself where ``mask`` is only ``source`` viewed as
+    ``[B, 1, 1, S]`` (backends read both layouts alike), else the first such derivation of ``source`` with
+    ``mask``'s shape (``MaskPolicy.derived``). Every module of a forward then passes the same tensor, so the mask
+    policy checks it for all-True once per forward instead of once per module."""
+    if torch.compiler.is_compiling() or not isinstance(source, torch.Tensor):
+        return mask
+    if (
+        mask.ndim == 4 and source.ndim == 2 and mask.shape == (source.shape[0], 1, 1, source.shape[1])
+        and mask.dtype == source.dtype and mask.device == source.device and mask.data_ptr() == source.data_ptr()
+        and (source.shape[0] == 1 or mask.stride(0) == source.stride(0))
+        and (source.shape[1] == 1 or mask.stride(3) == source.stride(1))
+    ):
+        return source
+    return policy.derived(source, ("routed", tuple(mask.shape), mask.dtype, mask.device), lambda: mask)
+
+
 class _Route:
     """What a bound routed processor runs: the stock ``__call__`` re-created over a copy of its module's namespace
     in which ``dispatch_attention_fn`` is this route's ``dispatch``, and the roles its calls go to, in call order
-    (call ``i`` of one processor call goes to ``roles[min(i, len(roles) - 1)]``)."""
+    (call ``i`` of one processor call goes to ``roles[min(i, len(roles) - 1)]``).
 
-    __slots__ = ("original", "attend", "roles", "call", "calls", "real_dispatch", "module_name", "_cp_warned")
+    ``mask_source`` names the stock ``__call__``'s argument holding the key-padding mask that every module of a
+    forward receives as the same tensor and derives its attention mask from: the masks of the calls are then
+    shared across modules (``_shared_mask``). The declaration that names it vouches that the derived mask depends
+    only on that tensor and the mask's shape."""
 
-    def __init__(self, original: Any, attend: dict[str, RoleAttention], stock_call: types.FunctionType) -> None:
+    __slots__ = ("original", "attend", "roles", "call", "calls", "real_dispatch", "module_name", "_cp_warned",
+                 "mask_source", "mask_index", "source")
+
+    def __init__(self, original: Any, attend: dict[str, RoleAttention], stock_call: types.FunctionType,
+                 mask_source: str | None = None) -> None:
         self.original = original
         self.attend = attend
         self.roles = tuple(attend.values())
         self.calls = 0
         self._cp_warned = False
+        self.mask_source = mask_source
+        self.mask_index = -1
+        self.source = None
+        if mask_source is not None:
+            parameters = list(inspect.signature(stock_call).parameters)
+            if mask_source not in parameters[2:]:
+                raise TypeError(
+                    f"mask_source={mask_source!r} is not an argument of {stock_call.__qualname__}; allowed: "
+                    f"{parameters[2:]}"
+                )
+            self.mask_index = parameters.index(mask_source) - 2  # its position after (self, attn)
         module = sys.modules[stock_call.__module__]
         self.real_dispatch = getattr(module, DISPATCH_NAME)
         # The namespace is a module of its own in sys.modules (torch.compile finds a function's globals through
@@ -298,6 +334,8 @@ class _Route:
                 enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
                 parallel_config=parallel_config,
             )
+        if attn_mask is not None and self.source is not None:
+            attn_mask = _shared_mask(attention.mask_policy, self.source, attn_mask)
         if attention_kwargs:
             raise ValueError(
                 f"attention role {attention.role!r}: Diffusers' processor passed attention_kwargs="
@@ -348,7 +386,14 @@ class RoutedProcessor(OmniAttnProcessor):
         if route is None:
             raise unbound_error(self)
         route.calls = 0
-        return route.call(self, attn, *args, **kwargs)
+        if route.mask_source is None:
+            return route.call(self, attn, *args, **kwargs)
+        index = route.mask_index
+        route.source = kwargs.get(route.mask_source, args[index] if index < len(args) else None)
+        try:
+            return route.call(self, attn, *args, **kwargs)
+        finally:
+            route.source = None  # a mask is never held alive past the call
 
     def __reduce_ex__(self, protocol: int):
         # Pickled (or deep-copied) as the stock processor it stands for: routes hold backends and namespaces.
@@ -404,15 +449,16 @@ def is_routable(processor_class: type) -> bool:
     return _calls_dispatch(call, names)
 
 
-def bind_routed(processor: Any, attend: dict[str, RoleAttention]) -> RoutedProcessor:
+def bind_routed(processor: Any, attend: dict[str, RoleAttention], mask_source: str | None = None) -> RoutedProcessor:
     """A routed processor standing for ``processor`` (a stock Diffusers processor, or a routed one, bound or not),
-    with attention calls going to ``attend``'s roles in call order. ``processor`` itself is not changed."""
+    with attention calls going to ``attend``'s roles in call order. ``processor`` itself is not changed.
+    ``mask_source``: the processor's key-padding-mask argument its attention masks derive from (see ``_Route``)."""
     original = processor.original if isinstance(processor, RoutedProcessor) else processor
     stock = type(original)
     cls = routed_processor_class(stock)
     routed = cls.__new__(cls)
     object.__setattr__(routed, "__dict__", original.__dict__)
-    route = _Route(original, attend, stock.__call__)
+    route = _Route(original, attend, stock.__call__, mask_source)
     object.__setattr__(routed, "_omni_route", route)
     weakref.finalize(routed, sys.modules.pop, route.module_name, None)
     return routed

@@ -165,17 +165,23 @@ def processor_factory(omni_cls: type, *accepted: type) -> Callable[[AttentionSit
     return make
 
 
-def routed_processors(*accepted: type) -> Callable[[AttentionSite, Any, dict[str, RoleAttention]], Any]:
+def routed_processors(
+    *accepted: type, mask_source: str | None = None
+) -> Callable[[AttentionSite, Any, dict[str, RoleAttention]], Any]:
     """``make_processor`` for Diffusers processor classes that call ``dispatch_attention_fn``: the module keeps
     running Diffusers' own processor code, its attention calls routed to the site's roles in call order
-    (``attention.processors.bind_routed``). Anything else raises naming the module."""
+    (``attention.processors.bind_routed``). Anything else raises naming the module.
+
+    ``mask_source``: the processors' argument holding the key-padding mask that every module of a forward receives
+    as the same tensor and that Diffusers derives each call's attention mask from (the derived mask depending only
+    on it and the mask's shape); the backends then get one mask tensor per forward instead of one per module."""
 
     def make(site: AttentionSite, original: Any, attend: dict[str, RoleAttention]) -> OmniAttnProcessor:
         if isinstance(original, RoutedProcessor):
             original = original.original
         if type(original) not in accepted:
             raise unsupported_processor_error(site, original, accepted)
-        return bind_routed(original, attend)
+        return bind_routed(original, attend, mask_source)
 
     return make
 
