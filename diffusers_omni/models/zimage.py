@@ -14,14 +14,13 @@ family produces (one height and width per call); a mask reaching a mask-less bac
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
 
-from ..attention.processors import OmniAttnProcessor, RoleAttention
+from ..attention.processors import routed_processor_class
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import processor_factory
+from .base import routed_processors
 
 NOISE_REFINER = AttentionRole("zimage.noise_refiner", SELF)
 CONTEXT_REFINER = AttentionRole("zimage.context_refiner", SELF, masked=True)
@@ -36,62 +35,11 @@ _ROLE_BY_STAGE = {
 }
 
 
-def _apply_rotary_emb(x_in: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    # As ZSingleStreamAttnProcessor's inner function.
-    with torch.amp.autocast("cuda", enabled=False):
-        x = torch.view_as_complex(x_in.float().reshape(*x_in.shape[:-1], -1, 2))
-        freqs_cis = freqs_cis.unsqueeze(2)
-        x_out = torch.view_as_real(x * freqs_cis).flatten(3)
-        return x_out.type_as(x_in)
-
-
-class OmniZImageAttnProcessor(OmniAttnProcessor):
-    """Z-Image single-stream attention through the backend resolved for the module's stage role.
-
-    Mirrors ``ZSingleStreamAttnProcessor``. A ``[B, S]`` padding mask is handed to the backend as it is (backends
-    broadcast it as Diffusers' ``[B, 1, 1, S]`` view), so every layer of a stage sees the same mask tensor and the
-    all-True check runs once per stage and forward.
-    """
-
-    def __init__(self, original, attend: dict[str, RoleAttention]) -> None:
-        super().__init__(original, attend)
-        (self._attention,) = attend.values()
-
-    def __call__(
-        self,
-        attn: Attention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        freqs_cis: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(hidden_states)
-        value = attn.to_v(hidden_states)
-
-        query = query.unflatten(-1, (attn.heads, -1))
-        key = key.unflatten(-1, (attn.heads, -1))
-        value = value.unflatten(-1, (attn.heads, -1))
-
-        if attn.norm_q is not None:
-            query = attn.norm_q(query)
-        if attn.norm_k is not None:
-            key = attn.norm_k(key)
-
-        if freqs_cis is not None:
-            query = _apply_rotary_emb(query, freqs_cis)
-            key = _apply_rotary_emb(key, freqs_cis)
-
-        dtype = query.dtype
-        query, key = query.to(dtype), key.to(dtype)
-
-        out = self._attention(query, key, value, attn_mask=attention_mask)
-        out = out.flatten(2, 3).to(dtype)
-
-        output = attn.to_out[0](out)
-        if len(attn.to_out) > 1:
-            output = attn.to_out[1](output)
-        return output
+# Diffusers' processor runs as it is, its one attention call per module routed to the module's stage role. It views
+# the stage's ``[B, S]`` padding mask (the same tensor in every layer of a stage) as ``[B, 1, 1, S]``; routed with
+# that argument as the mask source, the backend gets the ``[B, S]`` tensor itself (backends read both layouts
+# alike), so every layer of a stage passes the same mask and the all-True check runs once per stage and forward.
+OmniZImageAttnProcessor = routed_processor_class(ZSingleStreamAttnProcessor, "OmniZImageAttnProcessor")
 
 
 def _find_sites(model: nn.Module) -> list[AttentionSite]:
@@ -113,7 +61,7 @@ ZIMAGE = register_transformer(
         # The Omni variant's optional siglip_refiner (between context_refiner and layers) stays resident.
         blocks_attrs=("noise_refiner", "context_refiner", "layers"),
         find_sites=_find_sites,
-        make_processor=processor_factory(OmniZImageAttnProcessor, ZSingleStreamAttnProcessor),
+        make_processor=routed_processors(ZSingleStreamAttnProcessor, mask_source="attention_mask"),
         mask_free=False,
         display_name="Z-Image",
         example_checkpoint="Tongyi-MAI/Z-Image-Turbo",
