@@ -18,19 +18,16 @@ are dropped).
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 from diffusers.models.transformers.transformer_ltx2 import (
     LTX2Attention,
     LTX2AudioVideoAttnProcessor,
     LTX2PerturbedAttnProcessor,
-    apply_interleaved_rotary_emb,
-    apply_split_rotary_emb,
 )
 
-from ..attention.processors import OmniAttnProcessor, RoleAttention
+from ..attention.processors import routed_processor_class
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import NORM_PROJ_OUT, unsupported_processor_error
+from .base import NORM_PROJ_OUT, routed_processors
 
 VIDEO_SELF = AttentionRole("ltx2.video_self", SELF)
 AUDIO_SELF = AttentionRole("ltx2.audio_self", SELF)
@@ -52,110 +49,10 @@ _BLOCK_ROLES = {
 _CONNECTOR_ROLES = {"video_connector": VIDEO_CONNECTOR, "audio_connector": AUDIO_CONNECTOR}
 
 
-def _rotate(attn: LTX2Attention, query, key, query_rotary_emb, key_rotary_emb):
-    if query_rotary_emb is None:
-        return query, key
-    key_rotary_emb = key_rotary_emb if key_rotary_emb is not None else query_rotary_emb
-    if attn.rope_type == "interleaved":
-        return apply_interleaved_rotary_emb(query, query_rotary_emb), apply_interleaved_rotary_emb(key, key_rotary_emb)
-    if attn.rope_type == "split":
-        return apply_split_rotary_emb(query, query_rotary_emb), apply_split_rotary_emb(key, key_rotary_emb)
-    return query, key
-
-
-def _prepare_mask(attn: LTX2Attention, attention_mask, hidden_states, encoder_hidden_states):
-    if attention_mask is None:
-        return None
-    batch_size, sequence_length, _ = (
-        hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
-    )
-    attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-    return attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
-
-
-def _gate_and_project(attn: LTX2Attention, hidden_states, gate_logits):
-    if gate_logits is not None:
-        hidden_states = hidden_states.unflatten(2, (attn.heads, -1))
-        hidden_states = hidden_states * (2.0 * torch.sigmoid(gate_logits)).unsqueeze(-1)
-        hidden_states = hidden_states.flatten(2, 3)
-    return attn.to_out[1](attn.to_out[0](hidden_states))
-
-
-class OmniLTX2AttnProcessor(OmniAttnProcessor):
-    """``LTX2AudioVideoAttnProcessor`` through the module's role: QK RMSNorm across heads, separate query and key
-    RoPE (for the audio↔video calls), optional per-head gates, one attention call."""
-
-    def __init__(self, original, attend: dict[str, RoleAttention]) -> None:
-        super().__init__(original, attend)
-        (self._attention,) = attend.values()
-
-    def _attend(
-        self, attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, key_rotary_emb, value=None
-    ):
-        query = attn.norm_q(attn.to_q(hidden_states))
-        key = attn.norm_k(attn.to_k(encoder_hidden_states))
-        value = attn.to_v(encoder_hidden_states) if value is None else value
-        query, key = _rotate(attn, query, key, query_rotary_emb, key_rotary_emb)
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-        out = self._attention(query, key, value, attn_mask=attention_mask)
-        return out.flatten(2, 3).to(query.dtype)
-
-    def __call__(
-        self,
-        attn: LTX2Attention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        query_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        key_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        attention_mask = _prepare_mask(attn, attention_mask, hidden_states, encoder_hidden_states)
-        if encoder_hidden_states is None:
-            encoder_hidden_states = hidden_states
-        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
-        out = self._attend(attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, key_rotary_emb)
-        return _gate_and_project(attn, out, gate_logits)
-
-
-class OmniLTX2PerturbedAttnProcessor(OmniLTX2AttnProcessor):
-    """``LTX2PerturbedAttnProcessor`` (LTX-2.3 spatio-temporal guidance): batch elements with perturbation mask 0
-    skip attention and keep the value projection."""
-
-    def __call__(
-        self,
-        attn: LTX2Attention,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        query_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        key_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-        perturbation_mask: torch.Tensor | None = None,
-        all_perturbed: bool | None = None,
-    ) -> torch.Tensor:
-        attention_mask = _prepare_mask(attn, attention_mask, hidden_states, encoder_hidden_states)
-        if encoder_hidden_states is None:
-            encoder_hidden_states = hidden_states
-        gate_logits = attn.to_gate_logits(hidden_states) if attn.to_gate_logits is not None else None
-        if all_perturbed is None:
-            all_perturbed = torch.all(perturbation_mask == 0) if perturbation_mask is not None else False
-        value = attn.to_v(encoder_hidden_states)
-        if all_perturbed:
-            out = value
-        else:
-            out = self._attend(
-                attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, key_rotary_emb, value
-            )
-            if perturbation_mask is not None:
-                out = torch.lerp(value, out, perturbation_mask)
-        return _gate_and_project(attn, out, gate_logits)
-
-
-_PROCESSORS = {
-    LTX2AudioVideoAttnProcessor: OmniLTX2AttnProcessor,
-    LTX2PerturbedAttnProcessor: OmniLTX2PerturbedAttnProcessor,
-}
+# Diffusers' processors run as they are; each makes (at most) one attention call, routed to its module's role. The
+# perturbed processor (LTX-2.3 spatio-temporal guidance) skips the call when every batch element is perturbed.
+OmniLTX2AttnProcessor = routed_processor_class(LTX2AudioVideoAttnProcessor)
+OmniLTX2PerturbedAttnProcessor = routed_processor_class(LTX2PerturbedAttnProcessor)
 
 
 def _find_sites_in(model: nn.Module, role_of) -> list[AttentionSite]:
@@ -174,13 +71,7 @@ def _connector_sites(model: nn.Module) -> list[AttentionSite]:
     return _find_sites_in(model, lambda name: _CONNECTOR_ROLES[name.split(".", 1)[0]])
 
 
-def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniLTX2AttnProcessor:
-    if isinstance(original, OmniAttnProcessor):
-        original = original.original
-    omni_cls = _PROCESSORS.get(type(original))
-    if omni_cls is None:
-        raise unsupported_processor_error(site, original, tuple(_PROCESSORS))
-    return omni_cls(original, attend)
+_make_processor = routed_processors(LTX2AudioVideoAttnProcessor, LTX2PerturbedAttnProcessor)
 
 
 LTX2 = register_transformer(
