@@ -36,6 +36,11 @@ class OmniHunyuanVideo15AttnProcessor(OmniAttnProcessor):
 
     Mirrors ``HunyuanVideo15AttnProcessor2_0`` operation by operation, including the dense boolean mask it builds
     from the text key-padding mask.
+
+    Still a copy although Diffusers' processor has the ``dispatch_attention_fn`` seam: routing it would run
+    Diffusers' mask code, which builds the dense mask anew in every layer, losing the mask this copy builds once
+    per forward (and with it the once-per-forward all-True check); tests/models/test_hunyuanvideo15.py asserts that
+    every layer gets the same mask tensor.
     """
 
     def __init__(self, original, attend: dict[str, RoleAttention]) -> None:
