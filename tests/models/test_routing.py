@@ -62,3 +62,36 @@ def test_routed_pipeline_is_bitwise_equal_after_enable_disable_enable():
         assert torch.equal(out, expected)
         pipe.disable_omni_attention()
         pipe.enable_omni_attention("TORCH_SDPA")
+
+
+def test_roles_follow_diffusers_call_order_in_a_two_call_processor():
+    """Wan 2.1 I2V's ``attn2`` attends the image context first, then the text: each call reaches its own role."""
+    from PIL import Image
+
+    from diffusers_omni.attention.processors import RoleAttention
+    from diffusers_omni.testing import tiny_wan_i2v_pipeline
+
+    pipe = omnify(tiny_wan_i2v_pipeline(), "TORCH_SDPA")
+    lengths: dict[str, set[int]] = {}
+    inputs: dict[str, int] = {}
+    stock_call = RoleAttention.__call__
+
+    def recording(self, query, key, *args, **kwargs):
+        lengths.setdefault(self.role, set()).add(key.shape[1])
+        return stock_call(self, query, key, *args, **kwargs)
+
+    def seen(module, args, kwargs):
+        inputs["text"] = kwargs["encoder_hidden_states"].shape[1]
+        inputs["image"] = kwargs["encoder_hidden_states_image"].shape[1]
+
+    handle = pipe.transformer.register_forward_pre_hook(seen, with_kwargs=True)
+    RoleAttention.__call__ = recording
+    try:
+        pipe(prompt="a red fox", image=Image.new("RGB", (32, 32), (120, 60, 30)), height=32, width=32, num_frames=5,
+             num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0))
+    finally:
+        RoleAttention.__call__ = stock_call
+        handle.remove()
+    assert inputs["image"] != inputs["text"]
+    assert lengths["wan.image_cross"] == {inputs["image"]}
+    assert lengths["wan.cross"] == {inputs["text"]}
