@@ -14,7 +14,7 @@ implementation), at DiT attention shapes, in bf16:
 A backend refused in deterministic mode (CUDNN_ATTN) is recorded with its reasons. Writes ``<out>.json`` and
 ``<out>.md``:
 
-    PYTHONPATH=/path/to/diffusers python -m benchmarks.alignment_gpu --out benchmarks/results/alignment_h200
+    PYTHONPATH=/path/to/diffusers python -m benchmarks run alignment
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Times every backend that can run each shape, in one process, with CUDA events (m
 warm-up), reports TFLOP/s (4·B·H·Sq·Skv·D / time) and the relative error ‖out − ref‖/‖ref‖ against an fp32
 reference, and checks that the platform default is within 3% of the fastest available backend.
 
-    python -m benchmarks.attention_bench --out benchmarks/results/attention_h200
+    python -m benchmarks run attention        # benchmarks/results/attention/latest.{json,md}
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ backward everywhere); the others follow by speed. Only rows that are backends (`
 neither lossy kernels (``lossy``: INT8 SageAttention) nor Hub kernels (``*_HUB``: a download, chosen explicitly for
 training/rollout parity) are ever a default.
 
-    python -m benchmarks.derive_routing benchmarks/results/attention_h200.json \
-        --check benchmarks/results/attention_h200_routing_check.md --fp8 benchmarks/results/hopper_fp8_sparse_h200.json \
-        --lossy benchmarks/results/tune_h200_kernel_only.json
+    python -m benchmarks.derive_routing benchmarks/results/attention/latest.json \
+        --check benchmarks/results/attention/routing_check.md --fp8 benchmarks/results/hopper/latest.json \
+        --lossy benchmarks/results/tune-lossy/latest.json
 """
 
 from __future__ import annotations
@@ -197,16 +197,21 @@ def main() -> None:
     parser.add_argument("--fp8", nargs="*", default=[],
                         help="hopper_bench.py JSON results (FP8 rules and block-sparse break-evens)")
     args = parser.parse_args()
-    table = derive([json.loads(Path(p).read_text()) for p in args.results], args.tolerance)
+    from benchmarks.results_io import read
+
+    def payload(path: str) -> dict:  # results are {"meta", "payload"} files of the suite (benchmarks/results_io.py)
+        return read(Path(path))["payload"]
+
+    table = derive([payload(p) for p in args.results], args.tolerance)
     if args.fp8:
         table["fp8_margin"] = FP8_MARGIN
-        table["fp8"] = derive_fp8([json.loads(Path(p).read_text()) for p in args.fp8])
-        table["sparse"] = derive_sparse([json.loads(Path(p).read_text()) for p in args.fp8])
+        table["fp8"] = derive_fp8([payload(p) for p in args.fp8])
+        table["sparse"] = derive_sparse([payload(p) for p in args.fp8])
     if args.lossy:
-        table["lossy"] = derive_lossy([json.loads(Path(p).read_text()) for p in args.lossy], args.lossy)
+        table["lossy"] = derive_lossy([payload(p) for p in args.lossy], args.lossy)
     Path(args.out).write_text(json.dumps(table, indent=2) + "\n")
     if args.check:
-        Path(args.check).write_text(check(json.loads(Path(args.results[0]).read_text()), table))
+        Path(args.check).write_text(check(payload(args.results[0]), table))
     print(json.dumps(table, indent=2))
 
 

@@ -3,8 +3,7 @@
 Usage (``DIFFUSERS_SRC`` is a checkout of github.com/huggingface/diffusers; only its ``tests/`` is used, against the
 installed Diffusers)::
 
-    python -m benchmarks.diffusers_pipeline_tests /tmp/diffusers-src --modes stock layerwise model_level \
-        --out benchmarks/results/diffusers_pipeline_tests_cpu.json
+    python -m benchmarks run diffusers-pipeline-tests -- /tmp/diffusers-src --modes stock layerwise model_level
 
 Modes:
 

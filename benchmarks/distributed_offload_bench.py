@@ -19,9 +19,8 @@ them), every rank measures and rank 0 gathers and reports:
 Usage (results in ``<out>.json``, ``<out>.md``, ``<out>.png``)::
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
-      torchrun --nproc-per-node 8 benchmarks/distributed_offload_bench.py --models flux,wan \\
-        --out $OUT/offload_multigpu_h200
-    torchrun --nproc-per-node 2 benchmarks/distributed_offload_bench.py --smoke --out /tmp/x   # tiny models, CPU, gloo
+      python -m benchmarks run offload-multigpu          # torchrun, one process per GPU
+    python -m benchmarks run offload-multigpu --smoke      # two processes: tiny models, CPU, gloo
 
 A rank that raises prints its traceback and exits at once (torchrun then stops the others); collectives time out
 after ``--timeout`` seconds, so a lost rank cannot hang the run.
@@ -450,7 +449,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="flux,wan", help="comma-separated: flux, wan")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU with gloo (checks the script)")
-    parser.add_argument("--out", default=None, help="output prefix (default benchmarks/results/offload_multigpu)")
+    parser.add_argument("--out", required=True, help="output prefix: PREFIX.json, .md, .png (the runner, python -m benchmarks run, chooses it)")
     parser.add_argument("--ckpt-dir", default=str(Path(tempfile.gettempdir()) / "omni_distributed_offload_ckpt"),
                         help="where rank 0 saves the random-weight checkpoints (reused when complete)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -470,7 +469,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, ctx: Ctx) -> None:
-    out = Path(args.out or f"benchmarks/results/offload_multigpu_{'smoke' if args.smoke else 'h200'}")
+    out = Path(args.out)
     import accelerate  # noqa: F401 - load_transformer_mmap imports it; keep first imports out of RSS deltas
 
     for name in args.models:

@@ -3,6 +3,10 @@
 Each table sits between ``<!-- results: NAME -->`` and ``<!-- /results -->`` in a docs page; this script rewrites
 what is between the markers. ``--check`` only reports stale tables (a test runs it).
 
+Results are read through the suite registry (``benchmarks/registry.py``, ``benchmarks/results_io.py``): a reference
+``"suite"`` is that suite's ``latest.json``; ``"suite@run-id"`` pins one run (a table of past runs), found in the
+suite's ``archive/`` or, while it is still the latest, as the latest.
+
     python -m benchmarks.docs_tables            # rewrite
     python -m benchmarks.docs_tables --check    # exit 1 when a table differs from the results
 """
@@ -15,11 +19,12 @@ import re
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-
+from benchmarks import registry, results_io
 from benchmarks.derive_routing import distinct_exact, routed_choices
 from benchmarks.quant_offload_check import PIPELINE_CHECKS
+
+ROOT = results_io.ROOT
+RESULTS = results_io.RESULTS
 
 from diffusers_omni.attention.routing import load_table
 
@@ -28,9 +33,26 @@ MARKER = re.compile(r"(<!-- results: (?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!
 DENSE = ("TORCH_SDPA", "CUDNN_ATTN", "FLASH_ATTN", "FLASHINFER_ATTN")
 
 
+def _run(ref: str) -> tuple[str, str]:
+    suite, _, run = ref.partition("@")
+    registry.owner(suite)  # a KeyError naming every suite when ``suite`` is not one
+    return suite, run or results_io.LATEST
+
+
+def path_of(ref: str) -> Path:
+    """The JSON of the run ``ref`` names (``"suite"`` or ``"suite@run-id"``)."""
+    return results_io.find(*_run(ref), root=RESULTS)
+
+
 @cache
-def result(name: str) -> dict:
-    return json.loads((RESULTS / f"{name}.json").read_text())
+def result(ref: str) -> dict:
+    """The payload of the run ``ref`` names."""
+    return results_io.read(path_of(ref))["payload"]
+
+
+def cite(ref: str, suffix: str = ".md") -> str:
+    """Where the run ``ref`` names is, for the docs: its path under ``benchmarks/results/`` with ``suffix``."""
+    return path_of(ref).relative_to(RESULTS).with_suffix(suffix).as_posix()
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -50,7 +72,7 @@ def gib(n: float) -> str:
 # Attention --------------------------------------------------------------------------------------------------------
 
 def attention_backends() -> str:
-    results = result("attention_h200")
+    results = result("attention")
     rows = []
     for shape, chosen, fastest in routed_choices(results, load_table()):
         measured = shape["results"]
@@ -69,7 +91,7 @@ def attention_backends() -> str:
 def attention_same_kernel() -> str:
     """FLASH_ATTN measured through every wrapper that ran it (the Hub fallbacks, the router): the run's noise."""
     rows = []
-    for shape in result("attention_h200")["shapes"]:
+    for shape in result("attention")["shapes"]:
         same = {n: r["tflops"] for n, r in shape["results"].items()
                 if n == "FLASH_ATTN" or r.get("runs_as") or n.endswith("→ FLASH_ATTN)")}
         if len(same) > 1:
@@ -80,7 +102,7 @@ def attention_same_kernel() -> str:
 
 def attention_router() -> str:
     rows = []
-    for shape in result("attention_h200")["shapes"]:
+    for shape in result("attention")["shapes"]:
         for name, row in shape["results"].items():
             if name.startswith("platform default end to end"):
                 target = name.split("→ ")[1].rstrip(")")
@@ -93,7 +115,7 @@ def attention_router() -> str:
 
 def sage_backend() -> str:
     rows = []
-    for shape in result("attention_h200")["shapes"]:
+    for shape in result("attention")["shapes"]:
         measured = shape["results"]
         if "SAGE_ATTN" not in measured:
             continue
@@ -110,19 +132,19 @@ def sage_backend() -> str:
 def sage_kernels() -> str:
     rows = [[k["shape"], f"{k['sdpa_tflops']:.0f}", f"{k['sageattn_tflops']:.0f}",
              f"{k['sageattn_tflops'] / k['sdpa_tflops']:.2f}", f"{k['sdpa_rel_err']:.1e}", f"{k['sageattn_rel_err']:.1e}"]
-            for k in result("sage_h200")["kernels"]]
+            for k in result("sage")["kernels"]]
     return table(["Shape", "SDPA TFLOP/s", "sageattn TFLOP/s", "ratio", "SDPA rel err", "sageattn rel err"], rows)
 
 
 def sage_sweep() -> str:
     rows = [[s["kv_len"], s["padding_rows"], f"{s['predicted_rel_err']:.3g}", f"{s['sageattn_rel_err']:.3g}"]
-            for s in result("sage_h200")["kv_sweep"]]
+            for s in result("sage")["kv_sweep"]]
     return table(["KV length", "padded rows", "predicted rel err (padding only)", "measured rel err"], rows)
 
 
 def sage_pipelines() -> str:
     rows = []
-    for p in result("sage_h200")["pipelines"]:
+    for p in result("sage")["pipelines"]:
         guarded = ", ".join(p["short_kv_guarded_roles"]) or "none"
         calls = ", ".join(f"{n} × KV {kv}" for kv, n in p["sage_kernel_calls_by_kv_len"].items())
         rows.append([p["pipeline"], p["config"], f"{p['latent_rel_err_vs_sdpa']:.1e}", calls, guarded])
@@ -137,9 +159,9 @@ def _variants(name: str) -> tuple[dict, dict[str, dict]]:
 
 
 OFFLOAD_SUMMARY_RUNS = (
-    ("offload_h200_flux_tail", "FLUX.1-dev size", "omni layerwise"),
-    ("offload_h200_flux_budget_run_cap", "FLUX.1-dev size", "omni layerwise 12GiB"),
-    ("offload_h200_wan", "Wan2.2-14B size", "omni layerwise"),
+    ("offload-flux", "FLUX.1-dev size", "omni layerwise"),
+    ("offload-flux-budget", "FLUX.1-dev size", "omni layerwise 12GiB"),
+    ("offload-wan", "Wan2.2-14B size", "omni layerwise"),
 )
 
 
@@ -168,22 +190,31 @@ def offload_summary() -> str:
         rows.append([f"{label} ({gib(entry['param_bytes'])})", variant_name, f"{variant['step_s']:.3f}",
                      f"{variant['target_step_s']:.3f}", "yes" if variant["meets_step_target"] else "NO",
                      gib(variant["peak_device_bytes"]), " / ".join(f"{v['step_s']:.3f}" for v in diffusers) or "—",
-                     f"{variants['resident']['step_s']:.3f}", f"`{name}.md`"])
+                     f"{variants['resident']['step_s']:.3f}", f"`{cite(name)}`"])
     return table(["Model", "Variant", "Step (s)", "Target (s)", "Meets", "Peak device",
                   "Diffusers (record_stream off / on)", "Resident", "Run"], rows)
 
 
+# The runs of the 12 GiB budget, oldest first, each under the rule of its day (pinned: a new run adds a row).
+OFFLOAD_BUDGET_HISTORY = (
+    "offload-flux@undated-4ef43f8-offload_h200_flux",
+    "offload-distributed-flux@undated-9f84c58-offload_h200_flux_budget_distributed",
+    "offload-flux-budget@undated-a1b25b3-offload_h200_flux_budget",
+    "offload-flux-budget@undated-670eae7-offload_h200_flux_budget_largest_first_uncapped",
+    "offload-flux-budget@undated-bc75378-offload_h200_flux_budget_run_cap",
+)
+
+
 def offload_budget_window() -> str:
     rows = []
-    for name in ("offload_h200_flux", "offload_h200_flux_budget_distributed", "offload_h200_flux_budget",
-                 "offload_h200_flux_budget_largest_first_uncapped", "offload_h200_flux_budget_run_cap"):
+    for name in OFFLOAD_BUDGET_HISTORY:
         _, variants = _variants(name)
         budget = next(v for n, v in variants.items() if n.startswith("omni layerwise ") and "GiB" in n)
-        rows.append([f"`{name}.md`", f"{budget['step_s']:.3f}", f"{budget['target_step_s']:.3f}",
+        rows.append([f"`{cite(name)}`", f"{budget['step_s']:.3f}", f"{budget['target_step_s']:.3f}",
                      "yes" if budget["meets_step_target"] else "NO"])
     return table(["Run (oldest first)", "12 GiB budget step (s)", "target (s)", "meets"], rows) + (
         "\nRuns in order: fixed slots; plus free-room prefetch; plus the byte-counted window; resident blocks "
-        f"chosen largest first ({_resident_count('offload_h200_flux_budget_largest_first_uncapped')} of them, "
+        f"chosen largest first ({_resident_count(OFFLOAD_BUDGET_HISTORY[3])} of them, "
         "the double blocks in one run); largest first with no resident run larger than the window (the current "
         "rule).\n")
 
@@ -194,8 +225,8 @@ def _resident_count(name: str) -> int:
 
 
 def distributed_summary() -> str:
-    names = (("offload_h200_flux_budget_distributed", "FLUX.1-dev size"),
-             ("offload_h200_distributed_wan", "Wan 14B size"))
+    names = (("offload-distributed-flux", "FLUX.1-dev size"),
+             ("offload-distributed-wan", "Wan 14B size"))
     columns = []
     for name, label in names:
         entry, variants = _variants(name)
@@ -230,14 +261,14 @@ def distributed_summary() -> str:
 
 def distributed_example(ranks: int = 4) -> str:
     """The memory math of the guide, worked for the measured FLUX.1-dev-size blocks at ``ranks`` ranks."""
-    _, variants = _variants("offload_h200_flux_budget_distributed")
+    _, variants = _variants("offload-distributed-flux")
     layerwise = variants["omni layerwise"]
     streamed, largest = layerwise["streamed_bytes"], layerwise["slot_bytes"]
     return (
         f"FLUX.1-dev ({gib(streamed)} of bf16 blocks, {layerwise['streamed_blocks']} blocks; the largest is "
         f"S = {gib(largest)}) on {ranks} ranks: ≈{gib(streamed / ranks)} pinned per rank and "
         f"≈{gib(2 * largest + 2 * largest / ranks)} of block weights per GPU (2 × {gib(largest)} slots + 2 × "
-        f"{gib(largest / ranks)} staging). Computed from the blocks measured in `offload_h200_flux_budget_distributed`; "
+        f"{gib(largest / ranks)} staging). Computed from the blocks measured in `{cite('offload-distributed-flux', '')}`; "
         "only N = 1 was run.\n"
     )
 
@@ -337,16 +368,17 @@ def readme_wins() -> str:
         rows.append([f"{scale}: enable offloading, first time in the process", f"{ours['setup_s']:.1f} s",
                      f"{first['setup_s']:.1f} s", f"{_speedup(ours['setup_s'], first['setup_s'])} the first time only: "
                      f"Diffusers' next enable in the same process took {again['setup_s']:.2f} s"])
-    check = result("gpu_pipeline_check_h200")
+    check = result("gpu-pipeline-check")
     same = [k for k, v in check.items() if isinstance(v, dict) and v.get("bitwise_equal_to_stock")]
     rows.append(["FLUX.1 pipeline output, omni attention vs Diffusers' processors",
                  f"bitwise equal ({len(same)} configs, max abs diff "
                  f"{max(check[k]['max_abs_diff'] for k in same)})", "—", "no accuracy cost"])
     env = result(README_OFFLOAD_RUNS[0][0])["environment"]
-    runs = ", ".join(f"`{name}.json` ({label.split(' ')[0]})" for name, label in README_OFFLOAD_RUNS)
+    runs = ", ".join(f"`{cite(name, '.json')}` ({label.split(' ')[0]})" for name, label in README_OFFLOAD_RUNS)
     return table(["Measured on one " + env["device_name"], "diffusers-omni", "Diffusers", ""], rows) + (
         f"\ntorch {env['torch']}, diffusers {env['diffusers']}; one transformer forward per step, median of repeats; "
-        f"from `benchmarks/results/`: {runs} and `gpu_pipeline_check_h200.json`. The plot below draws the same rows "
+        f"from `benchmarks/results/`: {runs} and `{cite('gpu-pipeline-check', '.json')}`. The plot below draws the same "
+        "rows "
         "of the same runs.\n")
 
 
@@ -387,7 +419,7 @@ def readme_costs() -> str:
          *each(lambda e, o, t, r: f"{t[-1]['setup_s']:.2f} s")],
     ]
     env = result(runs[0][0])["environment"]
-    header = [f"Cost ({env['device_name']})", *(f"{label} (`{name}`)" for name, label, *_ in runs)]
+    header = [f"Cost ({env['device_name']})", *(f"{label} (`{cite(name, '')}`)" for name, label, *_ in runs)]
     name, label, variant = README_BUDGET_RUN
     _, budget_variants = _variants(name)
     budget, default, resident = (budget_variants[n] for n in (variant, "omni layerwise", "resident"))
@@ -396,7 +428,7 @@ def readme_costs() -> str:
         "\nHost memory is the benchmark process's resident set, which holds the model's weights on the host before "
         "enable (they start there); layerwise registers those pages for DMA in place, group offload copies them into "
         "pinned buffers, and Diffusers keeps them after its hooks are removed, which is why its next enable is "
-        f"quick. With a budget, `max_device_memory=\"{limit}\"` ({label}, `{name}`): one forward "
+        f"quick. With a budget, `max_device_memory=\"{limit}\"` ({label}, `{cite(name, '')}`): one forward "
         f"{budget['step_s']:.3f} s ({budget['step_s'] / resident['step_s']:.2f}× the resident {resident['step_s']:.3f} "
         f"s), peak {gib(budget['peak_device_bytes'])}, {budget['resident_blocks']} of "
         f"{budget['resident_blocks'] + budget['streamed_blocks']} blocks kept on the GPU. Layerwise pays its enable "
@@ -404,7 +436,7 @@ def readme_costs() -> str:
         f"model in {budget['setup_s']:.1f} s.\n")
 
 
-E2E_ATTENTION = "e2e_attention_h200"
+E2E_ATTENTION = "hopper-e2e"
 LOSSY_BACKENDS = ("RAINFUSION_ATTN", "SAGE_ATTN", "SAGE_ATTN_3")
 LOSSY_NAMES = ("FP8", "RainFusion", "Sage", "sparse")
 
@@ -412,15 +444,15 @@ LOSSY_NAMES = ("FP8", "RainFusion", "Sage", "sparse")
 def e2e_attention() -> str:
     """End-to-end seconds per denoising step under Diffusers' own attention backends and ours, when measured.
 
-    Reads ``benchmarks/results/e2e_attention_h200.json`` ({"device", "torch", "script", "models": {label: {"tokens",
-    "baseline", "steps": {variant: seconds}, "omni_backends": {variant: {role: {"backend", "fp8_routes"}}},
-    "rel_err": {variant: relative error of the output against the baseline}}}}); renders nothing while that file
-    does not exist.
+    Reads the payload of ``benchmarks/results/hopper-e2e/latest.json`` ({"device", "torch", "script", "models":
+    {label: {"tokens", "baseline", "steps": {variant: seconds}, "omni_backends": {variant: {role: {"backend",
+    "fp8_routes"}}}, "rel_err": {variant: relative error of the output against the baseline}}}}); renders nothing
+    while the suite has no result.
     """
-    path = RESULTS / f"{E2E_ATTENTION}.json"
+    path = results_io.run_path(E2E_ATTENTION, root=RESULTS)
     if not path.exists():
         return ""
-    return render_e2e_attention(json.loads(path.read_text()))
+    return render_e2e_attention(results_io.read(path)["payload"])
 
 
 def e2e_lossy(entry: dict, variant: str) -> bool | None:
@@ -470,13 +502,13 @@ def render_e2e_attention(data: dict) -> str:
 def _fp8_routed(row: dict) -> str:
     from diffusers_omni.attention.routing import fp8_choice
 
-    hopper = result("hopper_fp8_sparse_h200")
+    hopper = result("hopper")
     chosen = fp8_choice(load_table(), hopper["platform"]["family"], row["Sq"], row["Skv"], row["D"], row["masked"])
     return "FP8" if chosen else "bf16"
 
 
 def fp8_kernels() -> str:
-    hopper = result("hopper_fp8_sparse_h200")
+    hopper = result("hopper")
     rows = []
     for row in hopper["fp8"]:
         dims_ = f"{row['B']}×{row['H']}×{row['Sq']}×{row['Skv']}×{row['D']}"
@@ -498,7 +530,7 @@ def fp8_kernels() -> str:
 
 def fp8_checks() -> str:
     rows = []
-    fp8 = [row for row in result("hopper_fp8_sparse_h200")["fp8"] if row.get("speedup") is not None]
+    fp8 = [row for row in result("hopper")["fp8"] if row.get("speedup") is not None]
     emulated = any(row.get("rel_err_fp8_vs_fa3_emulation") is not None for row in fp8)
     for row in fp8:
         cells = [row["shape"], f"{row['kernel_speedup']:.2f}×", f"{row['rel_err_fp8_vs_fake_quant_reference']:.1e}"]
@@ -518,7 +550,7 @@ def _selection_rule(row: dict) -> str:
 
 
 def sparse_kernels() -> str:
-    hopper = result("hopper_fp8_sparse_h200")
+    hopper = result("hopper")
     rows = []
     staged = any("kernel_ms" in row for row in hopper["sparse"]["timings"])
     for row in hopper["sparse"]["timings"]:
@@ -557,7 +589,7 @@ def sparse_kernels() -> str:
 
 
 def hopper_e2e() -> str:
-    e2e = result("e2e_attention_h200")
+    e2e = result(E2E_ATTENTION)
     rows = []
     for model, entry in e2e["models"].items():
         steps = entry["steps"]
@@ -574,13 +606,13 @@ def hopper_e2e() -> str:
 
 
 def _step(model_prefix: str, variant: str) -> float:
-    models = result("e2e_attention_h200")["models"]
+    models = result(E2E_ATTENTION)["models"]
     entry = next(v for k, v in models.items() if k.startswith(model_prefix))
     return entry["steps"][variant]
 
 
 def fp8_targets() -> str:
-    rows_fp8 = [r for r in result("hopper_fp8_sparse_h200")["fp8"] if r.get("speedup") is not None]
+    rows_fp8 = [r for r in result("hopper")["fp8"] if r.get("speedup") is not None]
     long_rows = [r for r in rows_fp8 if min(r["Sq"], r["Skv"]) >= 32000]
     routed_worst = min(r["bf16_ms"] / (r["fp8_whole_ms"] if _fp8_routed(r) == "FP8" else r["bf16_ms"])
                        for r in rows_fp8)
@@ -599,7 +631,7 @@ def fp8_targets() -> str:
 
 
 def sparse_targets() -> str:
-    timings = [r for r in result("hopper_fp8_sparse_h200")["sparse"]["timings"] if r["shape"].startswith("Wan")]
+    timings = [r for r in result("hopper")["sparse"]["timings"] if r["shape"].startswith("Wan")]
     top_k = [r for r in timings if r.get("mass_threshold") is None]
     mass = [r for r in timings if r.get("mass_threshold") is not None]
 
@@ -628,7 +660,7 @@ def sparse_targets() -> str:
 
 def fp8_numerics() -> str:
     """What lowers the FP8 error (CPU emulation of FA3's FP8 forward): the error budget and each variant's change."""
-    study = result("fp8_numerics_cpu")
+    study = result("fp8-numerics")
     variants = list(study["shapes"][0]["gaussian"]["variants"])
     budget_rows, variant_rows = [], []
     for row in study["shapes"]:
@@ -653,7 +685,7 @@ def _verdict(ok: bool) -> str:
 
 
 def hopper_latents() -> str:
-    latents = result("hopper_tiny_latents_cpu")
+    latents = result("tiny-latents")
     rows = [[name, mode, f"{m['rel_err']:.1e}", f"{m['psnr_db']:.1f}"]
             for name, entry in latents["pipelines"].items() for mode, m in entry["modes"].items()]
     return table(["Tiny pipeline", "Mode", "latent rel err vs TORCH_SDPA", "PSNR dB"], rows)
@@ -669,23 +701,29 @@ def _short_error(error: str) -> str:
     return kind
 
 
-# The runs of the current code: FLUX size with the per-block timings, Wan-14B size in two calls (a call's time
-# limit), and FLUX size again with the copy-traffic variant.
-QUANT_OFFLOAD_FINAL_RUNS = ("quant_offload_h200_final", "quant_offload_h200_wan_final", "quant_offload_h200_wan_final2",
-                            "quant_offload_h200_traffic")
+# The runs of the current code (each suite's latest): FLUX size with the per-block timings, Wan-14B size in two
+# calls (a call's time limit: 8-bit and 4-bit formats), and FLUX size again with the copy-traffic variant.
+QUANT_OFFLOAD_FINAL_RUNS = ("quant-offload-flux", "quant-offload-wan", "quant-offload-wan-4bit", "quant-offload-traffic")
 
 
-# The quantized offload runs the docs show: the full-size FLUX run (else the full-width 1-block run), plus the
-# Wan-14B-size run, the FLUX re-run after the device cache is emptied on enable and the one after each block's views
-# are made once, once they exist.
-QUANT_OFFLOAD_RUN = "quant_offload_h200" if (RESULTS / "quant_offload_h200.json").exists() else "quant_offload_h200_1block"
-QUANT_OFFLOAD_RUNS = [QUANT_OFFLOAD_RUN] + [r for r in ("quant_offload_h200_wan", "quant_offload_h200_after_empty_cache",
-                                                      "quant_offload_h200_views_once",
-                                                      "quant_offload_h200_wan_q4k_nf4",
-                                                      "quant_offload_h200_tail",
-                                                      "quant_offload_h200_tail_overlap",
-                                                      *QUANT_OFFLOAD_FINAL_RUNS, "quant_offload_h200_deeper")
-                                            if (RESULTS / f"{r}.json").exists()]
+# Every quantized offload run the docs show, oldest first (pinned: a new run adds a row): the first full-size FLUX
+# run, the Wan-14B-size run, the FLUX re-runs after the device cache is emptied on enable, after each block's views
+# are made once, Wan's 4-bit formats, the pass-boundary ("tail") runs, the runs of the current code and the deeper
+# window.
+QUANT_OFFLOAD_RUNS = (
+    "quant-offload-flux@undated-236cdee-quant_offload_h200",
+    "quant-offload-wan@undated-e681419-quant_offload_h200_wan",
+    "quant-offload-flux@undated-1674e12-quant_offload_h200_after_empty_cache",
+    "quant-offload-flux@undated-1aee56d-quant_offload_h200_views_once",
+    "quant-offload-wan-4bit@undated-7524368-quant_offload_h200_wan_q4k_nf4",
+    "quant-offload-flux@undated-01c220f-quant_offload_h200_tail",
+    "quant-offload-flux@undated-e519bc0-quant_offload_h200_tail_overlap",
+    "quant-offload-flux@undated-4439600-quant_offload_h200_final",
+    "quant-offload-wan@undated-4439600-quant_offload_h200_wan_final",
+    "quant-offload-wan-4bit@undated-4439600-quant_offload_h200_wan_final2",
+    "quant-offload-traffic@undated-1413dd5-quant_offload_h200_traffic",
+    "quant-offload-deeper@undated-aff8ce7-quant_offload_h200_deeper",
+)
 
 
 def quant_offload_current() -> str:
@@ -738,12 +776,12 @@ def _quant_offload_rows(reports: list[tuple[str, dict]]) -> list[list]:
                 f"{gib(omni['peak_device_bytes'])} / " + (gib(diffusers["peak_device_bytes"]) if "step_s" in diffusers
                                                           else "—"),
                 f"{omni['setup_s']:.1f}" + (f" / {from_host['setup_s']:.1f}" if "setup_s" in from_host else ""),
-                "yes" if omni["bitwise_equal_to_resident"] else "NO", f"`{run}.md`",
+                "yes" if omni["bitwise_equal_to_resident"] else "NO", f"`{cite(run)}`",
             ])
     return rows
 
 
-QUANT_OFFLOAD_TRAFFIC_RUN = "quant_offload_h200_traffic"
+QUANT_OFFLOAD_TRAFFIC_RUN = "quant-offload-traffic"
 
 
 def _copy_traffic_factors() -> dict[tuple[str, str], float]:
@@ -768,12 +806,12 @@ def quant_offload_traffic() -> str:
                      f"{omni['target_step_s']:.3f}", _verdict(omni["meets_step_target"])])
     return table(["Model", "Format", "Resident step (s)", "Resident, packed bytes copied alongside (s)", "Copied",
                   "omni layerwise (s)", "Target (s)", "Meets"], rows) + (
-        f"\nOne run (`{QUANT_OFFLOAD_TRAFFIC_RUN}.md`, `--copy-traffic`): the resident quantized model timed while "
+        f"\nOne run (`{cite(QUANT_OFFLOAD_TRAFFIC_RUN)}`, `--copy-traffic`): the resident quantized model timed while "
         "a side stream copies the model's packed bytes host→device (pinned, 256 MiB pieces) once per step, with no "
         "dependency between the two. Percentages are over the resident step of the same run.\n")
 
 
-QUANT_OFFLOAD_DEEPER_RUN = "quant_offload_h200_deeper"
+QUANT_OFFLOAD_DEEPER_RUN = "quant-offload-deeper"
 
 
 def quant_offload_deeper() -> str:
@@ -794,7 +832,7 @@ def quant_offload_deeper() -> str:
                              "yes" if v["bitwise_equal_to_resident"] else "NO"])
     return table(["Model", "Format", "prefetch_depth", "Default window step (peak)", "Deeper step (s)", "Peak",
                   "Target (s)", "Meets", "Diffusers' peak", "Bitwise = resident"], rows) + (
-        f"\nOne run, `{QUANT_OFFLOAD_DEEPER_RUN}.md`: the default window and the deeper one side by side, median of "
+        f"\nOne run, `{cite(QUANT_OFFLOAD_DEEPER_RUN)}`: the default window and the deeper one side by side, median of "
         f"{report['args']['repeats']} steps.\n")
 
 
@@ -848,14 +886,14 @@ def quant_offload_bound() -> str:
                   "Any schedule within that window's bytes (s)", "Run that sets it",
                   "Same, compute slowed as under copy traffic (s)", "Target (s)", "omni layerwise (s)",
                   "Any-schedule bound", "Slowed bound"], rows) + (
-        f"\nFrom `{QUANT_OFFLOAD_FINAL_RUNS[0]}.json` (`--per-block`): each block's forward timed alone in the "
+        f"\nFrom `{cite(QUANT_OFFLOAD_FINAL_RUNS[0], '.json')}` (`--per-block`): each block's forward timed alone in the "
         "resident quantized model, and its packed bytes copied alone host→device. Diffusers' window, whole blocks: "
         "block i+1 copies only while block i runs, the next step's first block after the last one ends (the rule "
         "layerwise follows without a budget). Any schedule: at most two largest blocks' bytes of streamed weights on "
         "the device at any time (Diffusers' window), freed byte by byte as compute passes, copies at full speed and "
         "compute at its resident speed; see `schedule_bound` in `benchmarks/docs_tables.py`. Slowed: the same "
         "computation with every block's compute slowed by the factor the copies alone cost the resident model in "
-        f"`{QUANT_OFFLOAD_TRAFFIC_RUN}.md` (none below 1), an estimate rather than a bound: copies run through most "
+        f"`{cite(QUANT_OFFLOAD_TRAFFIC_RUN)}` (none below 1), an estimate rather than a bound: copies run through most "
         "but not all of such a step.\n")
 
 
@@ -887,7 +925,7 @@ def quant_offload_why() -> str:
         "Where a format misses, the copy engine sets the step, not the hooks. FLUX's double-stream blocks carry "
         f"{mean(double, 'packed_bytes') / mean(single, 'packed_bytes'):.2f}× the bytes of its single-stream ones for "
         f"{mean(double, 'compute_s') / mean(single, 'compute_s'):.2f}× the compute (GGUF Q8_0, each block timed alone "
-        f"in `{QUANT_OFFLOAD_FINAL_RUNS[0]}`): {copy_bound(double)} of the {len(double)} double-stream blocks take "
+        f"in `{cite(QUANT_OFFLOAD_FINAL_RUNS[0], '')}`): {copy_bound(double)} of the {len(double)} double-stream blocks take "
         "longer to copy than to compute, one after another, so they fall behind, and the single-stream blocks after "
         f"them ({copy_bound(single)} of {len(single)} copy-bound) cannot give the time back without holding more "
         "blocks on the device. The run's per-block timings bound what any schedule can do within Diffusers' window "
@@ -920,7 +958,7 @@ def quant_offload_misses() -> str:
         f"{gib(omni['peak_device_bytes'])} against its {gib(diffusers['peak_device_bytes'])}) no schedule found meets "
         "it; a budget does (`max_device_memory=\"3.5GiB\"`, below), at a higher peak.\n"
         "- **torchao float8, bitsandbytes NF4**: compute-bound, so their bounds are the resident step. The copies alone "
-        f"cost them {costs[0]} and {costs[1]} (`{QUANT_OFFLOAD_TRAFFIC_RUN}`) of the 5% the target allows; the rest of "
+        f"cost them {costs[0]} and {costs[1]} (`{cite(QUANT_OFFLOAD_TRAFFIC_RUN, '')}`) of the 5% the target allows; the rest of "
         "what omni adds is the pass boundary (the next step's first block copies after the last block ends: loading it "
         "while the last block runs raised their peak) and the hooks. They land on the target, a fraction of a percent "
         "on either side from run to run (all runs below).\n")
@@ -928,7 +966,7 @@ def quant_offload_misses() -> str:
 
 def quant_offload_check() -> str:
     """The H200 correctness check: every format and strategy on tiny models, and the bitsandbytes pipeline."""
-    report = result("quant_offload_h200_check")
+    report = result("quant-offload-check")
     scenarios: list[str] = []
     for checks in report["models"].values():
         scenarios += [k for k, v in checks.items() if isinstance(v, dict) and k not in scenarios]
@@ -952,14 +990,15 @@ def quant_offload_check() -> str:
         f"\n{report['device']}, torch {report['torch']}, torchao {report['versions']['torchao']}, bitsandbytes "
         f"{report['versions']['bitsandbytes']}, gguf {report['versions']['gguf']}. \"yes\": bitwise equal to the "
         "resident quantized model, and again after `disable()`. Failures: "
-        f"{', '.join(report['failures']) or 'none'}. Run: `quant_offload_h200_check.json` "
+        f"{', '.join(report['failures']) or 'none'}. Run: `{cite('quant-offload-check', '.json')}` "
         "(`benchmarks/quant_offload_check.py`).\n")
 
 
+# Pinned runs, oldest first: the residency rule changed between the first and the second.
 QUANT_OFFLOAD_BUDGET_RUNS = (
-    ("quant_offload_h200_budget", "evenly spread"),
-    ("quant_offload_h200_budget_largest_first", "largest first"),
-    ("quant_offload_h200_budget_more", "largest first"),
+    ("quant-offload-budget@undated-7524368-quant_offload_h200_budget", "evenly spread"),
+    ("quant-offload-budget@undated-79acd91-quant_offload_h200_budget_largest_first", "largest first"),
+    ("quant-offload-budget-more@undated-c21a8e1-quant_offload_h200_budget_more", "largest first"),
 )
 
 
@@ -982,7 +1021,7 @@ def quant_offload_budget() -> str:
                              f"{v['step_s']:.3f}", f"{v['target_step_s']:.3f}", _verdict(v["meets_step_target"]),
                              gib(v["streamed_bytes"]), gib(v["peak_device_bytes"]),
                              "—" if diffusers_peak is None else gib(diffusers_peak),
-                             "yes" if v["bitwise_equal_to_resident"] else "NO", f"`{name}.md`"])
+                             "yes" if v["bitwise_equal_to_resident"] else "NO", f"`{cite(name)}`"])
     return table(["Model", "Format", "max_device_memory", "Resident blocks", "Resident step (s)",
                   "Default window step (peak)", "Budget step (s)", "Target (s)", "Meets", "Streamed", "Peak",
                   "Diffusers' peak", "Bitwise = resident", "Run"], rows) + (
@@ -992,7 +1031,7 @@ def quant_offload_budget() -> str:
 
 def peak_diff() -> str:
     """What is live at the peak of FLUX-size GGUF Q4_K under omni layerwise and Diffusers' group offload."""
-    report = result("peak_diff_h200")
+    report = result("peak-diff")
     rows = []
     for variant in ("omni layerwise", "omni layerwise, private pool", "diffusers group_offload"):
         r = report.get(variant)
@@ -1007,7 +1046,7 @@ def peak_diff() -> str:
                   "Allocator rounding", "of which weights and inputs"], rows) + (
         "\nLive tensor bytes: the caching allocator's recorded history of one forward, replayed to its peak "
         "(requested sizes); `max_memory_allocated` counts whole allocator blocks, which may be up to 1 MiB larger "
-        "than requested. Run: `peak_diff_h200.json` (`benchmarks/peak_probe.py --diff`).\n")
+        f"than requested. Run: `{cite('peak-diff', '.json')}` (`benchmarks/peak_probe.py --diff`).\n")
 
 
 def _mib(n: float) -> str:
@@ -1015,7 +1054,7 @@ def _mib(n: float) -> str:
 
 
 def offload_lifecycle() -> str:
-    report = result("offload_lifecycle_h200")
+    report = result("offload-lifecycle")
     rows = []
     for entry in report["cycles"]:
         cycles, checks = entry["rows"], entry["checks"]
@@ -1042,24 +1081,25 @@ def offload_lifecycle() -> str:
               f"transformer ({gib(report['model_bytes'])}), dropped without `disable()` then `gc.collect()` each "
               f"cycle; {args['steps']} denoising steps at {args['image_tokens']} image + {args['text_tokens']} text "
               f"tokens; RSS allowance {args['rss_tolerance'] // 2**20} MiB (allocator slack). All checks pass: "
-              f"{_verdict(report['all_checks_pass'])}. Run: `offload_lifecycle_h200.md`.\n")
+              f"{_verdict(report['all_checks_pass'])}. Run: `{cite('offload-lifecycle')}`.\n")
 
 
 def quality_h200() -> str:
     """``benchmarks/quality_bench.py``'s tables (``docs/user_guide/quality.md``); a pointer until it has run."""
     from benchmarks.quality_bench import to_markdown  # imports torch and the package: only when rendering this table
 
-    path = RESULTS / "quality_h200" / "quality.json"
+    path = results_io.run_path("quality", root=RESULTS)
     if not path.is_file():
-        return ("Not measured yet: `python -m benchmarks.quality_bench --out benchmarks/results/quality_h200` on an "
-                "H200 writes the results this table is rendered from.\n")
-    base = "https://github.com/diffusers-omni/diffusers-omni/blob/main/benchmarks/results/quality_h200/"
-    return to_markdown(json.loads(path.read_text()), image_base=base)
+        return ("Not measured yet: `bash benchmarks/h200/run_all.sh quality` on an H200 writes the results this table "
+                "is rendered from.\n")
+    # The images lie in the run's folder beside its JSON (latest/ or archive/<id>/).
+    base = f"https://github.com/diffusers-omni/diffusers-omni/blob/main/benchmarks/results/{cite('quality', '')}/"
+    return to_markdown(result("quality"), image_base=base)
 
 
 def _tune_runs() -> list[tuple[str, dict]]:
-    runs = [(name, result(name)) for name in ("tune_h200", "tune_h200_no_fa3", "tune_h200_no_fa3_flux") if (RESULTS / f"{name}.json").is_file()]
-    return runs
+    return [(name, result(name)) for name in ("tune", "tune-no-fa3", "tune-no-fa3-flux")
+            if results_io.run_path(name, root=RESULTS).is_file()]
 
 
 def tune_h200() -> str:
@@ -1086,7 +1126,7 @@ def tune_h200() -> str:
             rows.append([model["label"], f"{model['tune']['seconds']:.1f} s", picks, candidates,
                          f"{ratio:.3f}" if ratio else "—", _verdict(model["whole_step"]["within_tolerance"])])
         out.append(f"**{report['label']}** ({report['device']}, torch {report['torch']}, {report['date'][:10]}; "
-                   f"`{name}.json`)\n\n" + table(
+                   f"`{cite(name, '.json')}`)\n\n" + table(
                        ["Model", "tune took", "auto ran, per role (tuned table)", "whole step of every candidate (s, "
                         "fastest bold)", "tuned auto / fastest", "within 3%"], rows))
     return "\n".join(out)
@@ -1094,7 +1134,7 @@ def tune_h200() -> str:
 
 def tune_lossy() -> str:
     """The lossy modes measured beside the exact ones (the errors the enable-time warning quotes)."""
-    report = result("tune_h200_kernel_only")
+    report = result("tune-lossy")
     rows = []
     for model in report["models"].values():
         lossy = model.get("lossy", {})
@@ -1106,19 +1146,18 @@ def tune_lossy() -> str:
             rows.append([model["label"], label, f"{row['rel_err_vs_native']:.2%}",
                          f"{row['step_s']:.3f} s", f"{speed:.2f}× the fastest exact ({row['exact_fastest_step_s']:.3f} s)"
                          if label != "FLASH_ATTN bf16 (exact)" else "exact kernel, for scale"])
-    return (f"{report['device']}, torch {report['torch']}, {report['date'][:10]}, random weights (`tune_h200_kernel_only"
-            ".json`): relative error of the whole transformer output against Diffusers' native attention.\n\n"
+    return (f"{report['device']}, torch {report['torch']}, {report['date'][:10]}, random weights (`"
+            f"{cite('tune-lossy', '.json')}`): relative error of the whole transformer output against Diffusers' native attention.\n\n"
             + table(["Model", "Mode", "rel. error vs native", "step", "speed"], rows))
 
 
 def readme_lossy() -> str:
-    """The lossy modes' speed beside their error, both from one run (``quality_h200/quality.json``): seconds per
+    """The lossy modes' speed beside their error, both from one run (the ``quality`` suite): seconds per
     transformer forward, speed-up over Diffusers' native attention, the output's and the attention modules' relative
     error against it."""
-    path = RESULTS / "quality_h200" / "quality.json"
-    if not path.is_file():
-        return "Not measured yet (`python -m benchmarks.quality_bench`).\n"
-    data = json.loads(path.read_text())
+    if not results_io.run_path("quality", root=RESULTS).is_file():
+        return "Not measured yet (`python -m benchmarks run quality`).\n"
+    data = result("quality")
     rows = []
     for model, entry in data["full_size"].items():
         steps = entry["step_s"]
@@ -1136,7 +1175,7 @@ def readme_lossy() -> str:
     return table(["Model", "Attention", "Forward (s)", "Speed-up (native ÷ this, per forward)",
                   "Output rel. error vs native", "Attention rel. error, per module (mean)"], rows) + (
         f"\nOne run, {data['device']}, {data['date'][:10]}, commit {data.get('commit') or '?'} "
-        "(`benchmarks/quality_bench.py`, `benchmarks/results/quality_h200/quality.json`). Random weights: the errors "
+        f"(`benchmarks/quality_bench.py`, `benchmarks/results/{cite('quality', '.json')}`). Random weights: the errors "
         "show what each mode does to these activations, not image quality on a trained checkpoint; measure yours with "
         "`diffusers-omni compare`. \"FP8 (routed)\" is FP8 as shipped: at FLUX's size every call stays bf16.\n")
 
@@ -1148,7 +1187,7 @@ _DPT_LABELS = {"stock": "Diffusers' classes (stock)", "omni": "Omni classes, no 
 
 def diffusers_pipeline_tests() -> str:
     """Diffusers' own fast pipeline tests per mode, and the tests failing beyond stock (by test name)."""
-    data = result("diffusers_pipeline_tests_cpu")
+    data = result("diffusers-pipeline-tests")
     runs = data["runs"]
     rows = []
     for mode, run in runs.items():
@@ -1159,7 +1198,7 @@ def diffusers_pipeline_tests() -> str:
     text = (f"Diffusers' tests from `{data['diffusers_tests_ref']}`, run against the installed diffusers "
             f"{data['diffusers']} (torch {data['torch']}, {data['device']}), commit `{data['commit'][:10]}`, "
             f"{data['date'][:10]} (`python -m benchmarks.diffusers_pipeline_tests`, "
-            "`benchmarks/results/diffusers_pipeline_tests_cpu.json`).\n\n")
+            f"`benchmarks/results/{cite('diffusers-pipeline-tests', '.json')}`).\n\n")
     text += table(["Run", "Families", "Passed", "Failed", "Skipped", "Failed beyond stock"], rows)
     folders = sorted({nodeid.split("::")[0].split("/")[2] for run in runs.values() for nodeid in run["outcomes"]})
     per_folder = []

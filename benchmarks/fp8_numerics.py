@@ -15,7 +15,7 @@ Two input models: Gaussian (the issue's goal is stated on them) and Gaussian plu
 V (σ 1), as projections with biases produce. Only a slice of query rows and two heads are computed (per-head scales
 come from the whole tensors, so the slice's error is exact for those rows); all keys are used.
 
-    python -m benchmarks.fp8_numerics --out benchmarks/results/fp8_numerics_cpu
+    python -m benchmarks run fp8-numerics     # benchmarks/results/fp8-numerics/latest.{json,md}
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from diffusers_omni.attention import fp8_quant as fq
+from diffusers_omni.attention.backends.flash import fp8_quant as fq
 
 # name, batch, heads, q_len, kv_len, head_dim (hopper_bench.SHAPES without the masked ones)
 SHAPES = [
@@ -107,9 +107,9 @@ def inputs(b, sq, skv, d, seed: int, offsets: bool):
     return q, k.bfloat16(), v.bfloat16()
 
 
-def study(rows_per_shape: int) -> dict:
+def study(rows_per_shape: int, shapes: list[tuple] = SHAPES) -> dict:
     results = {"shapes": []}
-    for label, b, _, sq, skv, d in SHAPES:
+    for label, b, _, sq, skv, d in shapes:
         scale = d ** -0.5
         rows = slice(0, min(rows_per_shape, sq))
         row = {"shape": label, "B": b, "Sq": sq, "Skv": skv, "D": d, "rows": rows.stop, "heads": HEADS}
@@ -158,10 +158,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output prefix: PREFIX.json and PREFIX.md")
     parser.add_argument("--rows", type=int, default=256, help="query rows computed per shape")
+    parser.add_argument("--smoke", action="store_true", help="the smallest shape and 4 rows: checks the script")
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     results = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "script": "benchmarks/fp8_numerics.py",
-               **study(args.rows)}
+               **(study(4, [s for s in SHAPES if s[0].startswith("SDXL 1024² cross")]) if args.smoke
+                  else study(args.rows))}
     prefix = Path(args.out)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     prefix.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")

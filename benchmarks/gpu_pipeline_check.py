@@ -3,7 +3,7 @@
 Checks that the report shows each role's backend and source, and compares latents with stock Diffusers at the
 same seed (bf16). Writes JSON to --out.
 
-    python -m benchmarks.gpu_pipeline_check --out benchmarks/results/gpu_pipeline_check_h200.json
+    python -m benchmarks run gpu-pipeline-check
 """
 
 from __future__ import annotations

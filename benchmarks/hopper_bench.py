@@ -18,9 +18,8 @@ One process, one GPU (run on the H200):
   auto, omni FP8, omni RainFusion (Wan, default sparsity), median seconds per step in the same process. The FP8
   routing used there is derived from this run's FP8 rows (``derive_routing.derive_fp8``), as the committed table is.
 
-    python -m benchmarks.hopper_bench --out benchmarks/results/hopper_fp8_sparse_h200 \
-        --e2e benchmarks/results/e2e_attention_h200.json
-    TRITON_INTERPRET=1 python -m benchmarks.hopper_bench --smoke --out /tmp/hopper_smoke   # CPU, tiny shapes
+    python -m benchmarks run hopper        # benchmarks/results/hopper/ and (--e2e) hopper-e2e/
+    TRITON_INTERPRET=1 python -m benchmarks run hopper --smoke   # CPU, tiny shapes
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ import torch
 
 from benchmarks.common import random_parameters_on, reference, rel_err, sync, time_ms
 from benchmarks.derive_routing import derive_fp8
-from diffusers_omni.attention import block_sparse as bs
-from diffusers_omni.attention import fp8_quant as fq
+from diffusers_omni.attention.backends.rainfusion import block_sparse as bs
+from diffusers_omni.attention.backends.flash import fp8_quant as fq
 from diffusers_omni.attention.platform import current_platform
 
 SHAPES = [  # as attention_bench.SHAPES: name, batch, heads, q_len, kv_len, head_dim, masked

@@ -17,9 +17,8 @@ A step is one transformer forward under ``torch.inference_mode`` (median of seve
 
 Usage (one process per model; results go to ``<out>.json``, ``<out>.md`` and ``<out>.png``)::
 
-    python -m benchmarks.offload_bench --models flux --out benchmarks/results/offload_h200_flux
-    python -m benchmarks.offload_bench --models wan --out benchmarks/results/offload_h200_wan
-    python -m benchmarks.offload_bench --smoke   # tiny models on CPU, checks the script's logic
+    python -m benchmarks run offload-flux       # (and offload-wan, offload-flux-budget, ...: python -m benchmarks --list)
+    python -m benchmarks run offload-flux --smoke   # tiny models on CPU, checks the script's logic
 """
 
 from __future__ import annotations
@@ -659,7 +658,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="flux,wan", help="comma-separated: flux, wan")
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU (checks the script, not speed)")
-    parser.add_argument("--out", default=None, help="output prefix (default benchmarks/results/offload_<device>)")
+    parser.add_argument("--out", required=True, help="output prefix: PREFIX.json, .md, .png (the runner, python -m benchmarks run, chooses it)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", default="12GiB", help="max_device_memory for the budgeted layerwise run")
@@ -714,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    out = Path(args.out or f"benchmarks/results/offload_{'smoke' if args.smoke else 'h200'}")
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.variants & {"distributed", "mmap"}:
         init_single_rank_group(device)

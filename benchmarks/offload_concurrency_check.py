@@ -8,11 +8,10 @@ output must be bitwise equal to that thread's input run alone on the resident mo
 crash. Before the fix, four threads on CPU raised random errors and about one run in three ended in SIGSEGV; on
 CUDA the copy stream, events and the caching allocator are in play, which CPU runs cannot check.
 
-Results go to ``<out>.json`` and ``<out>.md`` (``--out`` prefix, default ``$OUT/offload_concurrency_h200`` or
-benchmarks/results/offload_concurrency_h200)::
+Results go to ``<out>.json`` and ``<out>.md`` (``--out`` prefix, chosen by the runner)::
 
-    python -m benchmarks.offload_concurrency_check
-    python -m benchmarks.offload_concurrency_check --smoke   # tiny model on CPU, checks the script's logic
+    python -m benchmarks run offload-concurrency
+    python -m benchmarks run offload-concurrency --smoke   # tiny model on CPU, checks the script's logic
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import threading
 import time
@@ -130,7 +128,7 @@ def markdown(report: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script, not the GPU)")
-    parser.add_argument("--out", default=None, help="output prefix (default $OUT/offload_concurrency_h200)")
+    parser.add_argument("--out", required=True, help="output prefix: PREFIX.json, PREFIX.md (the runner, python -m benchmarks run, chooses it)")
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=5)
@@ -147,9 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
-    default_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path("benchmarks/results")
-    out = Path(args.out) if args.out else default_dir / ("offload_concurrency_smoke" if args.smoke
-                                                         else "offload_concurrency_h200")
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         torch.set_num_threads(1)  # as the worker threads do (the thread count changes CPU reduction order)

@@ -14,11 +14,10 @@
    than 1024²'s 4096 so the run stays within five minutes; weights streamed per step are the same) and 512 text
    tokens.
 
-Results go to ``<out>.json`` and ``<out>.md`` (``--out`` prefix, default ``$OUT/offload_lifecycle_h200`` or
-benchmarks/results/offload_lifecycle_h200)::
+Results go to ``<out>.json`` and ``<out>.md`` (``--out`` prefix, chosen by the runner)::
 
-    python -m benchmarks.offload_lifecycle_bench
-    python -m benchmarks.offload_lifecycle_bench --smoke   # tiny model on CPU, checks the script's logic
+    python -m benchmarks run offload-lifecycle
+    python -m benchmarks run offload-lifecycle --smoke   # tiny model on CPU, checks the script's logic
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -308,7 +306,7 @@ def markdown(report: dict) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (checks the script, not the GPU)")
-    parser.add_argument("--out", default=None, help="output prefix (default $OUT/offload_lifecycle_h200)")
+    parser.add_argument("--out", required=True, help="output prefix: PREFIX.json, PREFIX.md (the runner, python -m benchmarks run, chooses it)")
     parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--image-tokens", type=int, default=1024, help="a square number (1024 = 512² image)")
@@ -334,9 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
-    default_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path("benchmarks/results")
-    out = Path(args.out) if args.out else default_dir / ("offload_lifecycle_smoke" if args.smoke
-                                                         else "offload_lifecycle_h200")
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     pool = random_pool(args.pool_bytes // 2, torch.bfloat16)

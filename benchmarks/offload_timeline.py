@@ -16,8 +16,7 @@ process measures:
 
 Usage::
 
-    python -m benchmarks.offload_timeline --formats torchao-int8,bnb-nf4,gguf-q4_k \
-        --out benchmarks/results/offload_timeline_h200
+    python -m benchmarks run offload-timeline [-- --formats torchao-int8,bnb-nf4,gguf-q4_k]
 """
 
 from __future__ import annotations
@@ -320,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--formats", default="torchao-int8,bnb-nf4,gguf-q4_k")
     parser.add_argument("--layers", type=int, default=None)
-    parser.add_argument("--out", default="benchmarks/results/offload_timeline_h200")
+    parser.add_argument("--out", required=True, help="output prefix: PREFIX.json (the runner, python -m benchmarks run, chooses it)")
     parser.add_argument("--time-budget", type=float, default=None, help="start no format after this many seconds")
     args = parser.parse_args(argv)
     device = torch.device("cuda")

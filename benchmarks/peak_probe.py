@@ -5,8 +5,8 @@ FLUX-size GGUF Q4_K (as ``quant_offload_bench`` builds it): one warm offloaded s
 caching allocator's history recorded; at the start of ``transformer_blocks.0/1/2`` the live allocations are
 snapshotted, and the ones alive at block 1 but not at block 2 are listed with the frames that allocated them.
 
-    python -m benchmarks.peak_probe --out benchmarks/results/peak_probe_h200
-    python -m benchmarks.peak_probe --diff --out benchmarks/results/peak_diff_h200   # vs Diffusers, at each peak
+    python -m benchmarks run peak-probe
+    python -m benchmarks run peak-diff     # --diff: vs Diffusers, at each peak
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def diff_main(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--format", default="gguf-q4_k")
-    parser.add_argument("--out", default="benchmarks/results/peak_probe_h200")
+    parser.add_argument("--out", required=True, help="output prefix: PREFIX.json (the runner, python -m benchmarks run, chooses it)")
     parser.add_argument("--diff", action="store_true",
                         help="omni layerwise vs Diffusers' group offload: what is live at each one's peak")
     args = parser.parse_args(argv)

@@ -19,8 +19,8 @@ FP8 as shipped (routed per shape by the committed routing table: FLUX's calls an
 every call (routing off: what FP8 itself costs), RainFusion at sparsity 0.5 and 0.8 on the self-attention roles
 (cross-attention stays dense).
 
-    python -m benchmarks.quality_bench --out benchmarks/results/quality_h200     # H200, under 6 minutes (estimated)
-    python -m benchmarks.quality_bench --smoke --out /tmp/quality_smoke        # CPU: tiny sizes, exact configs
+    python -m benchmarks run quality            # H200, under 6 minutes (estimated)
+    python -m benchmarks run quality --smoke    # CPU: tiny sizes, exact configs
 
 Writes ``OUT/quality.json`` and ``OUT/<pipeline>__<candidate>.png``; ``python -m benchmarks.docs_tables`` renders
 the ``quality-h200`` table of ``docs/user_guide/quality.md`` from the JSON.

@@ -22,8 +22,8 @@ Diffusers' for the same format; setup ≤ 10 s for the FLUX size.
 
 Usage (results go to ``<out>.json``, ``<out>.md`` and ``<out>.png``)::
 
-    python -m benchmarks.quant_offload_bench --out benchmarks/results/quant_offload_h200
-    python -m benchmarks.quant_offload_bench --smoke --device cpu   # tiny models, checks the script's logic
+    python -m benchmarks run quant-offload-flux           # (and the other quant-offload-*: python -m benchmarks --list)
+    python -m benchmarks run quant-offload-flux --smoke   # --smoke --device cpu: tiny models, checks the script's logic
 """
 
 from __future__ import annotations
@@ -772,7 +772,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {FORMATS}")
     parser.add_argument("--device", default="cuda", help="cuda (measurements) or cpu (with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="tiny models (checks the script, not speed)")
-    parser.add_argument("--out", default=None, help="output prefix (default benchmarks/results/quant_offload_h200)")
+    parser.add_argument("--out", required=True, help="output prefix: PREFIX.json, .md, .png (the runner, python -m benchmarks run, chooses it)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bandwidth-bytes", type=int, default=4 * GiB)
@@ -823,7 +823,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
-    out = Path(args.out or f"benchmarks/results/quant_offload_{'smoke' if args.smoke else 'h200'}")
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     bandwidth = measure_bandwidth(device, args.bandwidth_bytes)
     print(f"bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)

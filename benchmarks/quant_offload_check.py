@@ -6,7 +6,7 @@ from host weights and from device weights; plus pipelines loaded with Diffusers'
 (bitsandbytes 4-bit transformer and text encoder). Each check compares with the resident quantized model bit for
 bit, step after step, and checks the weights after ``disable()``. Writes ``<out>.json``.
 
-    python -m benchmarks.quant_offload_check --out benchmarks/results/quant_offload_h200_check
+    python -m benchmarks run quant-offload-check
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def check_pipeline(device: torch.device) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="benchmarks/results/quant_offload_h200_check")
+    parser.add_argument("--out", required=True, help="output prefix: PREFIX.json (the runner, python -m benchmarks run, chooses it)")
     parser.add_argument("--device", default="cuda", help="cuda; cpu only dry-runs the script (gloo, no pipeline)")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--models", default="flux,wan")

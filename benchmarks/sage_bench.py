@@ -1,6 +1,6 @@
 """SAGE_ATTN on a GPU: kernel accuracy and speed, the short-KV finding, tiny-pipeline latents vs TORCH_SDPA.
 
-Written for and run on an NVIDIA H200 (``benchmarks/results/sage_h200.{json,md}``).
+Written for and run on an NVIDIA H200 (``benchmarks/results/sage/latest.{json,md}``).
 
 1. Every shape of ``attention_bench.SHAPES`` (unmasked; SageAttention takes no mask): TFLOP/s (4·B·H·Sq·Skv·D / time)
    and relative error against the fp32 reference, for ``sageattention.sageattn`` and SDPA.
@@ -17,9 +17,9 @@ Written for and run on an NVIDIA H200 (``benchmarks/results/sage_h200.{json,md}`
    Each row counts the SageAttention kernel calls by KV length, so it shows which roles really ran on it. A role
    the installed sageattention refuses is recorded with its reasons.
 
-    python -m benchmarks.sage_bench --out benchmarks/results/sage_h200
+    python -m benchmarks run sage
     # part 3 only, keeping parts 1-2 of an earlier run in the written files:
-    python -m benchmarks.sage_bench --only pipelines --reuse benchmarks/results/sage_h200.json --out <out>
+    python -m benchmarks.sage_bench --only pipelines --reuse benchmarks/results/sage/latest.json --out <out>
     # CPU dry run of part 3 (no SageAttention): the head_dim-64 pipelines build and run on TORCH_SDPA; then, on a
     # simulated Hopper sm_90 with sageattention 1.0.6 reported installed and a FAKE exact kernel (SDPA) at the
     # kernel boundary, SAGE_ATTN is accepted for every role and the short-KV guard routes as on the GPU
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 
+from benchmarks import results_io
 from benchmarks.attention_bench import SHAPES
 from benchmarks.common import reference, rel_err, time_ms
 from diffusers_omni.attention.backends.sage import K_BLOCK, configured_as_default
@@ -352,7 +353,7 @@ def main() -> None:
     if args.device == "cuda":
         results["device"] = torch.cuda.get_device_name()
         results["sageattention"] = metadata.version("sageattention")
-    reused = json.loads(Path(args.reuse).read_text()) if args.reuse else {}
+    reused = results_io.read(Path(args.reuse))["payload"] if args.reuse else {}  # a filed result: {"meta", "payload"}
     sageattn, reused_from = None, {}
     if {"kernels", "sweep"} & set(parts):
         from sageattention import sageattn

@@ -11,7 +11,7 @@ does), (b) as several batches of ``chunk`` heads each (planned separately, run o
 batch only ever read that batch's heads), and (c) with every request's page ids in ascending order; each output is
 compared bit for bit with (a). Dense FA3 is timed in the same process.
 
-    python -m benchmarks.sparse_schedule_probe --out benchmarks/results/sparse_schedule_probe_h200
+    python -m benchmarks run sparse-probe
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import time_ms
-from diffusers_omni.attention import block_sparse as bs
+from diffusers_omni.attention.backends.rainfusion import block_sparse as bs
 
 
 def chunked_runs(runner, call, chunk: int):
@@ -58,7 +58,7 @@ def chunked_runs(runner, call, chunk: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results/sparse_schedule_probe_h200")
+    parser.add_argument("--out", required=True, help="output prefix: PREFIX.json (the runner, python -m benchmarks run, chooses it)")
     args = parser.parse_args(argv)
     import fa3_fwd_interface
 

@@ -8,7 +8,7 @@ to (and that ``hopper_bench.py`` compares them with on the H200):
 * RAINFUSION_ATTN: the CUDA path's selection and page tables through ``block_sparse.ReferencePagedPrefill``.
   Tiny Wan at 29 frames × 256 × 512 (4,096 self-attention tokens: 32 blocks, the minimum that runs sparse).
 
-    python -m benchmarks.tiny_latents --out benchmarks/results/hopper_tiny_latents_cpu.json
+    python -m benchmarks run tiny-latents
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from diffusers_omni.attention import block_sparse as bs
-from diffusers_omni.attention import fp8_quant as fq
+from diffusers_omni.attention.backends.rainfusion import block_sparse as bs
+from diffusers_omni.attention.backends.flash import fp8_quant as fq
 from diffusers_omni.attention.backends.flash import FlashAttentionBackend, FlashKernels
 from diffusers_omni.attention.backends.rainfusion import RainFusionBackend
 from diffusers_omni.attention.registry import register_backend, reset_backend

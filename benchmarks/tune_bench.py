@@ -14,8 +14,8 @@ forward per step):
    Diffusers' native output (FP8 FLASH_ATTN, SAGE_ATTN, RAINFUSION_ATTN at sparsity 0.5/0.8 and cumulative mass 0.9
    on Wan's self-attention), with FLASH_ATTN bf16 as the exact kernel's own error for scale.
 
-    python -m benchmarks.tune_bench --models flux,wan,qwen --lossy --out benchmarks/results/tune_h200
-    python -m benchmarks.tune_bench --models flux,wan,qwen --label "FA3 hidden" --out .../tune_h200_no_fa3
+    python -m benchmarks run tune          # (tune-lossy: --lossy; tune-no-fa3: FA3 hidden, --label says so)
+    python -m benchmarks run tune --smoke  # tiny configs on the CPU
 
 Random weights: the timings are those of the real shapes; the lossy errors are of random-weight models (real
 checkpoints have structured attention, where block-sparse selection loses less), labelled as such.

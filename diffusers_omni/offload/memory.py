@@ -408,7 +408,8 @@ def release_freed_device_memory(device: torch.device) -> None:
     """Return the weights' freed device memory to the driver once they are packed on the host. Kept in PyTorch's
     cache, the blocks that held a model packed from the device made the offloaded steps that followed slower on the
     H200 (torchao float8 FLUX: host-bound, three times the step; GGUF Q4_K too: the cache probe of
-    ``benchmarks/results/quant_offload_h200.md``), and a user offloading expects the device memory back."""
+    ``benchmarks/results/quant-offload-flux/archive/undated-236cdee-quant_offload_h200.md``), and a user offloading
+    expects the device memory back."""
     if device.type != "cpu":
         module = torch.get_device_module(device)
         if hasattr(module, "empty_cache"):

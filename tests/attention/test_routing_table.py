@@ -22,22 +22,22 @@ def _derive():
 
 
 def test_committed_routing_check_is_current():
-    results = json.loads((ROOT / "benchmarks/results/attention_h200.json").read_text())
+    results = json.loads((ROOT / "benchmarks/results/attention/latest.json").read_text())["payload"]
     report = _module().check(results, load_table())
-    assert report == (ROOT / "benchmarks/results/attention_h200_routing_check.md").read_text()
+    assert report == (ROOT / "benchmarks/results/attention/routing_check.md").read_text()
     assert report.count("| yes |") == len(results["shapes"]) == 8
 
 
 def test_committed_table_is_derived_from_committed_results():
-    results = json.loads((ROOT / "benchmarks/results/attention_h200.json").read_text())
-    hopper = json.loads((ROOT / "benchmarks/results/hopper_fp8_sparse_h200.json").read_text())
+    results = json.loads((ROOT / "benchmarks/results/attention/latest.json").read_text())["payload"]
+    hopper = json.loads((ROOT / "benchmarks/results/hopper/latest.json").read_text())["payload"]
     module = _module()
     derived = module.derive([results])
     derived["fp8_margin"] = module.FP8_MARGIN
     derived["fp8"] = module.derive_fp8([hopper])
     derived["sparse"] = module.derive_sparse([hopper])
-    lossy_source = "benchmarks/results/tune_h200_kernel_only.json"
-    derived["lossy"] = module.derive_lossy([json.loads((ROOT / lossy_source).read_text())], [lossy_source])
+    lossy_source = "benchmarks/results/tune-lossy/latest.json"
+    derived["lossy"] = module.derive_lossy([json.loads((ROOT / lossy_source).read_text())["payload"]], [lossy_source])
     assert derived == load_table()
     # Block-sparse break-even: Wan's 480p/81f self-attention class from its cumulative-mass rows.
     assert 0.7 < derived["sparse"]["hopper"]["q2/kv2/d128/dense"]["dense_above_kept_share"] < 0.8
@@ -50,7 +50,7 @@ def test_committed_table_is_derived_from_committed_results():
 
 
 def test_hopper_routing_meets_the_3_percent_rule_at_every_benchmark_shape():
-    results = json.loads((ROOT / "benchmarks/results/attention_h200.json").read_text())
+    results = json.loads((ROOT / "benchmarks/results/attention/latest.json").read_text())["payload"]
     table = load_table()
     chosen_names = set()
     for shape in results["shapes"]:

@@ -45,13 +45,13 @@ def test_a_stale_plot_is_detected(tmp_path):
     # A plot drawn from other numbers (the first FLUX run's 12 GiB bar) is stale.
     from PIL import Image
 
-    with Image.open(ROOT / "benchmarks" / "results" / "offload_h200_flux.png") as old:
+    with Image.open(docs_tables.path_of(docs_tables.OFFLOAD_BUDGET_HISTORY[0]).with_suffix(".png")) as old:
         old.save(tmp_path / "offload_summary.png")
     assert not docs_tables.plot_is_current("offload_summary.png", tmp_path)
 
 
 def test_e2e_attention_table_renders_when_results_exist(tmp_path, monkeypatch):
-    import json
+    from benchmarks import results_io
 
     docs_tables = _module()
     monkeypatch.setattr(docs_tables, "RESULTS", tmp_path)
@@ -59,7 +59,8 @@ def test_e2e_attention_table_renders_when_results_exist(tmp_path, monkeypatch):
     data = {"device": "GPU X", "torch": "2.11", "script": "benchmarks/e2e.py",
             "models": {"FLUX.1-dev 1024²": {"tokens": 4608, "baseline": "diffusers native",
                                            "steps": {"diffusers native": 0.5, "omni auto": 0.4}}}}
-    (tmp_path / "e2e_attention_h200.json").write_text(json.dumps(data))
+    meta = results_io.collect_meta("hopper", docs_tables.E2E_ATTENTION, ["test"], smoke=False, label=None)
+    results_io.write_result(docs_tables.E2E_ATTENTION, data, meta, root=tmp_path)
     rendered = docs_tables.e2e_attention()
     assert "| FLUX.1-dev 1024² | 4,608 | diffusers native (baseline) | 0.500 | 1.00× | none (exact) |" in rendered
     assert "| FLUX.1-dev 1024² | 4,608 | omni auto | **0.400** | 1.25× | none (exact) |" in rendered
@@ -116,8 +117,10 @@ def test_readme_offload_claims_and_the_plot_are_the_same_rows():
     runs = {bar["run"] for bar in bars}
     # Every run the README quotes is a run of the plot, named where its numbers are.
     for name, _ in docs_tables.README_OFFLOAD_RUNS:
-        assert name in runs and f"`{name}" in wins and f"`{name}" in costs
-    assert docs_tables.README_BUDGET_RUN[0] in runs and f"`{docs_tables.README_BUDGET_RUN[0]}`" in costs
+        assert name in runs and f"`{docs_tables.cite(name, '.json')}`" in wins
+        assert f"`{docs_tables.cite(name, '')}`" in costs
+    budget_run = docs_tables.README_BUDGET_RUN[0]
+    assert budget_run in runs and f"`{docs_tables.cite(budget_run, '')}`" in costs
     # Every bar of the plot (step and peak, as it prints them) is a number of the README's offload sections.
     for bar in bars:
         assert f"{bar['step_s']:.3f} s" in wins + costs, bar

@@ -1,0 +1,189 @@
+"""Every benchmark scenario, in one table: what it runs, what it measures, where it runs and which docs it feeds.
+
+A scenario is one script run with fixed arguments; its results live in ``benchmarks/results/<suite>/`` where the
+suite is the scenario's name (a scenario that writes a second report, ``hopper``'s end-to-end steps, names it in
+``extra_outputs``). ``python -m benchmarks --list`` prints this table; ``python -m benchmarks run NAME`` runs one row
+of it and files the result through ``benchmarks.results_io`` (the one writer). Adding a scenario is adding a row here
+and, where the measurement is new, a script under ``benchmarks/``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# How a script takes its output location (the runner always chooses it):
+#   prefix: ``--out PREFIX`` writes PREFIX.json (the payload) and, where it makes them, PREFIX.md / .png / .txt
+#   file:   ``--out FILE.json`` writes only that file
+#   folder: ``--out DIR`` writes DIR/<payload> and other files (images) beside it
+OutputKind = Literal["prefix", "file", "folder"]
+Device = Literal["gpu", "cpu"]
+
+README = "README.md"
+DENSE = "docs/user_guide/backends/dense.md"
+SAGE = "docs/user_guide/backends/sage.md"
+FP8 = "docs/user_guide/backends/fp8.md"
+RAINFUSION = "docs/user_guide/backends/rainfusion.md"
+OFFLOAD = "docs/user_guide/offload.md"
+DISTRIBUTED = "docs/user_guide/distributed_offload.md"
+QUALITY = "docs/user_guide/quality.md"
+TUNING = "docs/user_guide/tuning.md"
+INTEROP = "docs/user_guide/interop.md"
+DESIGN_OFFLOAD = "docs/design/offload.md"
+
+NO_FA3 = "FA3 hidden (fa3-fwd not installed): stands in for an Ampere/Ada user"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One benchmark run: ``python -m benchmarks.<script> <args> --out <chosen by the runner>``.
+
+    Args:
+        name: the scenario's name, also its results folder ``benchmarks/results/<name>/``.
+        script: the module under ``benchmarks/`` that measures.
+        measures: one line: what the result holds.
+        device: ``"gpu"`` (its numbers come from an H200, through ``benchmarks/h200/run_all.sh``) or ``"cpu"``.
+        docs: the pages whose rendered tables read this scenario's results (``benchmarks/docs_tables.py``).
+        args: the script's own options for this scenario (its argparse keeps them).
+        smoke: the options that make the script a quick check of itself (tiny sizes, CPU); ``None``: it has none.
+        label: a sentence saying what is special about this run's environment (recorded in ``meta.label``).
+        label_arg: the script's option that also records the label in its payload (``--label``), if it has one.
+        out: how the script takes its output location (see ``OutputKind``).
+        payload: for ``out="folder"``: the payload's file name inside the folder.
+        extra_outputs: further reports of the same run: suite name → the script's option taking a JSON path.
+        merges_previous: the script merges its new runs into the file at ``--out`` (the runner seeds it with the
+            suite's latest payload).
+        launcher: ``"torchrun"``: one process per GPU (two CPU processes with ``--smoke``).
+    """
+
+    name: str
+    script: str
+    measures: str
+    device: Device
+    docs: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    smoke: tuple[str, ...] | None = ("--smoke",)
+    label: str | None = None
+    label_arg: str | None = None
+    out: OutputKind = "prefix"
+    payload: str = "result.json"
+    extra_outputs: tuple[tuple[str, str], ...] = field(default=())
+    merges_previous: bool = False
+    launcher: Literal["python", "torchrun"] = "python"
+
+    @property
+    def suites(self) -> tuple[str, ...]:
+        """The results folders this scenario writes: its own, then its extra reports'."""
+        return (self.name, *(suite for suite, _ in self.extra_outputs))
+
+
+_QUANT_FLUX = ("--models", "flux")
+_FIVE_FORMATS = ("--formats", "torchao-float8,bnb-nf4,torchao-int8,gguf-q8_0,gguf-q4_k")
+_QUANT_SMOKE = ("--smoke", "--device", "cpu")
+
+SCENARIOS: tuple[Scenario, ...] = (
+    # Attention ---------------------------------------------------------------------------------------------------
+    Scenario("attention", "attention_bench", "TFLOP/s and error of every attention backend at the models' shapes",
+             "gpu", (DENSE, SAGE), smoke=None),
+    Scenario("sage", "sage_bench", "sageattn called directly: kernels, KV-length error sweep, pipelines", "gpu",
+             (SAGE,), smoke=None),
+    Scenario("hopper", "hopper_bench", "Hopper lossy paths: FP8 and block-sparse kernels, targets", "gpu",
+             (README, FP8, RAINFUSION), extra_outputs=(("hopper-e2e", "--e2e"),)),
+    Scenario("fp8-numerics", "fp8_numerics", "FP8 error budget and quantisation variants (FA3 emulated)", "cpu",
+             (FP8,)),
+    Scenario("tiny-latents", "tiny_latents", "latent error of the lossy Hopper modes on the tiny pipelines", "cpu",
+             (FP8,), out="file", smoke=None),
+    Scenario("sparse-probe", "sparse_schedule_probe", "block-sparse kernel: work order and L2 reuse (probe)", "gpu",
+             (), smoke=None),
+    Scenario("tune", "tune_bench", "tune's time and picks, whole step of every candidate configuration", "gpu",
+             (TUNING,), args=("--models", "flux,wan,qwen"), label="all kernels installed", label_arg="--label"),
+    Scenario("tune-no-fa3", "tune_bench", "tune with FA3 hidden (run_all.sh installs the wheels without fa3-fwd)",
+             "gpu", (TUNING,), args=("--models", "flux,wan,qwen"), label=NO_FA3, label_arg="--label"),
+    Scenario("tune-no-fa3-flux", "tune_bench", "tune with FA3 hidden, FLUX size again with 15 rounds", "gpu",
+             (TUNING,), args=("--models", "flux", "--rounds", "15"),
+             label="FA3 hidden (fa3-fwd not installed), FLUX again with 15 rounds", label_arg="--label"),
+    Scenario("tune-lossy", "tune_bench", "tune with the lossy modes measured beside the exact ones (their errors)",
+             "gpu", (TUNING,), args=("--models", "flux,wan,qwen", "--lossy"), label="all kernels installed",
+             label_arg="--label"),
+    Scenario("quality", "quality_bench", "lossy modes: output error, PSNR/SSIM and side-by-side images", "gpu",
+             (README, QUALITY), out="folder", payload="quality.json"),
+    Scenario("gpu-pipeline-check", "gpu_pipeline_check", "tiny FLUX.1 pipeline through omni attention vs stock",
+             "gpu", (README,), out="file", smoke=None),
+    Scenario("alignment", "alignment_gpu", "deterministic mode: bitwise repeatability per backend", "gpu",
+             (), smoke=None),
+    Scenario("info", "platform_info", "`diffusers-omni info` on the machine (JSON and text)", "gpu", (),
+             smoke=None),
+    # Offload -----------------------------------------------------------------------------------------------------
+    Scenario("offload-flux", "offload_bench", "FLUX.1-dev size: layerwise vs Diffusers' group offload vs resident",
+             "gpu", (README, OFFLOAD, DESIGN_OFFLOAD), args=("--models", "flux", "--variants", "layerwise,diffusers")),
+    Scenario("offload-wan", "offload_bench", "Wan2.2-14B size: layerwise vs Diffusers' group offload vs resident",
+             "gpu", (README, OFFLOAD), args=("--models", "wan", "--skip-model-level")),
+    Scenario("offload-flux-budget", "offload_bench", "FLUX.1-dev size with max_device_memory=12GiB", "gpu",
+             (README, OFFLOAD, DESIGN_OFFLOAD), args=("--models", "flux", "--variants", "layerwise,budget")),
+    Scenario("offload-distributed-flux", "offload_bench", "FLUX.1-dev size: distributed layerwise (N = 1), mmap",
+             "gpu", (DISTRIBUTED, DESIGN_OFFLOAD),
+             args=("--models", "flux", "--variants", "layerwise,budget,distributed,mmap", "--skip-model-level")),
+    Scenario("offload-distributed-wan", "offload_bench", "Wan2.2-14B size: distributed layerwise (N = 1), mmap",
+             "gpu", (DISTRIBUTED,),
+             args=("--models", "wan", "--variants", "layerwise,distributed,mmap", "--skip-model-level")),
+    Scenario("offload-multigpu", "distributed_offload_bench", "distributed layerwise on every GPU of the host", "gpu",
+             (), args=("--models", "flux,wan"), launcher="torchrun"),
+    Scenario("offload-lifecycle", "offload_lifecycle_bench", "enable/drop cycles and 100 steps: nothing leaks", "gpu",
+             (OFFLOAD,)),
+    Scenario("offload-concurrency", "offload_concurrency_check", "offloaded forwards from several threads", "gpu",
+             ()),
+    Scenario("offload-timeline", "offload_timeline", "where an offloaded quantized step loses time (GPU timeline)",
+             "gpu", (), args=("--time-budget", "300"), smoke=None),
+    Scenario("quant-offload-flux", "quant_offload_bench", "FLUX.1-dev size, five quantized formats, per-block times",
+             "gpu", (OFFLOAD,), args=(*_QUANT_FLUX, *_FIVE_FORMATS, "--warmup", "1", "--repeats", "5",
+                                      "--per-block", "--time-budget", "260"), smoke=_QUANT_SMOKE),
+    Scenario("quant-offload-wan", "quant_offload_bench", "Wan2.2-14B size, 8-bit formats", "gpu", (OFFLOAD,),
+             args=("--models", "wan", "--formats", "torchao-float8,torchao-int8,gguf-q8_0", "--warmup", "1",
+                   "--repeats", "2", "--time-budget", "230"), smoke=_QUANT_SMOKE),
+    Scenario("quant-offload-wan-4bit", "quant_offload_bench", "Wan2.2-14B size, 4-bit formats", "gpu", (OFFLOAD,),
+             args=("--models", "wan", "--formats", "gguf-q4_k,bnb-nf4", "--warmup", "1", "--repeats", "2",
+                   "--time-budget", "200"), smoke=_QUANT_SMOKE),
+    Scenario("quant-offload-traffic", "quant_offload_bench", "what the copies alone cost the resident compute", "gpu",
+             (OFFLOAD,), args=(*_QUANT_FLUX, *_FIVE_FORMATS, "--warmup", "1", "--repeats", "5", "--copy-traffic",
+                               "--no-peak-trace", "--time-budget", "330"), smoke=_QUANT_SMOKE),
+    Scenario("quant-offload-deeper", "quant_offload_bench", "a deeper prefetch window against the default one", "gpu",
+             (OFFLOAD,), args=(*_QUANT_FLUX, "--formats", "torchao-int8,gguf-q8_0", "--warmup", "1", "--repeats",
+                               "3", "--deeper", "3", "--no-peak-trace", "--time-budget", "150"), smoke=_QUANT_SMOKE),
+    Scenario("quant-offload-budget", "quant_offload_bench", "max_device_memory 2.5 and 3 GiB, copy-bound formats",
+             "gpu", (OFFLOAD,), args=(*_QUANT_FLUX, "--formats", "torchao-int8,gguf-q8_0", "--warmup", "1",
+                                      "--repeats", "3", "--budget", "2.5,3", "--per-block", "--no-peak-trace"),
+             smoke=_QUANT_SMOKE),
+    Scenario("quant-offload-budget-more", "quant_offload_bench", "max_device_memory 3.5, 4 and 5 GiB", "gpu",
+             (OFFLOAD,), args=(*_QUANT_FLUX, "--formats", "gguf-q8_0,torchao-int8", "--warmup", "1", "--repeats",
+                               "5", "--budget", "3.5,4,5", "--no-peak-trace"), smoke=_QUANT_SMOKE),
+    Scenario("quant-offload-check", "quant_offload_check", "every format × strategy bitwise on tiny models, LoRA",
+             "gpu", (OFFLOAD,), smoke=("--device", "cpu")),
+    Scenario("peak-probe", "peak_probe", "what is alive at the offloaded peak (GGUF Q4_K)", "gpu", (),
+             args=("--format", "gguf-q4_k"), smoke=None),
+    Scenario("peak-diff", "peak_probe", "omni's and Diffusers' peaks, live bytes replayed", "gpu", (OFFLOAD,),
+             args=("--diff", "--format", "gguf-q4_k"), smoke=None),
+    # Interop -----------------------------------------------------------------------------------------------------
+    Scenario("diffusers-pipeline-tests", "diffusers_pipeline_tests",
+             "Diffusers' own fast pipeline tests with the Omni classes and offload (give a Diffusers checkout)",
+             "cpu", (INTEROP,), out="file", smoke=None, merges_previous=True),
+)
+
+_BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
+_SUITE_OWNER = {suite: scenario for scenario in SCENARIOS for suite in scenario.suites}
+SUITES: tuple[str, ...] = tuple(_SUITE_OWNER)
+
+
+def get(name: str) -> Scenario:
+    """The scenario called ``name``; a ``KeyError`` naming every scenario otherwise."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no benchmark scenario {name!r}; scenarios: {', '.join(_BY_NAME)}") from None
+
+
+def owner(suite: str) -> Scenario:
+    """The scenario that writes ``suite``."""
+    try:
+        return _SUITE_OWNER[suite]
+    except KeyError:
+        raise KeyError(f"no results suite {suite!r}; suites: {', '.join(SUITES)}") from None
