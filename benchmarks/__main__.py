@@ -102,11 +102,14 @@ def run(name: str, *, smoke: bool = False, label: str | None = None, root: Path 
               f"in {staging}", file=sys.stderr)
         return status
     outputs = _outputs(scenario, staging)
-    missing = [str(payload) for payload, _ in outputs.values() if not payload.is_file()]
-    if missing:
-        print(f"[benchmarks] {scenario.name} exited 0 but wrote no {', '.join(missing)}; nothing filed",
-              file=sys.stderr)
+    main_payload = outputs[scenario.name][0]
+    if not main_payload.is_file():
+        print(f"[benchmarks] {scenario.name} exited 0 but wrote no {main_payload}; nothing filed", file=sys.stderr)
         return 1
+    for suite, (payload_path, _) in list(outputs.items()):
+        if not payload_path.is_file():  # an extra report the script did not write (its section failed or was skipped)
+            print(f"[benchmarks] {scenario.name} wrote no {suite} report; {suite}'s latest stays", file=sys.stderr)
+            del outputs[suite]
     for suite, (payload_path, sidecars) in outputs.items():
         payload = json.loads(payload_path.read_text())
         payload_path.unlink()
@@ -145,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyError as error:
             parser.error(error.args[0])
     if args.command == "adopt":
+        if not args.source.is_dir():
+            parser.error(f"adopt: {args.source} is not a folder (give the folder holding <suite>/latest.json)")
         filed = results_io.adopt(args.source, args.results_root)
         print(f"filed: {', '.join(filed)}" if filed else f"no <suite>/latest.json under {args.source}")
         return 0 if filed else 1
