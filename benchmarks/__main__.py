@@ -1,7 +1,7 @@
 """The benchmark runner: list the scenarios, run one, file results written on another machine.
 
     python -m benchmarks --list                          # every scenario: script, device, docs it feeds
-    python -m benchmarks run NAME [--smoke] [--label TEXT] [--results-root DIR] [-- SCRIPT OPTIONS...]
+    python -m benchmarks run NAME [--smoke] [--label TEXT] [--results-root DIR] [[--] SCRIPT OPTIONS...]
     python -m benchmarks adopt DIR                       # file DIR/<suite>/latest.* (the device's $OUT) here
 
 ``run`` runs the scenario's script (``benchmarks/registry.py``) in a child process with its registered options and
@@ -136,9 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []  # after --: the script's own options
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)  # options the runner does not know go to the script too
+    extra = unknown + extra
     if extra and args.command != "run":
-        parser.error(f"options after -- ({' '.join(extra)}) are passed to a scenario's script: only with run")
+        parser.error(f"unknown options {' '.join(extra)}: only `run` passes options on to a scenario's script")
     if args.list:
         print(list_scenarios())
         return 0
