@@ -311,8 +311,8 @@ def gpu_backends() -> str:
 
 
 def diffusers_names() -> str:
-    """Diffusers' attention backend names and what each becomes here (``config/names.py``)."""
-    from diffusers_omni.config.names import DIFFUSERS_BACKEND_NAMES
+    """Diffusers' attention backend names and what each becomes here (the families' aliases, ``config/names.py``)."""
+    from diffusers_omni.attention.registry import DIFFUSERS_BACKEND_NAMES
 
     rows = [[f"`{e.diffusers}`", f"`{e.omni}`" if e.omni else "refused", e.note] for e in DIFFUSERS_BACKEND_NAMES]
     return table(["Diffusers name", "diffusers-omni", "Note"], rows)

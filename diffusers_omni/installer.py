@@ -26,7 +26,8 @@ from .attention.backends.base import AttentionBackend, AttentionCall
 from .attention.model_state import remove_states
 from .attention.platform import Platform, current_platform
 from .attention.processors import MaskPolicy, RoleAttention, is_omni_processor
-from .attention.backends.flash import FlashAttentionBackend, load_kernels, usable_implementations
+from .attention.backends.flash.backend import FlashAttentionBackend, load_kernels, usable_implementations
+from .attention.plan import AttentionPlan
 from .attention.registry import get_backend_class, is_registered, registered_backend_names
 from .attention.routing import ShapeRouter, active_table, load_table, lossy_key, measured_error, rule_key
 from .attention.selector import (
@@ -83,16 +84,20 @@ def plan_attention(
 ):
     """Resolve every attention role of ``model`` without changing it.
 
-    Returns ``(declaration, [(site, {role: Resolution})])``. Raises when an explicit backend cannot run a role, and
-    (with ``check_roles``) when a ``per_role`` key names no role or category of the model.
+    ``config``: an ``AttentionPlan`` (``apply_attention_all`` builds one per call and passes it to every model), or
+    anything ``AttentionConfig.parse`` accepts (checked into a plan here, once).
+
+    Returns ``(declaration, [(site, {role: Resolution})])``: per role the backend, its options, its shape routes and
+    the selection trace. Raises when an explicit backend cannot run a role, and (with ``check_roles``) when a
+    ``per_role`` key names no role or category of the model.
     """
     declaration = _declaration(model)
-    config = AttentionConfig.parse(config)
-    platform = platform or current_platform()
+    plan = AttentionPlan.build(config, platform)
+    platform = plan.platform
     device_type = _call_device_type(model, platform)
     dtype = model_dtype(model)
-    deterministic, _ = deterministic_requested(config)
-    plan = []
+    deterministic, _ = deterministic_requested(plan)
+    sites = []
     for site in declaration.find_sites(model):
         site = dataclasses.replace(site, model_name=declaration.name)
         resolutions = {}
@@ -106,11 +111,11 @@ def plan_attention(
                 mask_free_path=declaration.mask_free,
                 deterministic=deterministic,
             )
-            resolutions[role.role] = resolve(config, role.role, role.category, call, platform)
-        plan.append((site, resolutions))
+            resolutions[role.role] = resolve(plan, role.role, role.category, call, platform)
+        sites.append((site, resolutions))
     if check_roles:
-        check_roles_of_plans(config, [(model, declaration, plan)])
-    return declaration, plan
+        check_roles_of_plans(plan, [(model, declaration, sites)])
+    return declaration, sites
 
 
 def check_roles_of_plans(config: Any, planned: list[tuple[nn.Module, Any, list]], seen_roles=()) -> None:
@@ -208,18 +213,18 @@ def apply_attention_all(models, config: Any = None, *, seen_roles=(), check_role
     ``per_role`` keys are checked against the roles and categories of all models together (see
     ``check_roles_of_plans``). Returns one report per model.
     """
-    config = AttentionConfig.parse(config)
+    plan = AttentionPlan.build(config)  # the one parse and check of this call; every model below gets the plan
     models = list(models)
     unique = list({id(model): model for model in models}.values())
-    planned = [(model, *plan_attention(model, config, check_roles=False)) for model in unique]
+    planned = [(model, *plan_attention(model, plan, check_roles=False)) for model in unique]
     if check_roles:
-        check_roles_of_plans(config, planned, seen_roles)
+        check_roles_of_plans(plan, planned, seen_roles)
     journal = _Journal()
 
     def steps() -> dict[int, list[dict]]:
         # Stage every model (backends, bind_site, make_processor) before installing on any.
-        staged = [(model, _stage(model, declaration, plan, journal)) for model, declaration, plan in planned]
-        return {id(model): _commit(model, config, processors, journal) for model, processors in staged}
+        staged = [(model, _stage(model, declaration, sites, journal)) for model, declaration, sites in planned]
+        return {id(model): _commit(model, plan.config, processors, journal) for model, processors in staged}
 
     reports = _transaction(journal, steps)
     _warn_lossy([entry for report in reports.values() for entry in report])

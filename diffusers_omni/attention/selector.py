@@ -13,15 +13,22 @@ from __future__ import annotations
 import difflib
 import functools
 import logging
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..config.attention import AUTO, AttentionConfig, AttentionSpec, normalize_backend_name
-from ..config.names import check_diffusers_env_name
+from ..config.attention import AttentionConfig, AttentionSpec
 from .backends.base import AttentionCall
-from .platform import Platform, current_platform
-from .registry import get_backend_class, is_registered, registered_backend_names, registry_generation
+from .plan import (
+    ENV_BACKEND,
+    ENV_DETERMINISTIC,
+    ENV_DIFFUSERS_BACKEND,
+    AttentionPlan,
+    clear_logged,
+    deterministic_requested,
+    environment_backend,
+)
+from .platform import Platform
+from .registry import get_backend_class, is_registered, registry_generation
 from .routing import (
     active_table,
     failed_conditions,
@@ -34,13 +41,11 @@ from .routing import (
 
 logger = logging.getLogger("diffusers_omni.attention")
 
-ENV_BACKEND = "DIFFUSION_ATTENTION_BACKEND"
-# Diffusers' own default-backend variable (``diffusers.utils.constants``), honoured when ours is unset.
-ENV_DIFFUSERS_BACKEND = "DIFFUSERS_ATTN_BACKEND"
-ENV_DETERMINISTIC = "DIFFUSERS_OMNI_DETERMINISTIC"
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
+__all__ = [
+    "ENV_BACKEND", "ENV_DETERMINISTIC", "ENV_DIFFUSERS_BACKEND", "AttentionPlan", "BackendNotSupportedError",
+    "Candidate", "Resolution", "check_per_role_keys", "clear_resolution_cache", "deterministic_requested",
+    "environment_backend", "resolve", "select_spec",
+]
 
 
 class BackendNotSupportedError(ValueError):
@@ -114,53 +119,21 @@ class Resolution:
         }
 
 
-def select_spec(config: AttentionConfig, role: str, category: str) -> tuple[AttentionSpec | None, str]:
+def select_spec(config: "AttentionConfig | AttentionPlan | None", role: str, category: str
+                ) -> tuple[AttentionSpec | None, str]:
     """The configured spec for a role and a label for where it came from (``None`` → platform default)."""
-    if role in config.per_role:
-        return config.per_role[role], f"per_role[{role!r}]"
-    if category in config.per_role:
-        return config.per_role[category], f"per_role[{category!r}]"
-    if config.default is not None:
-        return config.default, "default"
-    return environment_backend()
+    return _plan(config).spec_for(role, category)
 
 
-_env_logged: set[str] = set()
-
-
-def environment_backend() -> tuple[AttentionSpec | None, str]:
-    """The default backend the environment asks for, and a label for where it came from (``None, ""``: neither
-    variable is set).
-
-    ``DIFFUSION_ATTENTION_BACKEND`` (ours: our names, Diffusers' names or ``auto``) wins; otherwise
-    ``DIFFUSERS_ATTN_BACKEND`` (Diffusers' names, spelled exactly as Diffusers takes them) is mapped through the
-    alias table of ``config.names``. A value Diffusers itself would refuse is refused whenever it is set, even when
-    ours wins: Diffusers raises on it at import. Raises ``ValueError`` in one line naming the variable, the value
-    and the allowed names; the CLI checks this before it imports Diffusers.
-    """
-    theirs = os.environ.get(ENV_DIFFUSERS_BACKEND)
-    entry = check_diffusers_env_name(theirs, ENV_DIFFUSERS_BACKEND) if theirs is not None else None
-    ours = os.environ.get(ENV_BACKEND, "").strip()
-    if ours:
-        name = normalize_backend_name(ours, field_name=f"environment variable {ENV_BACKEND}")
-        return AttentionSpec(backend=name), f"env {ENV_BACKEND}"
-    if entry is None:
-        return None, ""
-    if entry.omni is None or not is_registered(entry.omni):
-        raise ValueError(
-            f"environment variable {ENV_DIFFUSERS_BACKEND}={theirs!r} is a Diffusers attention backend with no "
-            f"equivalent here ({entry.note}); set {ENV_BACKEND} (it takes precedence) to one of "
-            f"{', '.join(registered_backend_names())} or {AUTO!r}, or unset {ENV_DIFFUSERS_BACKEND}"
-        )
-    if theirs not in _env_logged:  # once per value, not once per role
-        _env_logged.add(theirs)
-        logger.info("environment variable %s=%r is Diffusers' name for %s (%s)", ENV_DIFFUSERS_BACKEND, theirs,
-                    entry.omni, entry.note)
-    return AttentionSpec(backend=entry.omni), f"environment variable {ENV_DIFFUSERS_BACKEND}"
+def _plan(config, platform: Platform | None = None) -> AttentionPlan:
+    """``config`` as a plan: a plan as is, anything else parsed and checked once (``AttentionPlan.build``)."""
+    if isinstance(config, AttentionPlan) and (platform is None or platform == config.platform):
+        return config
+    return AttentionPlan.build(config, platform)
 
 
 def check_per_role_keys(
-    config: AttentionConfig | None,
+    config: "AttentionConfig | AttentionPlan | None",
     declared: Iterable[tuple[str, str]],
     present: Iterable[tuple[str, str]],
     owner: str,
@@ -177,7 +150,7 @@ def check_per_role_keys(
     naming only roles the architecture declares but the model does not use now (FLUX's ``"cross"`` is its IP-Adapter
     role, present once an IP-Adapter is loaded) is accepted with a warning, once per key and owner.
     """
-    config = AttentionConfig.parse(config)
+    config = config.config if isinstance(config, AttentionPlan) else AttentionConfig.parse(config)
     if not config.per_role:
         return
     present = set(present)
@@ -212,26 +185,6 @@ def check_per_role_keys(
 
 
 _warned_keys: set[tuple[str, str]] = set()
-
-
-def deterministic_requested(config: AttentionConfig | None) -> tuple[bool, str]:
-    """Whether deterministic mode is on, and where that came from (``config`` / ``env ...`` / ``""``).
-
-    ``AttentionConfig.deterministic`` wins when set; otherwise ``DIFFUSERS_OMNI_DETERMINISTIC`` (1/true/yes/on or
-    0/false/no/off) decides.
-    """
-    config = AttentionConfig.parse(config)
-    if config.deterministic is not None:
-        return config.deterministic, "config"
-    raw = os.environ.get(ENV_DETERMINISTIC, "").strip().lower()
-    if raw in _TRUE:
-        return True, f"env {ENV_DETERMINISTIC}"
-    if raw in _FALSE:
-        return False, ""
-    raise ValueError(
-        f"environment variable {ENV_DETERMINISTIC}={os.environ[ENV_DETERMINISTIC]!r} is not a boolean; allowed: "
-        f"{', '.join(_TRUE)} or {', '.join(v for v in _FALSE if v)}"
-    )
 
 
 def _platform_default(call: AttentionCall, platform: Platform) -> tuple[str, tuple[Candidate, ...]]:
@@ -293,19 +246,20 @@ _cached_generation = registry_generation()
 
 
 def resolve(
-    config: AttentionConfig | None,
+    config: "AttentionConfig | AttentionPlan | None",
     role: str,
     category: str,
     call: AttentionCall,
     platform: Platform | None = None,
 ) -> Resolution:
-    """Resolve the backend for one attention role. Logs each (role, backend, source) once at INFO."""
+    """Resolve the backend for one attention role. ``config``: an ``AttentionPlan`` (as the installer passes it), or
+    anything ``AttentionConfig.parse`` accepts (then checked into a plan here). Logs each (role, backend, source) once
+    at INFO."""
     if _cached_generation != registry_generation():  # a backend was registered or reset since
         clear_resolution_cache()
-    config = AttentionConfig.parse(config)
-    platform = platform or current_platform()
-    spec, where = select_spec(config, role, category)
-    resolution = _resolve_cached(spec, where, role, category, call, platform)
+    plan = _plan(config, platform)
+    spec, where = plan.spec_for(role, category)
+    resolution = _resolve_cached(spec, where, role, category, call, plan.platform)
     key = (role, resolution.describe_backend(), resolution.source)
     if key not in _logged:
         _logged.add(key)
@@ -319,4 +273,4 @@ def clear_resolution_cache() -> None:
     _resolve_cached.cache_clear()
     _logged.clear()
     _warned_keys.clear()
-    _env_logged.clear()
+    clear_logged()

@@ -1,37 +1,32 @@
 """Typed attention configuration: which backend serves which attention role.
 
-Every spec validates itself on construction; invalid input raises ``ValueError`` (``TypeError`` for a value of
-the wrong type) naming the field, the value found and what is allowed. ``AttentionConfig.parse`` is the single
-entry point that accepts user input in any of its supported forms.
+Every spec validates its shape on construction: types, ranges, known keys, and option combinations that no backend
+could accept. Invalid input raises ``ValueError`` (``TypeError`` for a value of the wrong type) naming the field,
+the value found and what is allowed. ``AttentionConfig.parse`` is the single entry point that accepts user input in
+any of its supported forms.
+
+What depends on the backends (whether a name is registered, Diffusers' names as aliases, which backend accepts
+which option and with which values) is not known here: each kernel family declares it in its package, and
+``diffusers_omni.attention.plan.AttentionPlan.build`` checks a config against it (the installer builds that plan
+once per enable call, so such errors reach the user on the same call).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-from ._values import keys_text, show
-
-from .names import DIFFUSERS_BACKEND_NAMES, did_you_mean, diffusers_backend_name
-
-logger = logging.getLogger(__name__)
+from ._values import check_int_range, keys_text, show
 
 AUTO = "auto"
 
-BLOCK_SPARSE_BACKENDS: frozenset[str] = frozenset({"RAINFUSION_ATTN"})
-
-_TRTLLM_QK_DTYPES = ("int8", "fp8_e4m3")
-_FLASHINFER_QK_DTYPES = ("float16", "bfloat16")
-_FLASHINFER_VO_DTYPES = ("float16", "bfloat16", "fp8_e4m3")
-_QUANT_BLOCK_SIZES = (1, 4, 16)
-# FLASH_ATTN FP8 (an extension of the contract, Hopper FA3): Q, K and V all in e4m3, one scale per (batch, head).
-_FLASH_FP8 = ("fp8_e4m3",)
-_QUANT_DEFAULT_BLOCKS = (1, 16)
+# Quantisation blocks are counted in tokens; no kernel takes blocks larger than this (each backend checks its own
+# choices when the plan is built).
+MAX_QUANT_BLOCK_SIZE = 65_536
 # Layer indices above this are refused rather than expanded: no DiT comes near 10,000 blocks, and a selector such as
 # "0-1000000000000" would otherwise be expanded into a tuple that exhausts host memory.
 MAX_LAYER_INDEX = 9_999
@@ -40,50 +35,21 @@ MAX_LAYER_INDEX = 9_999
 MAX_ROLE_DEPTH = 8
 
 
-# The backend names a spec may name. The attention layer's registry installs itself here when it is imported (the
-# package root imports it), so backends registered at run time are valid names too, and this layer imports nothing
-# above itself.
-_backend_names: Callable[[], tuple[str, ...]] | None = None
-
-
-def use_backend_names(source: Callable[[], tuple[str, ...]]) -> None:
-    """Validate backend names against ``source()`` (``attention.registry.registered_backend_names``)."""
-    global _backend_names
-    _backend_names = source
-
-
-def _known_backend_names() -> tuple[str, ...]:
-    if _backend_names is None:
-        raise RuntimeError("no backend registry is installed; import diffusers_omni (the package root) first")
-    return _backend_names()
-
-
 def normalize_backend_name(value: Any, field_name: str = "backend") -> str:
-    """Return the canonical backend name (upper case, or ``"auto"``) or raise naming the valid ones."""
+    """The backend name in its canonical case: ``"auto"`` (any case) or upper case, surrounding spaces dropped.
+
+    Whether the name is registered, or one of Diffusers' names (an alias), is checked when a plan is built from
+    the config (``attention.registry.canonical_backend_name``); the spelling as typed is kept for its messages.
+    """
     if not isinstance(value, str):
         raise TypeError(f"{field_name} must be a backend name (str), got {type(value).__name__}: {show(value)}")
     name = value.strip()
+    if not name:
+        raise ValueError(f"{field_name}={value!r} is empty; allowed: a backend name such as 'TORCH_SDPA', or "
+                         f"{AUTO!r} for the platform default")
     if name.lower() == AUTO:
         return AUTO
-    canonical = name.upper()
-    valid = _known_backend_names()
-    if canonical in valid:
-        return canonical
-    alias = diffusers_backend_name(name)
-    if alias is not None and alias.omni is not None and alias.omni in valid:
-        logger.info("%s=%r is Diffusers' name for %s (%s)", field_name, value, alias.omni, alias.note)
-        return alias.omni
-    if alias is not None:
-        raise ValueError(
-            f"{field_name}={value!r} is a Diffusers attention backend with no equivalent here: {alias.note}; "
-            f"valid values: {', '.join(valid)}, or {AUTO!r} for the platform default"
-        )
-    aliases = [entry.diffusers for entry in DIFFUSERS_BACKEND_NAMES if entry.omni in valid]
-    raise ValueError(
-        f"{field_name}={value!r} is not a known attention backend{did_you_mean(name, [*valid, AUTO, *aliases], prefix=' (did you mean ', suffix='?)')}; "
-        f"valid values: {', '.join(valid)}, or {AUTO!r} for the platform default (Diffusers' names such as "
-        "'native', '_native_cudnn', 'flash', '_flash_3', 'sage' are accepted too)"
-    )
+    return name.upper()
 
 
 def _check_type(owner: str, name: str, value: Any, types: tuple[type, ...], allowed: str) -> None:
@@ -119,7 +85,8 @@ def _check_choice(owner: str, name: str, value: Any, allowed: tuple, context: st
 class AttnQuantSpec:
     """Quantised attention inputs, read by ``TRTLLM_ATTN`` (SAGE quantisation), ``FLASHINFER_ATTN`` (QK16/V8) and
     ``FLASH_ATTN`` (FP8 e4m3 Q, K and V on Hopper FlashAttention-3: an extension of the contract, which defines
-    ``quant`` for FlashInfer and TRTLLM only).
+    ``quant`` for FlashInfer and TRTLLM only). Which values each backend accepts is checked by its family when the
+    plan is built (``attention/backends/<family>/``).
 
     Args:
         dtype_qk (`str`, *optional*): dtype of Q and K.
@@ -140,51 +107,10 @@ class AttnQuantSpec:
                 _check_type("quant", name, value, (str,), "a dtype name (str) or None")
         for name in ("q_block_size", "k_block_size"):
             value = getattr(self, name)
-            _check_type("quant", name, value, (int,), f"an int in {_QUANT_BLOCK_SIZES}")
+            _check_type("quant", name, value, (int,), "a positive int")
             if value <= 0:
                 raise ValueError(f"quant.{name}={show(value)} must be a positive int")
-
-    def validate_for(self, backend: str) -> None:
-        """Check the values this spec holds against what ``backend`` accepts."""
-        if backend == "TRTLLM_ATTN":
-            if self.dtype_qk is None:
-                raise ValueError(f"quant.dtype_qk is required with TRTLLM_ATTN; allowed: {_TRTLLM_QK_DTYPES}")
-            _check_choice("quant", "dtype_qk", self.dtype_qk, _TRTLLM_QK_DTYPES, "with TRTLLM_ATTN")
-            if self.dtype_vo is not None:
-                raise ValueError(
-                    f"quant.dtype_vo={self.dtype_vo!r} is not allowed with TRTLLM_ATTN (V stays unquantised); "
-                    "allowed: None"
-                )
-            _check_choice("quant", "q_block_size", self.q_block_size, _QUANT_BLOCK_SIZES, "with TRTLLM_ATTN")
-            _check_choice("quant", "k_block_size", self.k_block_size, _QUANT_BLOCK_SIZES, "with TRTLLM_ATTN")
-        elif backend == "FLASHINFER_ATTN":
-            if self.dtype_qk is not None:
-                _check_choice("quant", "dtype_qk", self.dtype_qk, _FLASHINFER_QK_DTYPES, "with FLASHINFER_ATTN")
-            if self.dtype_vo is not None:
-                _check_choice("quant", "dtype_vo", self.dtype_vo, _FLASHINFER_VO_DTYPES, "with FLASHINFER_ATTN")
-            if self.dtype_qk is None and self.dtype_vo is None:
-                raise ValueError(
-                    "quant with FLASHINFER_ATTN needs dtype_qk and/or dtype_vo; "
-                    f"allowed dtype_qk: {_FLASHINFER_QK_DTYPES}, dtype_vo: {_FLASHINFER_VO_DTYPES}"
-                )
-        elif backend == "FLASH_ATTN":
-            for name in ("dtype_qk", "dtype_vo"):
-                value = getattr(self, name)
-                if value is None:
-                    raise ValueError(f"quant.{name} is required with FLASH_ATTN; allowed: {_FLASH_FP8}")
-                _check_choice("quant", name, value, _FLASH_FP8, "with FLASH_ATTN")
-            blocks = (self.q_block_size, self.k_block_size)
-            if blocks != _QUANT_DEFAULT_BLOCKS:
-                raise ValueError(
-                    f"quant.q_block_size={self.q_block_size!r}, quant.k_block_size={self.k_block_size!r} are not "
-                    "allowed with FLASH_ATTN (one FP8 scale per batch and head); allowed: the defaults "
-                    f"q_block_size={_QUANT_DEFAULT_BLOCKS[0]}, k_block_size={_QUANT_DEFAULT_BLOCKS[1]}"
-                )
-        else:
-            raise ValueError(
-                f"quant is not allowed with backend={backend!r}; allowed only with TRTLLM_ATTN, FLASHINFER_ATTN or "
-                "FLASH_ATTN"
-            )
+            check_int_range(value, f"quant.{name}", 1, MAX_QUANT_BLOCK_SIZE, "tokens")
 
 
 @dataclass(frozen=True)
@@ -334,6 +260,8 @@ class BlockSparseSpec:
 
 
 _SUB_SPECS = {"quant": AttnQuantSpec, "skip_softmax": SkipSoftmaxSpec, "block_sparse": BlockSparseSpec}
+# The backend options of a spec, in the order their backend checks run.
+OPTION_FIELDS = ("skip_softmax", "quant", "block_sparse")
 
 
 def _from_mapping(cls: type, value: Any, where: str) -> Any:
@@ -341,7 +269,7 @@ def _from_mapping(cls: type, value: Any, where: str) -> Any:
         return value
     if not isinstance(value, Mapping):
         raise TypeError(f"{where} must be a {cls.__name__} or a dict, got {type(value).__name__}: {show(value)}")
-    allowed = [f.name for f in fields(cls)]
+    allowed = [f.name for f in fields(cls) if f.init]
     unknown = [key for key in value if key not in allowed]
     if unknown:
         raise ValueError(f"{where} has unknown key(s) {keys_text(unknown)}; allowed: {allowed}")
@@ -352,8 +280,12 @@ def _from_mapping(cls: type, value: Any, where: str) -> Any:
 class AttentionSpec:
     """One backend choice plus the typed options only that backend reads.
 
+    The spec is checked for shape here; the backend name (ours, or one of Diffusers' names), and whether that
+    backend reads the options given and accepts their values, are checked when a plan is built from it
+    (``AttentionPlan.build``: ``apply_attention`` and ``enable_omni_attention`` do, once per call).
+
     Args:
-        backend (`str`): a backend name such as ``"TORCH_SDPA"`` or ``"auto"`` for the platform default.
+        backend (`str`): a backend name such as ``"TORCH_SDPA"`` (any case) or ``"auto"`` for the platform default.
         quant (`AttnQuantSpec`, *optional*): quantised inputs (TRTLLM_ATTN, FLASHINFER_ATTN, FLASH_ATTN FP8).
         skip_softmax (`SkipSoftmaxSpec`, *optional*): Skip-Softmax sparsity (TRTLLM_ATTN).
         block_sparse (`BlockSparseSpec`, *optional*): block-sparse attention (RAINFUSION_ATTN).
@@ -363,22 +295,22 @@ class AttentionSpec:
     quant: AttnQuantSpec | None = None
     skip_softmax: SkipSoftmaxSpec | None = None
     block_sparse: BlockSparseSpec | None = None
+    # The name as the user typed it (for messages once the plan checks it); not part of the value.
+    spelling: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "spelling", self.backend.strip() if isinstance(self.backend, str) else self.backend)
         object.__setattr__(self, "backend", normalize_backend_name(self.backend))
         for name, cls in _SUB_SPECS.items():
             object.__setattr__(self, name, _from_mapping(cls, getattr(self, name), name))
-        if self.skip_softmax is not None and self.backend != "TRTLLM_ATTN":
-            raise ValueError(
-                f"skip_softmax is not allowed with backend={self.backend!r}; allowed only with TRTLLM_ATTN"
-            )
-        if self.quant is not None:
-            self.quant.validate_for(self.backend)
-        if self.block_sparse is not None and self.backend not in BLOCK_SPARSE_BACKENDS:
-            raise ValueError(
-                f"block_sparse is not allowed with backend={self.backend!r}; allowed only with "
-                f"{', '.join(sorted(BLOCK_SPARSE_BACKENDS))}"
-            )
+        if self.is_auto:
+            # The platform default is chosen per call site; no option can be checked against a backend yet.
+            for name in OPTION_FIELDS:
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name} is not allowed with backend={AUTO!r} (the platform default takes no options); "
+                        "allowed: name the backend that reads it"
+                    )
 
     @property
     def is_auto(self) -> bool:
@@ -393,7 +325,7 @@ class AttentionSpec:
         if isinstance(value, Mapping):
             if "backend" not in value:
                 raise ValueError(f"{where} needs a 'backend' key; got keys {keys_text(value)}")
-            allowed = [f.name for f in fields(cls)]
+            allowed = [f.name for f in fields(cls) if f.init]
             unknown = [key for key in value if key not in allowed]
             if unknown:
                 raise ValueError(f"{where} has unknown key(s) {keys_text(unknown)}; allowed: {allowed}")

@@ -1,9 +1,11 @@
-"""Names a user types: Diffusers' attention backend names as aliases of ours, and "did you mean" for near misses.
+"""Diffusers' attention backend names, and "did you mean" for near misses.
 
 Diffusers selects attention with ``set_attention_backend(name)`` (``AttentionBackendName`` in
-``diffusers/models/attention_dispatch.py``, 0.42). Every one of its names is listed here once: either the
-diffusers-omni backend that runs the same kernel family, or the reason there is none. Aliases are resolved when a
-config is parsed, so reports, traces and fingerprints always show our names.
+``diffusers/models/attention_dispatch.py``, 0.42). ``DIFFUSERS_NAMES`` lists every one of its names, as Diffusers
+spells them, and ``NO_EQUIVALENT`` says why no backend here runs the kernel of some of them. Which of our backends a
+name stands for is declared by the kernel family that runs it (its ``aliases``, in ``attention/backends/<family>/``);
+``attention.registry.diffusers_backend_names()`` joins the two into one table. Aliases are resolved when the plan is
+built, so reports, traces and fingerprints always show our names.
 """
 
 from __future__ import annotations
@@ -28,68 +30,50 @@ class DiffusersBackendName:
     note: str
 
 
-_FA = "FLASH_ATTN runs the best installed FlashAttention (FA4, FA3, FA3 forward-only, FA2); key-padding masks go through varlen"
+# Every name of Diffusers' ``AttentionBackendName`` (0.42), in the order tables show them.
+DIFFUSERS_NAMES: tuple[str, ...] = (
+    "native", "_native_cudnn", "_native_flash", "_native_efficient", "_native_math", "_native_npu", "_native_xla",
+    "flash", "flash_varlen", "_flash_3", "_flash_varlen_3", "flash_hub", "flash_varlen_hub", "_flash_3_hub",
+    "_flash_3_varlen_hub", "flash_4_hub", "aiter_fa2_hub", "flex", "sage", "sage_varlen", "sage_hub",
+    "sage_blackwell_hub", "_sage_qk_int8_pv_fp8_cuda", "_sage_qk_int8_pv_fp8_cuda_sm90", "_sage_qk_int8_pv_fp16_cuda",
+    "_sage_qk_int8_pv_fp16_triton", "xformers",
+)
+
 _SAGE_KERNEL = "pins one SageAttention 2 CUDA/Triton kernel; SAGE_ATTN runs the installed sageattention package's own dispatch"
 
-DIFFUSERS_BACKEND_NAMES: tuple[DiffusersBackendName, ...] = (
-    DiffusersBackendName("native", "TORCH_SDPA", "torch SDPA; on CUDA pinned to flash → memory-efficient → math"),
-    DiffusersBackendName("_native_cudnn", "CUDNN_ATTN", "torch's cuDNN attention kernel"),
-    DiffusersBackendName("_native_flash", None, "pins SDPA's flash kernel alone; use TORCH_SDPA (flash first, then "
-                         "memory-efficient, then math) or FLASH_ATTN"),
-    DiffusersBackendName("_native_efficient", None, "pins SDPA's memory-efficient kernel alone; use TORCH_SDPA"),
-    DiffusersBackendName("_native_math", None, "pins SDPA's math kernel alone; use TORCH_SDPA (math on CPU)"),
-    DiffusersBackendName("_native_npu", None, "Ascend NPU fused attention is not provided; use TORCH_SDPA or "
-                         "RAINFUSION_ATTN on Ascend"),
-    DiffusersBackendName("_native_xla", None, "XLA flash attention is not provided (no TPU platform here)"),
-    DiffusersBackendName("flash", "FLASH_ATTN", _FA),
-    DiffusersBackendName("flash_varlen", "FLASH_ATTN", _FA),
-    DiffusersBackendName("_flash_3", "FLASH_ATTN", _FA),
-    DiffusersBackendName("_flash_varlen_3", "FLASH_ATTN", _FA),
-    DiffusersBackendName("flash_hub", "FLASH_ATTN_HUB", "kernels-community/flash-attn2 through `kernels`"),
-    DiffusersBackendName("flash_varlen_hub", "FLASH_ATTN_HUB", "kernels-community/flash-attn2 through `kernels`"),
-    DiffusersBackendName("_flash_3_hub", "FLASH_ATTN_3_HUB", "kernels-community/flash-attn3 through `kernels`"),
-    DiffusersBackendName("_flash_3_varlen_hub", "FLASH_ATTN_3_HUB", "kernels-community/flash-attn3 through `kernels`"),
-    DiffusersBackendName("flash_4_hub", None, "no Hub FA4 kernel here; FLASH_ATTN uses FA4 when `flash-attn-4` is "
-                         "installed"),
-    DiffusersBackendName("aiter_fa2_hub", None, "AMD aiter kernels are not provided (no ROCm platform here)"),
-    DiffusersBackendName("flex", None, "flex attention is not provided; use TORCH_SDPA"),
-    DiffusersBackendName("sage", "SAGE_ATTN", "sageattention package (lossy INT8 QK); masked roles are refused at "
-                         "enable time"),
-    DiffusersBackendName("sage_varlen", "SAGE_ATTN", "SAGE_ATTN takes no mask: masked roles are refused at enable "
-                         "time with the reason"),
-    DiffusersBackendName("sage_hub", None, "Hub SageAttention kernels are not provided; SAGE_ATTN runs the installed "
-                         "sageattention package"),
-    DiffusersBackendName("sage_blackwell_hub", None, "Hub SageAttention kernels are not provided; on Blackwell use "
-                         "SAGE_ATTN_3 (the sageattn3 package)"),
-    DiffusersBackendName("_sage_qk_int8_pv_fp8_cuda", None, _SAGE_KERNEL),
-    DiffusersBackendName("_sage_qk_int8_pv_fp8_cuda_sm90", None, _SAGE_KERNEL),
-    DiffusersBackendName("_sage_qk_int8_pv_fp16_cuda", None, _SAGE_KERNEL),
-    DiffusersBackendName("_sage_qk_int8_pv_fp16_triton", None, _SAGE_KERNEL),
-    DiffusersBackendName("xformers", None, "xformers is not provided; use TORCH_SDPA or FLASH_ATTN"),
-)
-_BY_NAME = {entry.diffusers: entry for entry in DIFFUSERS_BACKEND_NAMES}
+# Diffusers' names that no backend here runs, and why (the names a kernel family runs are its ``aliases``).
+NO_EQUIVALENT: dict[str, str] = {
+    "_native_flash": "pins SDPA's flash kernel alone; use TORCH_SDPA (flash first, then memory-efficient, then math) "
+                     "or FLASH_ATTN",
+    "_native_efficient": "pins SDPA's memory-efficient kernel alone; use TORCH_SDPA",
+    "_native_math": "pins SDPA's math kernel alone; use TORCH_SDPA (math on CPU)",
+    "_native_npu": "Ascend NPU fused attention is not provided; use TORCH_SDPA or RAINFUSION_ATTN on Ascend",
+    "_native_xla": "XLA flash attention is not provided (no TPU platform here)",
+    "flash_4_hub": "no Hub FA4 kernel here; FLASH_ATTN uses FA4 when `flash-attn-4` is installed",
+    "aiter_fa2_hub": "AMD aiter kernels are not provided (no ROCm platform here)",
+    "flex": "flex attention is not provided; use TORCH_SDPA",
+    "sage_hub": "Hub SageAttention kernels are not provided; SAGE_ATTN runs the installed sageattention package",
+    "sage_blackwell_hub": "Hub SageAttention kernels are not provided; on Blackwell use SAGE_ATTN_3 (the sageattn3 "
+                          "package)",
+    "_sage_qk_int8_pv_fp8_cuda": _SAGE_KERNEL,
+    "_sage_qk_int8_pv_fp8_cuda_sm90": _SAGE_KERNEL,
+    "_sage_qk_int8_pv_fp16_cuda": _SAGE_KERNEL,
+    "_sage_qk_int8_pv_fp16_triton": _SAGE_KERNEL,
+    "xformers": "xformers is not provided; use TORCH_SDPA or FLASH_ATTN",
+}
 
 
-def diffusers_backend_name(name: str) -> DiffusersBackendName | None:
-    """The table entry for one of Diffusers' backend names (case-insensitive), or ``None``."""
-    return _BY_NAME.get(name.strip().lower())
-
-
-def check_diffusers_env_name(value: str, variable: str) -> DiffusersBackendName:
-    """The table entry for the value of an environment variable Diffusers reads as a backend name
-    (``DIFFUSERS_ATTN_BACKEND``), or ``ValueError`` in one line naming the variable, the value and the allowed names.
-
-    Matched exactly, as Diffusers matches it (``AttentionBackendName(value)`` when ``attention_dispatch`` is
-    imported): a value Diffusers would refuse at import, such as ``"NATIVE"`` or ``""``, is refused here first.
-    """
-    entry = _BY_NAME.get(value)
-    if entry is not None:
-        return entry
-    names = list(_BY_NAME)
-    hint = did_you_mean(value, names, prefix=" (did you mean ", suffix="?)")
+def check_diffusers_env_value(value: str, variable: str) -> str:
+    """``value`` when it is one of Diffusers' backend names exactly as Diffusers matches it
+    (``AttentionBackendName(value)`` when ``attention_dispatch`` is imported), or ``ValueError`` in one line naming
+    the variable, the value and the allowed names: a value Diffusers would refuse at import, such as ``"NATIVE"`` or
+    ``""``, is refused here first."""
+    if value in DIFFUSERS_NAMES:
+        return value
+    hint = did_you_mean(value, DIFFUSERS_NAMES, prefix=" (did you mean ", suffix="?)")
     raise ValueError(
         f"environment variable {variable}={value!r} is not one of Diffusers' attention backend names{hint}; allowed: "
-        f"{', '.join(names)} (exact spelling; Diffusers refuses any other value when it is imported)"
+        f"{', '.join(DIFFUSERS_NAMES)} (exact spelling; Diffusers refuses any other value when it is imported)"
     )
 
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
 from ..attention.processors import routed_processor_class
-from ..attention.rainfusion_plan import VideoGeometry
+from ..attention.backends.rainfusion.plan import VideoGeometry
 from .base import CROSS, SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
 from .base import NORM_PROJ_OUT, routed_processors
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusers_omni.attention import block_sparse as bs
+from diffusers_omni.attention.backends.rainfusion import block_sparse as bs
 from diffusers_omni.attention.backends.rainfusion import RainFusionBackend
 from diffusers_omni.installer import apply_attention, attention_report, remove_attention
 from diffusers_omni.attention.registry import register_backend, reset_backend

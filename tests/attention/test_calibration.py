@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from diffusers_omni.attention.calibration import (
+from diffusers_omni.attention.backends.trtllm.calibration import (
     CalibrationError,
     attach_calibration,
     calibration_for_model,

@@ -65,7 +65,7 @@ def test_a_value_diffusers_refuses_is_one_line_naming_variable_value_and_names(m
 def test_the_names_refused_are_exactly_the_ones_diffusers_refuses():
     from diffusers.models.attention_dispatch import AttentionBackendName
 
-    from diffusers_omni.config.names import check_diffusers_env_name
+    from diffusers_omni.attention.registry import check_diffusers_env_name
 
     for member in AttentionBackendName:
         assert check_diffusers_env_name(member.value, ENV_DIFFUSERS_BACKEND).diffusers == member.value

@@ -3,7 +3,7 @@ import logging
 import pytest
 import torch
 
-from diffusers_omni.attention.backends import flash
+from diffusers_omni.attention.backends.flash import backend as flash
 from diffusers_omni.attention.backends.base import AttentionCall
 from diffusers_omni.attention.backends.flash import (
     FlashAttentionBackend,

@@ -3,7 +3,7 @@ import logging
 import pytest
 import torch
 
-from diffusers_omni.attention.backends import flashinfer as fi
+from diffusers_omni.attention.backends.flashinfer import backend as fi
 from diffusers_omni.attention.backends.flash import varlen_attention_reference
 from diffusers_omni.attention.backends.flashinfer import FlashInferBackend
 from diffusers_omni.attention.backends.sdpa import sdpa_bshd

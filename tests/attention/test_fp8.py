@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusers_omni.attention import fp8_quant as fq
+from diffusers_omni.attention.backends.flash import fp8_quant as fq
 from diffusers_omni.attention.backends.flash import FlashAttentionBackend, FlashKernels
+from diffusers_omni.attention.plan import AttentionPlan
 from diffusers_omni.attention.routing import fp8_choice, load_table, rule_key
 from diffusers_omni.config.attention import AttentionSpec, AttnQuantSpec
 
@@ -41,15 +42,17 @@ def test_triton_kernels_under_the_interpreter():
 
 def test_config_accepts_only_fp8_e4m3_for_flash_attn():
     spec = AttentionSpec("FLASH_ATTN", quant=FP8)
+    # The flash family checks its quant values when the plan is built (AttentionPlan.build).
+    assert AttentionPlan.build(spec).config.default == spec
     assert spec.quant == AttnQuantSpec(**FP8)
     with pytest.raises(ValueError, match=r"quant.dtype_vo is required with FLASH_ATTN; allowed: \('fp8_e4m3',\)"):
-        AttentionSpec("FLASH_ATTN", quant={"dtype_qk": "fp8_e4m3"})
+        AttentionPlan.build(AttentionSpec("FLASH_ATTN", quant={"dtype_qk": "fp8_e4m3"}))
     with pytest.raises(ValueError, match="quant.dtype_qk='int8' is not allowed with FLASH_ATTN; allowed: 'fp8_e4m3'"):
-        AttentionSpec("FLASH_ATTN", quant={"dtype_qk": "int8", "dtype_vo": "fp8_e4m3"})
+        AttentionPlan.build(AttentionSpec("FLASH_ATTN", quant={"dtype_qk": "int8", "dtype_vo": "fp8_e4m3"}))
     with pytest.raises(ValueError, match="quant.q_block_size=4, quant.k_block_size=16 are not allowed with FLASH_ATTN"):
-        AttentionSpec("FLASH_ATTN", quant={**FP8, "q_block_size": 4})
+        AttentionPlan.build(AttentionSpec("FLASH_ATTN", quant={**FP8, "q_block_size": 4}))
     with pytest.raises(ValueError, match="allowed only with TRTLLM_ATTN, FLASHINFER_ATTN or FLASH_ATTN"):
-        AttentionSpec("TORCH_SDPA", quant=FP8)
+        AttentionPlan.build(AttentionSpec("TORCH_SDPA", quant=FP8))
 
 
 def _qkv(b=2, s=300, h=3, d=64, offset=3.0, seed=0):
@@ -100,7 +103,7 @@ def test_k_smoothing_preserves_attention_and_lowers_error():
 def test_fa3_fp8_emulation_rounds_p_as_the_kernel_and_reproduces_the_h200_error():
     """The emulation of FA3's FP8 forward: P rounded to e4m3 per key tile on top of the quantised inputs. On Gaussian
     inputs at FLUX's self-attention shape it gives the error the H200 measured for the kernel (5.31e-2, 24 heads;
-    benchmarks/results/hopper_fp8_sparse_h200.json), and P's rounding alone is FA3's share of it (2.50e-2 measured
+    benchmarks/results/hopper/latest.json), and P's rounding alone is FA3's share of it (2.50e-2 measured
     between the kernel and SDPA on the dequantised inputs)."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4608, 2, 128, generator=g).bfloat16() for _ in range(3))
@@ -153,11 +156,12 @@ def test_interpreted_backend_runs_fp8_where_the_table_says_and_bf16_elsewhere():
     assert backend.describe()["lossy"] and "fp8_e4m3" in backend.describe()["quant"]
 
 
-def test_routing_installs_the_committed_fp8_rules():
-    from diffusers_omni.attention.backends import flash
+def test_the_flash_family_reads_the_committed_fp8_rules():
+    # The rules belong to the flash family (``fp8_rule``): nothing else installs them (was: importing routing did).
+    from diffusers_omni.attention.backends.flash import backend as flash
 
-    assert flash._fp8_rules("hopper", 32760, 32760, 128) == fp8_choice(load_table(), "hopper", 32760, 32760, 128, False)
-    assert not flash._fp8_rules("hopper", 4608, 4608, 128)
+    assert flash.fp8_rule("hopper", 32760, 32760, 128) == fp8_choice(load_table(), "hopper", 32760, 32760, 128, False)
+    assert not flash.fp8_rule("hopper", 4608, 4608, 128)
 
 
 def test_routing_table_lookup():
@@ -184,10 +188,10 @@ def test_committed_fp8_routing_never_slower_than_bf16():
 
     from diffusers_omni.attention.routing import load_table
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks/results/hopper_fp8_sparse_h200.json"
+    path = Path(__file__).resolve().parents[2] / "benchmarks/results/hopper/latest.json"
     if not path.exists():
         pytest.skip("no committed H200 FP8 results")
-    results, table = json.loads(path.read_text()), load_table()
+    results, table = json.loads(path.read_text())["payload"], load_table()
     for row in results["fp8"]:
         if fp8_choice(table, results["platform"]["family"], row["Sq"], row["Skv"], row["D"], row["masked"]):
             assert row["speedup"] > 1.0, row["shape"]

@@ -4,7 +4,7 @@ import logging
 import pytest
 import torch
 
-from diffusers_omni.attention.backends import hub
+from diffusers_omni.attention.backends.hub import backend as hub
 from diffusers_omni.attention.backends.flash import FlashAttentionBackend
 from diffusers_omni.attention.backends.hub import FlashAttention3HubBackend, FlashAttentionHubBackend
 from diffusers_omni.attention.backends.sdpa import sdpa_bshd
@@ -99,7 +99,7 @@ def test_fa3_hub_below_sm90_runs_fa2_hub(local_kernel, monkeypatch, caplog):
 
 def test_availability_without_kernels_needs_flash_attn(monkeypatch):
     monkeypatch.setattr(hub, "package_importable", lambda name: False)
-    from diffusers_omni.attention.backends import flash
+    from diffusers_omni.attention.backends.flash import backend as flash
 
     monkeypatch.setattr(flash, "package_importable", lambda name: False)
     reasons = FlashAttentionHubBackend.availability_reasons(HOPPER)

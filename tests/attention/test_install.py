@@ -41,7 +41,7 @@ def test_apply_on_bare_transformer_routes_every_module(transformer):
 
 def test_every_attention_call_goes_through_the_backend(transformer, monkeypatch):
     calls = []
-    from diffusers_omni.attention.backends import sdpa
+    from diffusers_omni.attention.backends.sdpa import backend as sdpa
 
     original = sdpa.sdpa_bshd
 
@@ -141,7 +141,7 @@ def test_a_swapped_processor_that_cannot_be_replaced_raises_on_the_next_call(tra
 
 
 def test_all_true_masks_are_dropped_and_other_masks_reach_the_backend(transformer, monkeypatch):
-    from diffusers_omni.attention.backends import sdpa
+    from diffusers_omni.attention.backends.sdpa import backend as sdpa
 
     seen = []
     original = sdpa.sdpa_bshd
@@ -187,7 +187,7 @@ def test_a_mask_reaching_a_maskless_backend_raises(transformer):
 def test_remove_attention_removes_hooks_that_backends_attached(transformer):
     from diffusers_omni.attention.backends.sdpa import TorchSDPABackend
     from diffusers_omni.attention.registry import register_backend, reset_backend
-    from diffusers_omni.attention.timestep_gate import timestep_state
+    from diffusers_omni.attention.backends.trtllm.timestep_gate import timestep_state
 
     class GatedBackend(TorchSDPABackend):
         name = "GATED_TEST"

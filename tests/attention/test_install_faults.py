@@ -18,7 +18,7 @@ from diffusers_omni import installer as install
 from diffusers_omni.attention.backends.sdpa import TorchSDPABackend
 from diffusers_omni.attention.processors import is_omni_processor
 from diffusers_omni.attention.registry import register_backend, reset_backend
-from diffusers_omni.attention.timestep_gate import timestep_state
+from diffusers_omni.attention.backends.trtllm.timestep_gate import timestep_state
 from diffusers_omni.models import base as model_base
 from diffusers_omni.pipelines.wan import OmniWanPipeline
 from diffusers_omni.testing import tiny_wan_components

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusers_omni.attention.backends import rainfusion
+from diffusers_omni.attention.backends.rainfusion import backend as rainfusion
 from diffusers_omni.attention.backends.base import AttentionCall
 from diffusers_omni.attention.backends.rainfusion import (
     RainFusionBackend,
@@ -14,7 +14,7 @@ from diffusers_omni.attention.backends.rainfusion import (
     publish_video_geometry,
 )
 from diffusers_omni.attention.platform import Platform
-from diffusers_omni.attention.rainfusion_plan import BLOCK, VideoGeometry, dense_reason, plan_geometry, video_order
+from diffusers_omni.attention.backends.rainfusion.plan import BLOCK, VideoGeometry, dense_reason, plan_geometry, video_order
 from diffusers_omni.attention.selector import BackendNotSupportedError, resolve
 from diffusers_omni.config.attention import AttentionSpec
 

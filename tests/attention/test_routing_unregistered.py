@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from diffusers_omni.attention import routing
+from diffusers_omni.attention import routing, tables
 from diffusers_omni.attention.backends.base import AttentionCall
 from diffusers_omni.attention.platform import current_platform
 from diffusers_omni.attention.selector import resolve
@@ -20,7 +20,7 @@ def test_an_unregistered_backend_in_the_routing_table_is_skipped(tmp_path, monke
     }
     path = tmp_path / "routing_table.json"
     path.write_text(json.dumps(table))
-    monkeypatch.setattr(routing, "TABLE_PATH", path)
+    monkeypatch.setattr(tables, "TABLE_PATH", path)  # the table routing reads
     routing.load_table.cache_clear()
     try:
         call = AttentionCall(device_type=platform.device_type, dtype=torch.float32, head_dim=64)

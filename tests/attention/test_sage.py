@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from diffusers_omni.attention.backends import sage
+from diffusers_omni.attention.backends.sage import backend as sage
 from diffusers_omni.attention.backends.base import AttentionCall
 from diffusers_omni.attention.backends.sage import SageAttention3Backend, SageAttentionBackend, is_short_kv
 from diffusers_omni.attention.platform import Platform

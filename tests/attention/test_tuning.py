@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffusers_omni import omnify, register_backend
-from diffusers_omni.attention import routing, tuning
+from diffusers_omni.attention import routing, tables, tuning
 from diffusers_omni.attention.backends.sdpa import TorchSDPABackend
 from diffusers_omni.attention.platform import Platform, use_platform
 from diffusers_omni.attention.registry import reset_backend
@@ -254,7 +254,7 @@ def test_enabling_a_lossy_backend_warns_once_with_its_measured_error(extra_backe
                                                               "source": "benchmarks/results/tune_h200.json"}]})
     path = tmp_path / "routing_table.json"
     path.write_text(json.dumps(table))
-    monkeypatch.setattr(routing, "TABLE_PATH", path)
+    monkeypatch.setattr(tables, "TABLE_PATH", path)  # the table routing reads
     routing.load_table.cache_clear()
     try:
         pipe = _pipe()

@@ -6,7 +6,7 @@ import argparse
 import torch
 
 from benchmarks import hopper_bench
-from diffusers_omni.attention import block_sparse as bs
+from diffusers_omni.attention.backends.rainfusion import block_sparse as bs
 
 
 def _inputs(seed=0):

@@ -41,7 +41,8 @@ def test_head_dim_64_pipelines_take_sage_on_a_simulated_hopper(bench):
 
 
 def test_counting_kernel_restores_the_kernel_boundary(bench):
-    from diffusers_omni.attention.backends import base, sage
+    from diffusers_omni.attention.backends import base
+    from diffusers_omni.attention.backends.sage import backend as sage
 
     saved = sage._import_sageattention, sage.installed_version, base.package_importable
     with bench._counting_sage_kernel({}, fake=True):

@@ -9,7 +9,7 @@ from PIL import Image
 
 import diffusers_omni
 from diffusers_omni import omnify
-from diffusers_omni.attention.backends import sdpa
+from diffusers_omni.attention.backends.sdpa import backend as sdpa
 from diffusers_omni.attention.backends.base import AttentionBackend
 from diffusers_omni.pipelines.chroma import OmniChromaImg2ImgPipeline, OmniChromaInpaintPipeline, OmniChromaPipeline
 from diffusers_omni.testing.tiny_chroma import tiny_chroma_pipeline

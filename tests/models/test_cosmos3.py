@@ -33,7 +33,7 @@ globals().update(standard_tests([CASE]))
 
 
 def test_causal_and_gqa_flags_reach_the_backend_per_role(monkeypatch):
-    from diffusers_omni.attention.backends import sdpa
+    from diffusers_omni.attention.backends.sdpa import backend as sdpa
 
     pipe = omnify(tiny_cosmos3_pipeline(), "TORCH_SDPA")
     calls = []

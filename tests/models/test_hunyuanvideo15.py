@@ -82,7 +82,7 @@ def _transformer_inputs(text_mask: torch.Tensor, glyph_mask: torch.Tensor) -> di
 
 
 def _spy_masks(monkeypatch) -> list:
-    from diffusers_omni.attention.backends import sdpa
+    from diffusers_omni.attention.backends.sdpa import backend as sdpa
 
     seen = []
     real = sdpa.sdpa_bshd

@@ -122,7 +122,7 @@ def test_maskless_backend_on_unmasked_roles_runs(no_mask_backend):
 
 
 def test_prompt_padding_bias_reaches_the_backend(monkeypatch):
-    from diffusers_omni.attention.backends import sdpa
+    from diffusers_omni.attention.backends.sdpa import backend as sdpa
 
     pipe = omnify(tiny_ltx2_pipeline(), "TORCH_SDPA")
     seen = []

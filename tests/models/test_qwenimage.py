@@ -62,7 +62,7 @@ def _run(pipe, call: dict) -> torch.Tensor:
 
 @pytest.fixture
 def seen_masks(monkeypatch):
-    from diffusers_omni.attention.backends import sdpa
+    from diffusers_omni.attention.backends.sdpa import backend as sdpa
 
     seen: list = []
     original = sdpa.sdpa_bshd

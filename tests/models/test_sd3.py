@@ -6,7 +6,7 @@ from PIL import Image
 
 import diffusers_omni
 from diffusers_omni import omnify
-from diffusers_omni.attention.backends import sdpa
+from diffusers_omni.attention.backends.sdpa import backend as sdpa
 from diffusers_omni.attention.backends.base import AttentionBackend
 from diffusers_omni.attention.processors import is_omni_processor
 from diffusers_omni.attention.registry import reset_backend

@@ -57,7 +57,7 @@ def test_img2img_and_inpaint_torch_sdpa_bitwise_equal_to_stock_diffusers():
 @pytest.fixture
 def seen_masks(monkeypatch):
     """(role, mask) of every call that reaches SDPA, the mask as the backend receives it."""
-    from diffusers_omni.attention.backends import sdpa
+    from diffusers_omni.attention.backends.sdpa import backend as sdpa
     from diffusers_omni.attention.processors import RoleAttention
 
     seen: list = []

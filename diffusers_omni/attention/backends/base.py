@@ -179,3 +179,14 @@ class AttentionBackend:
         enable_gqa: bool = False,
     ) -> torch.Tensor:
         raise NotImplementedError
+
+
+def key_padding_mask(attn_mask: torch.Tensor, batch: int, kv_len: int) -> torch.Tensor | None:
+    """``attn_mask`` as a ``[B, Skv]`` boolean key-padding mask, or ``None`` when it is any other kind of mask."""
+    if attn_mask.dtype != torch.bool:
+        return None
+    if attn_mask.ndim == 2 and tuple(attn_mask.shape) == (batch, kv_len):
+        return attn_mask
+    if attn_mask.ndim == 4 and tuple(attn_mask.shape) == (batch, 1, 1, kv_len):
+        return attn_mask[:, 0, 0, :]
+    return None

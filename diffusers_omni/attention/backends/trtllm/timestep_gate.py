@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .model_state import remember_state
+from ...model_state import remember_state
 
 logger = logging.getLogger("diffusers_omni.attention")
 

@@ -23,9 +23,9 @@ import re
 from pathlib import Path
 from typing import ClassVar
 
-from ...utils.versions import installed_version
-from .base import package_importable
-from .flash import FlashAttentionBackend, FlashKernels
+from ....utils.versions import installed_version
+from ..base import package_importable
+from ..flash.backend import FlashAttentionBackend, FlashKernels
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class FlashAttentionHubBackend(FlashAttentionBackend):
     supports_backward = True
 
     def __init__(self, spec=None, platform=None) -> None:
-        from ..platform import current_platform
+        from ...platform import current_platform
 
         platform = platform or current_platform()
         self.revision = _env(f"DIFFUSERS_OMNI_{self.name}_REVISION", ENV_REVISION)
@@ -92,7 +92,7 @@ class FlashAttentionHubBackend(FlashAttentionBackend):
             self.supports_backward = self.fallback.supports_backward
 
     def _use_fallback(self, spec, target: str, why: str) -> None:
-        from ..registry import get_backend_class
+        from ...registry import get_backend_class
 
         _warn_once(self.name, f"{why}; using {target}")
         self.fallback = get_backend_class(target)(spec)
@@ -117,7 +117,7 @@ class FlashAttentionHubBackend(FlashAttentionBackend):
         if package_importable("kernels") or _env(f"DIFFUSERS_OMNI_{cls.name}_LOCAL_PATH", ENV_LOCAL_PATH):
             return []
         # Without `kernels` the call runs on FLASH_ATTN, so FLASH_ATTN has to be usable.
-        from .flash import FlashAttentionBackend as Flash
+        from ..flash.backend import FlashAttentionBackend as Flash
 
         return [f"package 'kernels' is not importable and the FLASH_ATTN fallback cannot run: {r}"
                 for r in Flash.extra_availability_reasons(platform)]

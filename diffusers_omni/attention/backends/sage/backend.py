@@ -37,9 +37,9 @@ from typing import ClassVar
 
 import torch
 
-from ...utils.versions import installed_version
-from .base import AttentionBackend
-from .sdpa import TorchSDPABackend
+from ....utils.versions import installed_version
+from ..base import AttentionBackend
+from ..sdpa.backend import TorchSDPABackend
 
 logger = logging.getLogger("diffusers_omni.attention")
 

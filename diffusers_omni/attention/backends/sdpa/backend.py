@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend
+from ..base import AttentionBackend
 
 logger = logging.getLogger(__name__)
 

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ...utils.versions import parse_version, version_at_least
-from .base import AttentionBackend, package_importable
-from .flashinfer import flashinfer_version
+from ....utils.versions import parse_version, version_at_least
+from ..base import AttentionBackend, package_importable
+from ..flashinfer.backend import flashinfer_version
 
 if TYPE_CHECKING:
-    from ...config.attention import AttentionSpec
-    from ..platform import Platform
+    from ....config.attention import AttentionSpec
+    from ...platform import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +89,11 @@ class TrtllmAttentionBackend(AttentionBackend):
 
     def __init__(self, spec: "AttentionSpec | None" = None) -> None:
         super().__init__(spec)
-        from ..platform import current_platform
+        from ...platform import current_platform
 
         reasons = quant_reasons(spec, current_platform())
         if reasons:
-            from ..selector import BackendNotSupportedError
+            from ...selector import BackendNotSupportedError
 
             raise BackendNotSupportedError("TRTLLM_ATTN cannot run this spec here:\n  - " + "\n  - ".join(reasons))
         self.skip = spec.skip_softmax if spec is not None else None
@@ -127,7 +127,7 @@ class TrtllmAttentionBackend(AttentionBackend):
         bound = copy.copy(self)
         bound.site_name = site.name
         if self.skip.target_sparsity is not None:
-            from ..calibration import CalibrationError, calibration_for_model
+            from .calibration import CalibrationError, calibration_for_model
 
             calibration = calibration_for_model(model)
             if calibration is None:
@@ -139,7 +139,7 @@ class TrtllmAttentionBackend(AttentionBackend):
                 )
             bound.threshold = calibration.threshold(site.name, self.skip.target_sparsity)
         if bound.threshold is not None and self.skip.disabled_until_timestep > 0:
-            from ..timestep_gate import timestep_state
+            from .timestep_gate import timestep_state
 
             # ``site.model_name``: the declaration that found the site (sites made by hand may not say).
             bound.gate = timestep_state(model, getattr(site, "model_name", ""))

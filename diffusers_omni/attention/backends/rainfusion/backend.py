@@ -32,10 +32,10 @@ from typing import ClassVar
 
 import torch
 
-from ..model_state import remember_state
+from ...model_state import remember_state
 
-from ..block_sparse import BLOCK, BlockSparseRunner, SparseLayout, kept_blocks, kept_pages
-from ..rainfusion_plan import (
+from .block_sparse import BLOCK, BlockSparseRunner, SparseLayout, kept_blocks, kept_pages
+from .plan import (
     MIN_VIDEO_BLOCKS,
     RainFusionPlan,
     VideoGeometry,
@@ -43,10 +43,10 @@ from ..rainfusion_plan import (
     plan_geometry,
     video_order,
 )
-from ..platform import current_platform
-from ..routing import sparse_dense_above, sparse_rules
-from .base import AttentionBackend, package_importable
-from .sdpa import TorchSDPABackend
+from ...platform import current_platform
+from ...tables import sparse_dense_above, sparse_rules
+from ..base import AttentionBackend, package_importable
+from ..sdpa.backend import TorchSDPABackend
 
 logger = logging.getLogger("diffusers_omni.attention")
 
@@ -123,8 +123,8 @@ def _import_mindiesd():
 def _dense_delegate() -> AttentionBackend:
     """Dense calls (warm-up steps, skipped layers, cross-attention) run on FLASH_ATTN where it is available on CUDA
     (FlashAttention-3 on Hopper; it hands masks and float32 to SDPA itself), on TORCH_SDPA otherwise."""
-    from ..platform import current_platform
-    from .flash import FlashAttentionBackend
+    from ...platform import current_platform
+    from ..flash.backend import FlashAttentionBackend
 
     platform = current_platform()
     if platform.device_type == "cuda" and not FlashAttentionBackend.availability_reasons(platform):
@@ -149,7 +149,7 @@ class RainFusionBackend(AttentionBackend):
     def __init__(self, spec=None, runner: BlockSparseRunner | None = None) -> None:
         super().__init__(spec)
         block = spec.block_sparse if spec is not None else None
-        from ...config.attention import BlockSparseSpec
+        from ....config.attention import BlockSparseSpec
 
         self.block_sparse = block or BlockSparseSpec()
         self.dense = _dense_delegate()
@@ -159,7 +159,7 @@ class RainFusionBackend(AttentionBackend):
         self.layer: int | None = None
         self._logged: set[str] = set()
         self._layouts: dict[tuple, SparseLayout] = {}
-        from ..platform import current_platform
+        from ...platform import current_platform
 
         # Which kernel path runs: MindIE-SD rf_v2 on Ascend, the FlashInfer block-sparse path elsewhere.
         self.kernel = "rf_v2" if current_platform().device_type == "npu" else "block_sparse"

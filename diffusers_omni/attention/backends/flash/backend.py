@@ -14,7 +14,7 @@ signature.
 FP8 (``AttentionSpec("FLASH_ATTN", quant=AttnQuantSpec(dtype_qk="fp8_e4m3", dtype_vo="fp8_e4m3"))``, an extension
 of the contract; lossy, forward only): FlashAttention-3 (``FA3`` or ``FA3-fwd``) on sm_90 runs Q, K, V in e4m3 with
 one descale per (batch, head), quantised by ``diffusers_omni.attention.fp8_quant`` (two Triton passes, K smoothed).
-Per call shape class the committed routing table (``routing.fp8_choice``) keeps bf16 FA3 where the measured FP8
+Per call shape class the committed routing table (``fp8_rule``: ``tables.fp8_choice``) keeps bf16 FA3 where the measured FP8
 call, quantisation included, was not faster (short sequences, short KV) and for shapes it never measured; masked,
 causal, GQA and dropout calls stay bf16 too. Boolean key-padding masks (``[B, Skv]`` or ``[B, 1, 1, Skv]``) run through unpad + varlen; any other
 mask raises for an explicit selection and goes to ``TORCH_SDPA`` (one warning) for a platform default.
@@ -30,10 +30,12 @@ from typing import Callable, ClassVar
 import torch
 import torch.nn.functional as F
 
-from ...utils.versions import installed_version, version_at_least
-from ..availability import import_failure, package_installed
-from .base import AttentionBackend, package_importable
-from .sdpa import SDPAFallback, sdpa_bshd
+from ....utils.versions import installed_version, version_at_least
+from ...availability import import_failure, package_installed
+from ...platform import current_platform
+from ...tables import fp8_choice, load_table
+from ..base import AttentionBackend, key_padding_mask, package_importable
+from ..sdpa.backend import SDPAFallback, sdpa_bshd
 
 logger = logging.getLogger(__name__)
 
@@ -140,17 +142,6 @@ def usable_implementations(platform) -> list[FlashImplementation]:
     return [impl for impl in IMPLEMENTATIONS if not implementation_reasons(impl) and not _cc_reason(impl, platform)]
 
 
-def key_padding_mask(attn_mask: torch.Tensor, batch: int, kv_len: int) -> torch.Tensor | None:
-    """``attn_mask`` as a ``[B, Skv]`` boolean key-padding mask, or ``None`` when it is any other kind of mask."""
-    if attn_mask.dtype != torch.bool:
-        return None
-    if attn_mask.ndim == 2 and tuple(attn_mask.shape) == (batch, kv_len):
-        return attn_mask
-    if attn_mask.ndim == 4 and tuple(attn_mask.shape) == (batch, 1, 1, kv_len):
-        return attn_mask[:, 0, 0, :]
-    return None
-
-
 def unpad_input(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Drop masked-out tokens. ``x`` is ``[B, S, H, D]``, ``mask`` ``[B, S]`` boolean (True keeps).
 
@@ -204,15 +195,11 @@ def _first(out):
 
 FP8_IMPLEMENTATIONS = ("FA3", "FA3-fwd")  # FlashAttention-3's forward takes float8_e4m3fn with q/k/v descales
 
-# ``(family, q_len, kv_len, head_dim) -> bool``: whether an unmasked call runs FP8. ``attention.routing`` (which
-# imports this module, so this module cannot import it) installs its committed-table lookup here when it is imported.
-_fp8_rules: Callable[[str, int, int, int], bool] | None = None
-
-
-def use_fp8_rules(lookup: Callable[[str, int, int, int], bool]) -> None:
-    """Install the FP8 shape rules (``attention.routing`` does, from ``routing_table.json``)."""
-    global _fp8_rules
-    _fp8_rules = lookup
+def fp8_rule(family: str, q_len: int, kv_len: int, head_dim: int) -> bool:
+    """Whether an unmasked call of this shape runs FP8 on ``family``: the committed routing table's ``fp8`` rule
+    (``tables.fp8_choice``; classes it does not cover stay bf16). The flash family owns this rule: nothing has to
+    be imported or installed elsewhere for it to apply."""
+    return fp8_choice(load_table(), family, q_len, kv_len, head_dim, False)
 
 
 def load_kernels(impl: FlashImplementation) -> FlashKernels:
@@ -239,8 +226,6 @@ class FlashAttentionBackend(SDPAFallback, AttentionBackend):
         super().__init__(spec)
         self._impl = None
         if kernels is None:
-            from ..platform import current_platform
-
             impl, _ = select_implementation(current_platform())
             self._impl = impl
             self.supports_backward = impl.supports_backward if impl else True
@@ -266,35 +251,28 @@ class FlashAttentionBackend(SDPAFallback, AttentionBackend):
                 f"{self.name} quant dtype_qk='fp8_e4m3' needs FlashAttention-3 on sm_90 ({' or '.join(FP8_IMPLEMENTATIONS)}"
                 f": pip install fa3-fwd); found {label or 'no FlashAttention implementation'}"
             )
-        from ..fp8_quant import triton_available
+        from .fp8_quant import triton_available
 
         if not triton_available():
             raise ValueError(f"{self.name} quant dtype_qk='fp8_e4m3' needs Triton for its quantisation kernels "
                              "(pip install triton); it is not importable")
 
     def fp8_route(self, q_len: int, kv_len: int, head_dim: int) -> bool:
-        """Whether an unmasked call of this shape runs in FP8 (the committed routing table's rule; cached per shape).
-        Without rules (the routing module never imported) every shape runs bf16, with one warning."""
+        """Whether an unmasked call of this shape runs in FP8 (``fp8_rule``, the committed routing table's rule, or
+        the ``fp8_rule`` given to the constructor; cached per shape)."""
         signature = (q_len, kv_len, head_dim)
         chosen = self._fp8_routes.get(signature)
         if chosen is None:
             if self._fp8_rule is not None:
                 chosen = self._fp8_rule(q_len, kv_len, head_dim)
-            elif _fp8_rules is not None:
-                from ..platform import current_platform
-
-                chosen = _fp8_rules(current_platform().family, q_len, kv_len, head_dim)
             else:
-                chosen = False
-                if not self._fp8_routes:  # once per backend: the first shape it sees
-                    logger.warning("%s FP8: no shape rules are loaded (import diffusers_omni.attention.routing); "
-                                   "every call runs bf16", self.name)
+                chosen = fp8_rule(current_platform().family, q_len, kv_len, head_dim)
             if not torch.compiler.is_compiling():
                 self._fp8_routes[signature] = chosen
         return chosen
 
     def _run_fp8(self, query, key, value, scale):
-        from ..fp8_quant import fp8_attention
+        from .fp8_quant import fp8_attention
 
         return fp8_attention(self.kernels.func, query, key, value, scale)
 

@@ -20,14 +20,13 @@ from typing import Callable, ClassVar
 
 import torch
 
-from ...utils.versions import installed_version, version_at_least
-from .base import AttentionBackend
-from .flash import key_padding_mask
-from .sdpa import SDPAFallback
+from ....utils.versions import installed_version, version_at_least
+from ..base import AttentionBackend, key_padding_mask
+from ..sdpa.backend import SDPAFallback
 
 logger = logging.getLogger(__name__)
 
-# The oldest release this backend was run with (H200, benchmarks/results/attention_h200.json): 0.6.4.
+# The oldest release this backend was run with (H200, benchmarks/results/attention/latest.json): 0.6.4.
 FLASHINFER_MIN_VERSION = "0.6.4"
 # Prefill with Q/K in 16 bit and V in fp8 (QK16/V8), per the vLLM-Omni contract; not verified against a release here.
 FLASHINFER_DISTRIBUTIONS = ("flashinfer-python", "flashinfer")
