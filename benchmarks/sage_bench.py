@@ -5,7 +5,7 @@ Written for and run on an NVIDIA H200 (``benchmarks/results/sage/latest.{json,md
 1. Every shape of ``attention_bench.SHAPES`` (unmasked; SageAttention takes no mask): TFLOP/s (4·B·H·Sq·Skv·D / time)
    and relative error against the fp32 reference, for ``sageattention.sageattn`` and SDPA.
 2. KV-length sweep at SDXL's cross-attention shape (B=2, H=10, Sq=4096, D=64): measured relative error next to the
-   error predicted by the padded-K-block explanation in ``diffusers_omni/attention/backends/sage.py`` (zero K rows
+   error predicted by the padded-K-block explanation in ``diffusers_omni/attention/backends/sage/backend.py`` (zero K rows
    padding the last 64-row block count in the softmax normaliser but not in P·V). If the two track each other at
    77, 100, 141, … and vanish at multiples of 64, the explanation holds.
 3. Tiny FLUX.1 and Wan pipelines (bf16) through omni attention: latents with SAGE_ATTN as the default (short-KV
@@ -167,7 +167,8 @@ def tiny_head_dim_64_pipelines(seed: int = 0) -> dict:
 def _counting_sage_kernel(counts: dict, fake: bool):
     """Count ``sageattn`` calls by KV length at omni's kernel boundary. ``fake=True`` puts a FAKE exact kernel
     (SDPA, not SageAttention) there and reports sageattention 1.0.6 as installed (CPU dry run only)."""
-    from diffusers_omni.attention.backends import base, sage
+    from diffusers_omni.attention.backends import base
+    from diffusers_omni.attention.backends.sage import backend as sage
 
     saved = sage._import_sageattention, sage.installed_version, base.package_importable
     real = None if fake else saved[0]()

@@ -92,7 +92,8 @@ def plan_attention(
     ``per_role`` key names no role or category of the model.
     """
     declaration = _declaration(model)
-    plan = AttentionPlan.build(config, platform)
+    given = isinstance(config, AttentionPlan) and platform in (None, config.platform)
+    plan = config if given else AttentionPlan.build(config, platform)
     platform = plan.platform
     device_type = _call_device_type(model, platform)
     dtype = model_dtype(model)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..attention.registry import check_config
 from ..config.attention import AttentionConfig
 from ..installer import applied_attention_config, apply_attention, remove_attention
 from ..models.base import blocks_attrs_for
@@ -66,7 +67,8 @@ class AlignmentSide:
         if isinstance(attention, str) and attention.strip().lower() in (STOCK, "diffusers"):
             object.__setattr__(self, "attention", STOCK)
         elif attention is not None:
-            object.__setattr__(self, "attention", AttentionConfig.parse(attention))
+            # Checked against the kernel families now (names, aliases, options), so a bad side fails here.
+            object.__setattr__(self, "attention", check_config(AttentionConfig.parse(attention)))
 
     @classmethod
     def parse(cls, value: Any) -> "AlignmentSide":

@@ -87,7 +87,10 @@ def deterministic_requested(config: "AttentionConfig | AttentionPlan | None") ->
     """
     if isinstance(config, AttentionPlan):
         return config.deterministic, config.deterministic_source
-    config = AttentionConfig.parse(config)
+    return _deterministic(AttentionConfig.parse(config))
+
+
+def _deterministic(config: AttentionConfig) -> tuple[bool, str]:
     if config.deterministic is not None:
         return config.deterministic, "config"
     raw = os.environ.get(ENV_DETERMINISTIC, "").strip().lower()
@@ -148,7 +151,7 @@ class AttentionPlan:
         if isinstance(config, AttentionPlan):
             return config if platform is None or platform == config.platform else replace(config, platform=platform)
         checked = check_config(AttentionConfig.parse(config))
-        deterministic, deterministic_source = deterministic_requested(checked)
+        deterministic, deterministic_source = _deterministic(checked)
         environment, environment_source = environment_backend() if checked.default is None else (None, "")
         return cls(
             config=checked,

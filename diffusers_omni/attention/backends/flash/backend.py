@@ -13,7 +13,7 @@ signature.
 
 FP8 (``AttentionSpec("FLASH_ATTN", quant=AttnQuantSpec(dtype_qk="fp8_e4m3", dtype_vo="fp8_e4m3"))``, an extension
 of the contract; lossy, forward only): FlashAttention-3 (``FA3`` or ``FA3-fwd``) on sm_90 runs Q, K, V in e4m3 with
-one descale per (batch, head), quantised by ``diffusers_omni.attention.fp8_quant`` (two Triton passes, K smoothed).
+one descale per (batch, head), quantised by ``diffusers_omni.attention.backends.flash.fp8_quant`` (two Triton passes, K smoothed).
 Per call shape class the committed routing table (``fp8_rule``: ``tables.fp8_choice``) keeps bf16 FA3 where the measured FP8
 call, quantisation included, was not faster (short sequences, short KV) and for shapes it never measured; masked,
 causal, GQA and dropout calls stay bf16 too. Boolean key-padding masks (``[B, Skv]`` or ``[B, 1, 1, Skv]``) run through unpad + varlen; any other

@@ -7,7 +7,7 @@ declaration has a ``video_geometry`` publish it on every forward). Warm-up steps
 the dense ``TORCH_SDPA`` backend, so a model can select RainFusion unconditionally. Incompatible with ring sequence
 parallelism (blocks are ranked over the whole key sequence): ``check_sequence_parallel(ring_degree)`` refuses it.
 
-On CUDA (``diffusers_omni.attention.block_sparse``) each (batch, head) keeps, per 128-row query block, the
+On CUDA (``diffusers_omni.attention.backends.rainfusion.block_sparse``) each (batch, head) keeps, per 128-row query block, the
 ``round((1 - sparsity) · blocks)`` key blocks with the best pooled score ``mean(q_block) · mean(k_block)``; with a
 published geometry the prefix (text) rows attend densely and the prefix and first-frame key blocks are always kept;
 without one (geometry-free) the same data-dependent selection runs on the natural row order. With
@@ -333,7 +333,7 @@ class RainFusionBackend(AttentionBackend):
             implementation = "mindiesd rf_v2 (unverified entry point)"
         else:
             selection = "cumulative-mass" if self.block_sparse.mass_threshold is not None else "top-k"
-            implementation = (f"diffusers_omni.attention.block_sparse: pooled {selection} block selection + "
+            implementation = (f"diffusers_omni.attention.backends.rainfusion.block_sparse: pooled {selection} block selection + "
                               "flashinfer.BatchPrefillWithPagedKVCacheWrapper(backend='fa3')")
         return {**super().describe(), "implementation": implementation, "lossy": True,
                 "sparsity": self.block_sparse.sparsity, "mass_threshold": self.block_sparse.mass_threshold,

@@ -4,7 +4,7 @@ Dense bf16, ``head_dim == 128``, no attention mask (the call is packed as ragged
 cumulative sequence lengths instead), GQA native, forward only. Two options on top of dense:
 
 - Skip-Softmax (``SkipSoftmaxSpec``): a KV tile whose contribution falls below λ is skipped. ``threshold`` is λ;
-  ``target_sparsity`` reads λ off the model's calibration (``diffusers_omni.attention.calibration``). The kernel
+  ``target_sparsity`` reads λ off the model's calibration (``diffusers_omni.attention.backends.trtllm.calibration``). The kernel
   takes ``skip_softmax_threshold_scale_factor = λ × kv_len`` (it divides by the KV length itself). Layers the
   calibration ignores stay dense; ``disabled_until_timestep`` keeps steps dense until the normalised timestep
   ``t <= D``.
@@ -134,7 +134,7 @@ class TrtllmAttentionBackend(AttentionBackend):
                 raise CalibrationError(
                     f"skip_softmax.target_sparsity={self.skip.target_sparsity} needs a calibration for "
                     f"{type(model).__name__}, and none was found (no 'sparse_attention_config' in its config.json, "
-                    "nor one given with diffusers_omni.attention.calibration.attach_calibration); set "
+                    "nor one given with diffusers_omni.attention.backends.trtllm.calibration.attach_calibration); set "
                     "skip_softmax.threshold instead, or calibrate the model with NVIDIA ModelOpt"
                 )
             bound.threshold = calibration.threshold(site.name, self.skip.target_sparsity)
