@@ -6,6 +6,10 @@ Order for an attention call with ``role`` and ``category``: ``per_role[role]`` â
 validated and raises ``BackendNotSupportedError`` with every reason when it cannot run the call; the platform
 default walks its routing table and takes the first candidate that can. Each result carries the trace that
 ``diffusers-omni explain`` prints.
+
+Roles resolve from an ``AttentionPlan`` (``attention/plan.py``): the config parsed and checked once per enable call,
+with the environment and deterministic mode read then. ``resolve`` accepts a plan, or anything
+``AttentionConfig.parse`` accepts and builds the plan itself.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ Q, K and V; ``backend.fp8_rule`` decides per call shape from the committed routi
 
 from __future__ import annotations
 
-from ..family import Alias, BackendFamily, Route, backend_module_getattr, choice
-
 import importlib
+
+from ..family import Alias, BackendFamily, Route, backend_module_getattr, choice
 
 _FA = "FLASH_ATTN runs the best installed FlashAttention (FA4, FA3, FA3 forward-only, FA2); key-padding masks go through varlen"
 # FLASH_ATTN FP8 (an extension of the contract, Hopper FA3): Q, K and V all in e4m3, one scale per (batch, head).
