@@ -47,8 +47,8 @@ def run(args) -> int:
     dims, dtypes = _parse(args)
     if not torch.cuda.is_available():
         raise ValueError("warmup compiles CUDA kernels; no CUDA device is available here")
-    from ..attention.block_sparse import BlockSparseRunner, SparseLayout
-    from ..attention.fp8_quant import quantize_qkv
+    from ..attention.backends.rainfusion.block_sparse import BlockSparseRunner, SparseLayout
+    from ..attention.backends.flash.fp8_quant import quantize_qkv
 
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
