@@ -1192,14 +1192,16 @@ def diffusers_pipeline_tests() -> str:
     rows = []
     for mode, run in runs.items():
         counts = run["counts"]
-        rows.append([_DPT_LABELS[mode], ", ".join(run["families"]), counts.get("passed", 0),
+        rows.append([_DPT_LABELS[mode], f"`{run.get('commit', data['commit'])[:10]}`, "
+                     f"{run.get('date', data['date'])[:10]}", counts.get("passed", 0),
                      counts.get("failed", 0) + counts.get("error", 0), counts.get("skipped", 0),
                      "–" if mode == "stock" else len(run["beyond_stock"])])
+    families = ", ".join(dict.fromkeys(f for run in runs.values() for f in run["families"]))
     text = (f"Diffusers' tests from `{data['diffusers_tests_ref']}`, run against the installed diffusers "
-            f"{data['diffusers']} (torch {data['torch']}, {data['device']}), commit `{data['commit'][:10]}`, "
-            f"{data['date'][:10]} (`python -m benchmarks.diffusers_pipeline_tests`, "
-            f"`benchmarks/results/{cite('diffusers-pipeline-tests', '.json')}`).\n\n")
-    text += table(["Run", "Families", "Passed", "Failed", "Skipped", "Failed beyond stock"], rows)
+            f"{data['diffusers']} (torch {data['torch']}, {data['device']}) for the families {families} "
+            f"(`python -m benchmarks.diffusers_pipeline_tests`, "
+            f"`benchmarks/results/{cite('diffusers-pipeline-tests', '.json')}`; each run at the commit it names).\n\n")
+    text += table(["Run", "Commit, date", "Passed", "Failed", "Skipped", "Failed beyond stock"], rows)
     folders = sorted({nodeid.split("::")[0].split("/")[2] for run in runs.values() for nodeid in run["outcomes"]})
     per_folder = []
     for folder in folders:
