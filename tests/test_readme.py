@@ -1,10 +1,23 @@
+import shlex
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _ci_command() -> str:
+    lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    assert len(lines) == 1
+    return lines[0]
+
+
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
-    ci_lines = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
-    assert len(ci_lines) == 1
-    assert ci_lines[0] in readme
+    assert _ci_command() in readme
+
+
+def test_the_command_runs_every_test():
+    # Every tier (tests/conftest.py): no marker or keyword selection, no path, nothing ignored or deselected.
+    *_, pytest_command = _ci_command().split("&&")
+    words = shlex.split(pytest_command)
+    assert words[:3] == ["python", "-m", "pytest"]
+    assert not [w for w in words[3:] if w.startswith(("-m", "-k", "--ignore", "--deselect", "-p", "tests")) or "::" in w], words
