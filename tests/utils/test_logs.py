@@ -8,9 +8,9 @@ import sys
 import pytest
 from diffusers.utils import logging as diffusers_logging
 
-from diffusers_omni.config.attention import normalize_backend_name
+from diffusers_omni.attention.registry import canonical_backend_name as normalize_backend_name
 
-ALIAS_INFO = "backend='native' is Diffusers' name for TORCH_SDPA"  # an INFO line of ours (config.attention)
+ALIAS_INFO = "backend='native' is Diffusers' name for TORCH_SDPA"  # an INFO line of ours (attention.registry)
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ _SCRIPT = """
 import logging, sys
 import diffusers_omni
 from diffusers.utils import logging as diffusers_logging
-from diffusers_omni.config.attention import normalize_backend_name
+from diffusers_omni.attention.registry import canonical_backend_name as normalize_backend_name
 diffusers_logging.set_verbosity_info()
 normalize_backend_name("native")
 diffusers_logging.set_verbosity_error()
