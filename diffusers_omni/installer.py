@@ -224,7 +224,8 @@ def apply_attention_all(models, config: Any = None, *, seen_roles=(), check_role
 
     def steps() -> dict[int, list[dict]]:
         # Stage every model (backends, bind_site, make_processor) before installing on any.
-        staged = [(model, _stage(model, declaration, sites, journal)) for model, declaration, sites in planned]
+        staged = [(model, _stage(model, declaration, sites, journal, plan.platform))
+                  for model, declaration, sites in planned]
         return {id(model): _commit(model, plan.config, processors, journal) for model, processors in staged}
 
     reports = _transaction(journal, steps)
@@ -257,9 +258,10 @@ def _warn_lossy(entries: list[dict]) -> None:
         )
 
 
-def _stage(model: nn.Module, declaration, plan, journal: _Journal) -> dict[str, tuple]:
-    """Build the processors of ``model`` without installing them. ``bind_site`` may attach state to the model
-    (attributes, forward pre-hooks): the model and each site module are journaled before it runs."""
+def _stage(model: nn.Module, declaration, plan, journal: _Journal, platform: Platform) -> dict[str, tuple]:
+    """Build the processors of ``model`` without installing them, for ``platform`` (the plan's: shape routes pick
+    among its family's kernels). ``bind_site`` may attach state to the model (attributes, forward pre-hooks): the
+    model and each site module are journaled before it runs."""
     journal.record(model)
     backends: dict[tuple, AttentionBackend] = {}
     mask_policy = MaskPolicy()
@@ -272,7 +274,7 @@ def _stage(model: nn.Module, declaration, plan, journal: _Journal) -> dict[str, 
             if resolution.shape_routed:
                 names = (resolution.backend, *resolution.shape_routed)
                 backend = ShapeRouter(
-                    current_platform().family,
+                    platform.family,
                     {n: _instance(backends, n, resolution.spec, resolution.call.deterministic) for n in names},
                 )
             # Optional enable-time hook: a backend may specialise itself per site and role (calibration, layer
