@@ -151,20 +151,6 @@ def head_dim_of(module: nn.Module) -> int:
     return int(head_dim)
 
 
-def processor_factory(omni_cls: type, *accepted: type) -> Callable[[AttentionSite, Any, dict[str, RoleAttention]], Any]:
-    """``make_processor`` for architectures whose omni processor replaces one or more Diffusers processor classes
-    one to one: re-applying unwraps a previous omni processor, anything else raises naming the module."""
-
-    def make(site: AttentionSite, original: Any, attend: dict[str, RoleAttention]) -> OmniAttnProcessor:
-        if isinstance(original, OmniAttnProcessor):
-            original = original.original
-        if not isinstance(original, accepted):
-            raise unsupported_processor_error(site, original, accepted)
-        return omni_cls(original, attend)
-
-    return make
-
-
 def routed_processors(
     *accepted: type, mask_source: str | None = None
 ) -> Callable[[AttentionSite, Any, dict[str, RoleAttention]], Any]:
