@@ -1084,6 +1084,26 @@ def offload_lifecycle() -> str:
               f"{_verdict(report['all_checks_pass'])}. Run: `{cite('offload-lifecycle')}`.\n")
 
 
+def offload_concurrency() -> str:
+    """``benchmarks/offload_concurrency_check.py`` on the H200: concurrent callers of one offloaded transformer."""
+    report = result("offload-concurrency")
+    args = report["args"]
+    rows = []
+    for entry in report["results"]:
+        runs = entry["rows"]
+        rows.append([entry["name"], f"{sum(1 for r in runs if not r['error_count'] and r['bitwise_equal'] == r['outputs'])}"
+                     f"/{len(runs)}", f"{sum(r['bitwise_equal'] for r in runs)}/{sum(r['outputs'] for r in runs)}",
+                     str(sum(r["error_count"] for r in runs)),
+                     f"{sum(r['seconds'] for r in runs) / len(runs):.2f}", _verdict(entry["pass"])])
+    env = report["environment"]
+    return (table(["Configuration", "Rounds passed", "Outputs bitwise equal to the resident run alone", "Errors",
+                   "Mean round (s)", "Pass"], rows)
+            + f"\n{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}; FLUX.1-size bf16 transformer "
+              f"({gib(report['model_bytes'])}), {args['threads']} threads × {args['calls']} calls per round, "
+              f"{args['image_tokens']} image + {args['text_tokens']} text tokens, a different input per thread. "
+              f"Run: `{cite('offload-concurrency')}`.\n")
+
+
 def quality_h200() -> str:
     """``benchmarks/quality_bench.py``'s tables (``docs/user_guide/quality.md``); a pointer until it has run."""
     from benchmarks.quality_bench import to_markdown  # imports torch and the package: only when rendering this table
@@ -1267,6 +1287,7 @@ RENDERERS = {
     "quant-offload-budget": quant_offload_budget,
     "peak-diff": peak_diff,
     "offload-lifecycle": offload_lifecycle,
+    "offload-concurrency": offload_concurrency,
     "quality-h200": quality_h200,
     "diffusers-pipeline-tests": diffusers_pipeline_tests,
 }

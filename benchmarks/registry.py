@@ -131,7 +131,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("offload-lifecycle", "offload_lifecycle_bench", "enable/drop cycles and 100 steps: nothing leaks", "gpu",
              (OFFLOAD,)),
     Scenario("offload-concurrency", "offload_concurrency_check", "offloaded forwards from several threads", "gpu",
-             ()),
+             (OFFLOAD,)),
     Scenario("offload-timeline", "offload_timeline", "where an offloaded quantized step loses time (GPU timeline)",
              "gpu", (), args=("--time-budget", "300"), smoke=None),
     Scenario("quant-offload-flux", "quant_offload_bench", "FLUX.1-dev size, five quantized formats, per-block times",
