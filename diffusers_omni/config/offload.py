@@ -73,11 +73,15 @@ class LayerwiseOffloadConfig(OffloadConfig):
     one runs. Takes the shared fields (see ``OffloadConfig``) and:
 
     Args:
-        max_device_memory (`int | str`, *optional*): bytes of DiT weights allowed on the device (non-block weights,
-            resident blocks and streaming slots; encoders, VAE and activations are not counted), e.g. ``"12GiB"``.
-            Blocks beyond the budget stream; ``None`` streams every block.
+        max_device_memory (`int | str`, *optional*): bytes of weights allowed on the device at once, every
+            component counted: the DiTs' non-block weights and resident blocks, the streaming slots, and the largest
+            weights one phase brings in (an encoder's non-block weights, or the VAE); activations are not counted.
+            E.g. ``"12GiB"``. DiT blocks that fit stay resident; ``None`` streams every block.
         prefetch_depth (`int`, defaults to `1`): blocks copied ahead of the running one; each costs one device slot
             the size of the largest streamed block.
+        dits_only (`bool`, defaults to `False`): stream the DiTs' blocks only and keep the text/image encoders and
+            VAEs on the device, as before every component was managed. By default encoders stream block by block
+            too and the VAE is on the device only for its phase.
 
     Example:
     ```py
@@ -88,14 +92,18 @@ class LayerwiseOffloadConfig(OffloadConfig):
     strategy: ClassVar[str] = OffloadStrategy.LAYERWISE
 
     max_device_memory: int | str | None = offload_option(
-        None, kind="bytes", help="DiT weight bytes allowed on the device, e.g. 12GiB (blocks that fit stay)")
+        None, kind="bytes", help="weight bytes allowed on the device, every component counted, e.g. 12GiB (DiT "
+        "blocks that fit stay)")
     prefetch_depth: int = _prefetch_depth()
+    dits_only: bool = offload_option(
+        False, help="stream the DiTs only; text/image encoders and VAEs stay on the device")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_device_memory is not None:
             object.__setattr__(self, "max_device_memory", parse_bytes(self.max_device_memory, "max_device_memory"))
         check_count(self.prefetch_depth, "prefetch_depth", 1)
+        check_bool(self.dits_only, "dits_only")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -165,9 +165,15 @@ class OffloadBackend(ABC):
         members = [(label, module, True) for label, module in managed] + [(l, m, False) for l, m in placed]
         for label, module, holds_weights in members:
             owner = f"pipe.{label}" if pipeline else "model" if module is target else label
-            installer.guard_module(label, module, owner, managed=holds_weights)
+            installer.guard_module(label, module, owner, managed=holds_weights, on_use=self._on_use(state, module))
         self._members = members
         install_group_offloading_check()
+
+    def _on_use(self, state: Any, module: torch.nn.Module) -> Callable[[], None] | None:
+        """What must run before a method of component ``module`` other than ``forward`` computes (Diffusers calls
+        ``_hf_hook.pre_forward`` first in the methods it decorates with ``apply_forward_hook``: a VAE's ``encode``
+        and ``decode``); ``None``: nothing."""
+        return None
 
     def _guard_installer(self, state: Any, guards: Guards) -> GuardInstaller:
         pipeline = not isinstance(state.target, torch.nn.Module)

@@ -11,9 +11,10 @@ import torch.nn as nn
 
 from ..config.offload import OffloadPlan
 from ..models.base import blocks_attrs_for
+from ..models.encoders import encoder_blocks_attrs
 from ..utils.modules import get_submodule_path
 from .hooks import DIFFUSERS_OFFLOAD_HOOKS, OMNI_OFFLOAD_HOOKS, ExecutionDeviceHint, hook_names
-from .tensors import UnsupportedTensorError
+from .tensors import UnsupportedTensorError, tensor_nbytes
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -259,6 +260,50 @@ def resolve_stacks(target: Any, topology: Topology, plan: OffloadPlan | None) ->
         stacks.append(Stack(path, module, tuple(_children_as_blocks(path, module))))
     _check_stacks(stacks)
     return stacks
+
+
+# A scanned block list must hold at least this share of its component's weight bytes (smaller lists, e.g. a
+# vision tower's two patch-merger layers, are not worth a prefetch ring of their own).
+_SCAN_MIN_SHARE = 0.05
+
+
+def scan_block_lists(module: nn.Module) -> tuple[str, ...]:
+    """Dotted paths of the outermost ``nn.ModuleList``s under ``module`` whose children are two or more modules of
+    one class that hold weights (a transformer's layers), in registration order, each holding at least
+    ``_SCAN_MIN_SHARE`` of the module's weight bytes. For encoders nobody declared."""
+    total = sum(tensor_nbytes(t) for _, t in named_tensors(module)) or 1
+    found: list[str] = []
+    taken: list[str] = []
+    for name, child in module.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in taken):
+            continue
+        if not isinstance(child, nn.ModuleList) or len(child) < 2 or len({type(c) for c in child}) != 1:
+            continue
+        nbytes = sum(tensor_nbytes(t) for _, t in named_tensors(child))
+        if nbytes and nbytes >= _SCAN_MIN_SHARE * total:
+            found.append(name)
+            taken.append(name)
+    return tuple(found)
+
+
+def encoder_stack(component: Component) -> tuple[Stack | None, str]:
+    """The blocks of encoder ``component`` as one stack (every block list, in forward order; the encoder's own
+    forward enters it), and where the lists came from (``"model"``, ``"declared"``, ``"scanned"``); ``(None, "")``
+    when it has none (it is then swapped whole for its phase)."""
+    attrs, source = encoder_blocks_attrs(component.module)
+    if not attrs:
+        attrs, source = scan_block_lists(component.module), "scanned"
+    blocks: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    for attr in attrs:
+        container = _resolve(component.module, attr, "block container")
+        if container is None or id(container) in seen:  # a property aliasing another spelling
+            continue
+        seen.add(id(container))
+        blocks.extend(_children_as_blocks(_join(component.path, attr), container))
+    if not blocks:
+        return None, ""
+    return Stack(component.label, component.module, tuple(blocks)), source
 
 
 def _children_as_blocks(path: str, container: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -265,6 +265,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
     # The DiT's output layers stay resident here (the AllGather ring installs its own hooks, and no last block
     # of it ends with the DiT's forward).
     fold_tail = False
+    manages_components = False  # encoders and VAEs stay on each rank's device
     # Every rank runs the local stages between two agreements (``_agree``): discover ends with one, the local
     # stages with ``agree_local`` (before prime, whose AllGather is a collective), prime with ``agree_primed``. A
     # rank that fails in between joins the next agreement with its error (``enable``), so every rank rolls back.

@@ -190,6 +190,21 @@ class OffloadSlotHint(ExecutionDeviceHint):
         )
 
 
+class PhaseSlotHint(OffloadSlotHint):
+    """``OffloadSlotHint`` of a component the offload brings onto the device for its phase (a VAE): Diffusers'
+    ``apply_forward_hook`` (on a VAE's ``encode``, ``decode`` and their tiled variants) calls ``pre_forward`` before
+    the method runs, which brings the weights in (``on_use``) wherever the method reads them first."""
+
+    def __init__(self, execution_device: Any, label: str, strategy: str, way_out: str,
+                 on_use: Callable[[], None]) -> None:
+        super().__init__(execution_device, label, strategy, way_out)
+        self.on_use = on_use
+
+    def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self.on_use()
+        return args, kwargs
+
+
 def install_group_offloading_check() -> bool:
     """Teach Diffusers' ``apply_group_offloading`` about omni offload: its check for other offloaders
     (``_raise_error_if_accelerate_model_or_sequential_hook_present``, called before it changes anything, looked up
@@ -375,15 +390,18 @@ class GuardInstaller:
 
     # Components -------------------------------------------------------------------------------------------
 
-    def guard_module(self, label: str, module: nn.Module, owner: str, managed: bool = True) -> None:
+    def guard_module(self, label: str, module: nn.Module, owner: str, managed: bool = True,
+                     on_use: Callable[[], None] | None = None) -> None:
         """Guard component ``module`` (called ``label`` in messages, reached as ``owner`` in user code, e.g.
-        ``pipe.transformer``). ``managed``: the offload holds copies of its weights (else it only placed it)."""
+        ``pipe.transformer``). ``managed``: the offload holds copies of its weights (else it only placed it).
+        ``on_use``: called before the component's ``apply_forward_hook`` methods run (see ``PhaseSlotHint``)."""
         if managed:
             self._guard_methods(module, owner)
         else:
             self._guard_foreign_offloaders(module, owner)
         self.guards.set(module, "_apply", self._module_apply(label, module, owner, managed))
-        self.guards.set(module, "_hf_hook", OffloadSlotHint(self.device, label, self.strategy, self.way_out))
+        hint = OffloadSlotHint if on_use is None else functools.partial(PhaseSlotHint, on_use=on_use)
+        self.guards.set(module, "_hf_hook", hint(self.device, label, self.strategy, self.way_out))
         self.guards.set(module, MEMBERSHIP_ATTR, Membership(self.backend, label, managed, self))
 
     def _module_apply(self, label: str, module: nn.Module, owner: str, managed: bool) -> Callable:

@@ -32,15 +32,20 @@ from ..utils.progress import byte_progress
 from .base import Journal, OffloadBackend
 from .discovery import (
     DIT,
+    ENCODER,
+    VAE,
+    Component,
     Stack,
     Topology,
     check_no_foreign_offload,
     check_no_self_rewriting_weights,
     check_topology,
     discover_components,
+    encoder_stack,
     named_tensors,
     resolve_stacks,
 )
+from .discovery import _check_stacks as check_stacks
 from .hooks import (
     EAGER_ONLY,
     LAYERWISE_BLOCK_HOOK,
@@ -69,11 +74,14 @@ def spread_positions(count: int, total: int) -> list[int]:
 
 
 def plan_residency(
-    block_bytes: list[int], forced: list[bool], fixed_bytes: int, budget: int | None, slot_count: int
+    block_bytes: list[int], forced: list[bool], fixed_bytes: int, budget: int | None, slot_count: int,
+    never: list[bool] | None = None, labels: list[str] | None = None, fixed_detail: str = "",
 ) -> list[bool]:
     """Which blocks stay on the device.
 
-    ``forced`` blocks are always resident. Without a budget the rest stream. With one, everything is resident if
+    ``forced`` blocks are always resident; ``never`` blocks (an encoder's, run once per call where a DiT's run every
+    step) stay resident only when everything fits, and otherwise stream, sizing the window like any other streamed
+    block. Without a budget the rest stream. With one, everything is resident if
     it fits; otherwise ``slot_count`` slots for the largest candidate (the streaming window) are reserved and the
     rest of the budget keeps blocks resident: size class by size class, the largest first (``_residency_order``),
     each class as an evenly spread set, and no run of consecutive resident blocks longer than the window (or than
@@ -81,21 +89,28 @@ def plan_residency(
     resident ones compute.
     """
     resident = list(forced)
-    candidates = [i for i, f in enumerate(forced) if not f]
-    if budget is None or not candidates:
+    never = never or [False] * len(block_bytes)
+    streamable = [i for i, f in enumerate(forced) if not f]
+    candidates = [i for i in streamable if not never[i]]
+    if budget is None or not streamable:
         return resident
     forced_bytes = sum(b for b, f in zip(block_bytes, forced) if f)
-    if fixed_bytes + forced_bytes + sum(block_bytes[i] for i in candidates) <= budget:
+    if fixed_bytes + forced_bytes + sum(block_bytes[i] for i in streamable) <= budget:
         return [True] * len(block_bytes)
-    window = slot_count * max(block_bytes[i] for i in candidates)
+    window = slot_count * max(block_bytes[i] for i in streamable)
     available = budget - fixed_bytes - forced_bytes - window
     if available < 0:
         needed = fixed_bytes + forced_bytes + window
+        largest = max(streamable, key=lambda i: block_bytes[i])
+        block = f" (the largest streamed block, {labels[largest]!r})" if labels else ""
         raise ValueError(
             f"max_device_memory={budget} ({format_bytes(budget)}) is too small; allowed: at least "
-            f"{needed} ({format_bytes(needed)}) = non-block weights {format_bytes(fixed_bytes)} + resident blocks "
-            f"{format_bytes(forced_bytes)} + {slot_count} streaming slots of {format_bytes(window // slot_count)}"
+            f"{needed} ({format_bytes(needed)}) = non-block weights {format_bytes(fixed_bytes)}{fixed_detail} + "
+            f"resident blocks {format_bytes(forced_bytes)} + {slot_count} streaming slots of "
+            f"{format_bytes(window // slot_count)}{block}"
         )
+    if not candidates:
+        return resident
     # The longest resident run allowed: the window, or as long as an evenly spread set filling the same budget
     # would have (a budget near the model's size keeps long runs either way; its few streamed blocks copy in time).
     spread, _ = _spread_fill(block_bytes, resident, candidates, available)
@@ -223,6 +238,38 @@ class _StreamedBlock:
             storage.resize_(0)
 
 
+class _PhaseUnit:
+    """Weights of one component that are on the device only for its phase: an encoder's weights outside its blocks
+    (embeddings, final norm, LM head) while the encoder runs, or a whole VAE (or an encoder without blocks) from its
+    first use until another phase starts or the pipeline call ends. Onloading copies the packed host copy into one
+    fresh device buffer per dtype on the compute stream (no event needed) and rebinds the tensors to views of it;
+    parking rebinds them to their host views and drops the device buffers (weights do not change while offload is
+    enabled)."""
+
+    def __init__(self, label: str, module: nn.Module, weights: PackedWeights, per_call: bool) -> None:
+        self.label = label
+        self.module = module
+        self.weights = weights
+        self.per_call = per_call  # parked when its component's forward returns (an encoder), else when replaced
+        self.onloaded = False
+        self.resident = False  # the budget keeps it on the device for good
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def onload(self, device: torch.device) -> None:
+        with torch.inference_mode(False):
+            self._buffers, views = self.weights.device_buffers(device)
+            for dtype, host in self.weights.host.items():
+                self._buffers[dtype].narrow(0, 0, host.numel()).copy_(host, non_blocking=True)
+            self.weights.bind(views)
+        self.onloaded = True
+
+    def park(self) -> None:
+        with torch.inference_mode(False):
+            self.weights.park(self.weights.host_views)
+        self._buffers = {}
+        self.onloaded = False
+
+
 @dataclass
 class LayerwiseStats:
     streamed_blocks: int = 0
@@ -240,6 +287,10 @@ class LayerwiseStats:
     loads: int = 0
     on_demand_loads: int = 0
     copied_bytes: int = 0
+    phase_units: int = 0  # encoders' non-block weights and VAEs, on the device for their phase only
+    phase_bytes: int = 0  # the largest of them
+    phase_onloads: int = 0
+    phase_onloaded_bytes: int = 0
 
 
 class _Streamer:
@@ -371,12 +422,24 @@ class _Streamer:
             slot.awaited = True  # the caller synchronized: no copy is pending
             self.free(slot)
 
+    def release_idle(self, keep: frozenset[int] = frozenset()) -> None:
+        """Free the in-flight blocks that are not running, except those whose ``id`` is in ``keep`` (a stack about
+        to run keeps its own prefetched blocks): another phase starts, and another stack's prefetched blocks would
+        sit in its memory (or in the window) until evicted."""
+        for slot in list(self.in_flight):
+            owner = slot.owner
+            if owner is not None and not owner.running and id(owner) not in keep:
+                self.free(slot)
+
     @torch.compiler.disable(reason=EAGER_ONLY)
-    def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...]) -> None:
+    def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...],
+                    own: frozenset[int] | None = None) -> None:
         # A block whose forward raised never ran its end(); settle it before the stack runs again.
         for block in blocks:
             if block.running:
                 self.end(block)
+        if own is not None:
+            self.release_idle(own)
         self._load_ahead(first, evict=True)
 
 
@@ -397,12 +460,19 @@ class LayerwiseState:
     hooks: InstalledHooks = field(default_factory=InstalledHooks)
     stats: LayerwiseStats = field(default_factory=LayerwiseStats)
     lock: ForwardLock | None = None  # held for each DiT's whole forward: callers in several threads take turns
+    kinds: list[str] = field(default_factory=list)  # per stack: DIT (also extra streamed paths) or ENCODER
+    units: list[_PhaseUnit] = field(default_factory=list)  # per-phase weights: encoders' non-block parts, VAEs
+    stack_units: dict[int, _PhaseUnit] = field(default_factory=dict)  # encoder stack index → its non-block unit
+    managed: dict[str, str] = field(default_factory=dict)  # component label → how it is managed (for logs)
 
 
 class LayerwiseOffloadBackend(OffloadBackend):
     """Streams every block of every DiT through a few device slots; everything else stays on the device."""
 
     strategy = OffloadStrategy.LAYERWISE
+    # Whether text/image encoders stream and VAEs come in for their phase (``dits_only=False``); the distributed
+    # backends keep them on the device.
+    manages_components = True
     stages = (
         "discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_guards", "prime"
     )
@@ -433,8 +503,51 @@ class LayerwiseOffloadBackend(OffloadBackend):
     def _forget(self) -> None:
         self._state = None
 
+    @property
+    def _manage_components(self) -> bool:
+        return self.manages_components and not getattr(self.config, "dits_only", False)
+
     def _managed_modules(self, state: LayerwiseState) -> list[tuple[str, nn.Module]]:
-        return [(stack.name, stack.owner) for stack in state.stacks]
+        found = [(stack.name, stack.owner) for stack in state.stacks]
+        seen = {id(module) for _, module in found}
+        for unit in state.units:
+            if id(unit.module) not in seen:
+                found.append((unit.label, unit.module))
+                seen.add(id(unit.module))
+        return found
+
+    def _component_units(self, state: LayerwiseState, plan) -> None:
+        """Encoders stream their blocks (declared per family, else scanned) with their other weights in a unit for
+        their phase; encoders without blocks and VAEs are one unit each. An encoder holding a path of
+        ``plan.extra_streamed`` is left as the plan says (its other weights stay on the device)."""
+        extra = [stack.owner for stack, kind in zip(state.stacks, state.kinds) if kind == DIT]
+        for component in state.topology.encoders + state.topology.vaes:
+            if any(_holds_any(component.module, {id(owner)}) for owner in extra):
+                continue
+            stack, source = encoder_stack(component) if component.role == ENCODER else (None, "")
+            if stack is not None:
+                try:
+                    check_stacks(state.stacks + [stack])
+                except ValueError:
+                    if source != "scanned":
+                        raise
+                    stack = None  # the scan's guess shares weights across its blocks: swap it whole instead
+            if stack is not None:
+                block_ids = {id(t) for _, block in stack.blocks for _, t in named_tensors(block)}
+                rest = {id(t) for _, t in named_tensors(component.module)} - block_ids
+                state.stacks.append(stack)
+                state.kinds.append(ENCODER)
+                if rest:
+                    unit = _PhaseUnit(component.label, component.module,
+                                      PackedWeights(component.label, component.module, select=rest), per_call=True)
+                    state.units.append(unit)
+                    state.stack_units[len(state.stacks) - 1] = unit
+                state.managed[component.label] = f"{len(stack.blocks)} blocks streamed ({source})"
+            elif named_tensors(component.module):
+                state.units.append(_PhaseUnit(component.label, component.module,
+                                              PackedWeights(component.label, component.module),
+                                              per_call=component.role == ENCODER))
+                state.managed[component.label] = "on the device for its phase"
 
     # Enable stages ----------------------------------------------------------------------------------------
 
@@ -445,40 +558,58 @@ class LayerwiseOffloadBackend(OffloadBackend):
         check_no_foreign_offload(state.topology, "layerwise")
         check_no_self_rewriting_weights(state.topology, self.device)
         state.stacks = resolve_stacks(state.target, state.topology, plan)
+        state.kinds = [DIT] * len(state.stacks)
+        if self._manage_components:
+            self._component_units(state, plan)
         forced_paths = {c.path for c in state.topology.residents}
-        state.weights = [self._stack_weights(stack, state) for stack in state.stacks]
+        state.weights = [self._stack_weights(stack, state, kind) for stack, kind in zip(state.stacks, state.kinds)]
         flat = [w for stack in state.weights for w in stack]
+        never = [kind == ENCODER for stack, kind in zip(state.weights, state.kinds) for _ in stack]
         forced = [w.path in forced_paths or w.empty for w in flat]
-        fixed_bytes = sum(tensor_nbytes(t) for t in self._non_block_tensors(state))
+        dit_bytes = sum(tensor_nbytes(t) for t in self._non_block_tensors(state))
+        unit_bytes = max((u.weights.nbytes for u in state.units), default=0)
+        budget = self.max_device_memory
+        everything = dit_bytes + sum(w.nbytes for w in flat) + sum(u.weights.nbytes for u in state.units)
+        units_resident = budget is not None and everything <= budget
+        largest_unit = max(state.units, key=lambda u: u.weights.nbytes).label if state.units else ""
         resident = plan_residency(
-            [w.nbytes for w in flat], forced, fixed_bytes, self.max_device_memory, self.config.prefetch_depth + 1
+            [w.nbytes for w in flat], forced, dit_bytes + (0 if units_resident else unit_bytes), budget,
+            self.config.prefetch_depth + 1, never=never, labels=[w.path for w in flat],
+            fixed_detail=(f" (the DiTs' {format_bytes(dit_bytes)} + the largest phase, {largest_unit!r}, "
+                          f"{format_bytes(unit_bytes)})" if unit_bytes and not units_resident else ""),
         )
+        for unit in state.units:
+            unit.resident = units_resident
         it = iter(resident)
         state.resident = [[next(it) for _ in stack] for stack in state.weights]
         streamed = [w for w, r in zip(flat, resident) if not r]
         state.stats.streamed_blocks = len(streamed)
         state.stats.resident_blocks = sum(1 for w, r in zip(flat, resident) if r and not w.empty)
         state.stats.streamed_bytes_per_pass = sum(w.nbytes for w in streamed)
-        state.stats.resident_device_bytes = fixed_bytes + sum(w.nbytes for w, r in zip(flat, resident) if r)
+        state.stats.resident_device_bytes = dit_bytes + sum(w.nbytes for w, r in zip(flat, resident) if r) + (
+            sum(u.weights.nbytes for u in state.units) if units_resident else 0)
+        state.stats.phase_units = 0 if units_resident else len(state.units)
+        state.stats.phase_bytes = 0 if units_resident else unit_bytes
         logger.info(
             "layerwise offload: %d stacks (%s), %d blocks streamed (%s per pass), %d resident; non-block DiT "
-            "weights %s stay on %s; budget %s",
+            "weights %s stay on %s; %s; budget %s",
             len(state.stacks),
             ", ".join(f"{s.name}: {len(s.blocks)}" for s in state.stacks),
             len(streamed),
             format_bytes(state.stats.streamed_bytes_per_pass),
             state.stats.resident_blocks,
-            format_bytes(fixed_bytes),
+            format_bytes(dit_bytes),
             self.device,
-            "none" if self.max_device_memory is None else format_bytes(self.max_device_memory),
+            ", ".join(f"{label}: {how}" for label, how in state.managed.items()) or "encoders and VAEs stay there",
+            "none" if budget is None else format_bytes(budget),
         )
 
-    def _stack_weights(self, stack: Stack, state: LayerwiseState) -> list[PackedWeights]:
+    def _stack_weights(self, stack: Stack, state: LayerwiseState, kind: str = DIT) -> list[PackedWeights]:
         """One unit per block. The DiT's output layers (final norm, output projection: called once, after the last
         block) join the last block's unit, so they are on the device only from the last block to the end of the
         forward instead of throughout, as every non-block weight is (Diffusers' group offload keeps them, too)."""
         weights = [PackedWeights(path, block) for path, block in stack.blocks]
-        tail = self._tail_modules(stack) if self.fold_tail else []
+        tail = self._tail_modules(stack) if self.fold_tail and kind == DIT else []
         if tail and weights:
             path, last = stack.blocks[-1]
             owner_path = _owner_path(stack.owner, path, last)
@@ -510,10 +641,13 @@ class LayerwiseOffloadBackend(OffloadBackend):
         return tail
 
     def _non_block_tensors(self, state: LayerwiseState) -> list[torch.Tensor]:
+        """The DiTs' tensors outside their streamed units (they stay on the device)."""
         in_blocks = {i for stack in state.weights for w in stack for i in w.tensors.ids}
         seen: set[int] = set()
         tensors = []
-        for stack in state.stacks:
+        for stack, kind in zip(state.stacks, state.kinds):
+            if kind != DIT:
+                continue
             for _, tensor in named_tensors(stack.owner):
                 if id(tensor) not in in_blocks and id(tensor) not in seen:
                     seen.add(id(tensor))
@@ -522,8 +656,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
     def _stage_move_residents(self, state: LayerwiseState, journal: Journal) -> None:
         non_block = {id(t) for t in self._non_block_tensors(state)}
-        roots = [(stack.owner, stack.name, non_block) for stack in state.stacks]
-        roots += [(c.module, c.label, None) for c in state.topology.components if c.role != DIT]
+        roots = [(stack.owner, stack.name, non_block) for stack, kind in zip(state.stacks, state.kinds) if kind == DIT]
+        roots += [(c.module, c.label, None) for c in state.topology.components
+                  if c.role != DIT and c.label not in state.managed]
         done: set[int] = set()
         for root, label, select in roots:  # subclass-aware moves (see tensors.py), each tensor once
             ids = {id(t) for _, t in named_tensors(root)} if select is None else select
@@ -536,13 +671,21 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
         total = sum(w.nbytes for stack in state.weights for w in stack)
-        with byte_progress(total, "layerwise offload: packing blocks", self.config.show_progress, state.target) as bar:
+        with byte_progress(total + sum(u.weights.nbytes for u in state.units), "layerwise offload: packing blocks", self.config.show_progress, state.target) as bar:
             for stack_weights, stack_resident in zip(state.weights, state.resident):
                 streamed_row: list[_StreamedBlock | None] = []
                 for weights, resident in zip(stack_weights, stack_resident):
                     streamed_row.append(self._pack_one(weights, resident, host_memory, journal))
                     bar.update(weights.nbytes)
                 state.streamed.append(streamed_row)
+            for unit in state.units:
+                weights = unit.weights
+                journal.record(f"restore {weights.path}", lambda w=weights: w.undo_pack(host_memory.needs_clone_on_release))
+                weights.pack(host_memory)
+                if unit.resident:
+                    unit.onload(self.device)
+                bar.update(weights.nbytes)
+        total += sum(u.weights.nbytes for u in state.units)
         state.stats.host_bytes = total
         release_freed_host_memory()
         release_freed_device_memory(self.device)
@@ -607,16 +750,23 @@ class LayerwiseOffloadBackend(OffloadBackend):
         capacity = state.stats.in_flight_capacity
         limit = state.stats.in_flight_blocks
         streamer = state.streamer
-        for stack, row in zip(state.stacks, state.streamed):
+        for index, (stack, row, kind) in enumerate(zip(state.stacks, state.streamed, state.kinds)):
             ring = [b for b in row if b is not None]
+            unit = state.stack_units.get(index)
             if not ring:
+                if unit is not None and not unit.resident:  # every block resident: only its other weights swap
+                    state.hooks.install(stack.owner, LockedCallbackHook(
+                        state.lock, stack.name, before=partial(self._enter_phase, unit),
+                        after=partial(self._leave_phase, unit)), LAYERWISE_ENTRY_HOOK)
                 continue
             first = tuple(ring[:depth])
+            own = frozenset(id(b) for b in ring)
             # With the default depth the window is Diffusers' (the running block and the next one of the same pass):
             # the next pass's first blocks load when the last block ends, not over its activations. With a budget,
             # or a deeper window, the lookahead wraps around (the memory is paid for): a copy-bound run of blocks at
             # the start of the pass (FLUX's double-stream blocks) starts with the lead the window allows.
-            wrap = limit is None or depth > 1
+            # An encoder runs once per call: its lookahead never wraps to a next pass that may not come.
+            wrap = (limit is None or depth > 1) and kind == DIT
             # A last block that carries the DiT's output layers ends with the DiT's forward, after they ran.
             tail = state.tails.get(stack.blocks[-1][0]) if row[-1] is not None else None
             last = row[-1] if tail else None
@@ -635,7 +785,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     after = None
                 elif block is last:
                     after = partial(streamer.load_next_pass, first)
-                elif block is ring[-1] and not wrap:
+                elif block is ring[-1] and not wrap and kind == DIT:
                     after = partial(streamer.end_pass, block, first)
                 else:
                     after = partial(streamer.end, block)
@@ -646,15 +796,87 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 )
             # Installed last, so it is the outermost hook where the owner is its own block (an extra streamed module
             # streams as one unit): the stack is entered (and the lock taken) before the block is bound.
+            if kind == DIT:
+                before = partial(self._enter_stack, ring, first, own)
+            else:
+                before = partial(self._enter_encoder, unit, ring, first, own)
+                end_last = partial(self._leave_phase, None if unit is None or unit.resident else unit)
             state.hooks.install(
                 stack.owner,
-                LockedCallbackHook(state.lock, stack.name, before=partial(streamer.enter_stack, ring, first),
+                LockedCallbackHook(state.lock, stack.name, before=before,
                                    after=end_last, inference_only=self._inference_only(state, stack.name)),
                 LAYERWISE_ENTRY_HOOK,
             )
         roots = [stack.owner for stack in state.stacks]
+        for unit in state.units:
+            if unit.resident or unit in state.stack_units.values():
+                continue
+            roots.append(unit.module)
+            # The unit comes in when its component (or any of its direct parts, which a VAE's encode and decode
+            # call) runs; an encoder's goes again when its forward returns, a VAE's when another phase starts.
+            parts = [unit.module] + [child for _, child in unit.module.named_children() if named_tensors(child)]
+            for position, part in enumerate(parts):
+                after = partial(self._leave_phase, unit) if unit.per_call and position == 0 else None
+                state.hooks.install(part, LockedCallbackHook(
+                    state.lock, unit.label, before=partial(self._enter_phase, unit), after=after),
+                    LAYERWISE_ENTRY_HOOK)
         refresh_registry_caches(roots)
         journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
+
+    # Phases -------------------------------------------------------------------------------------------------
+
+    @torch.compiler.disable(reason=EAGER_ONLY)
+    def _enter_phase(self, unit: _PhaseUnit | None, own: frozenset[int] = frozenset()) -> None:
+        """A phase starts: units of other phases go back to the host, in-flight blocks of other stacks are freed,
+        and ``unit`` (``None``: a DiT's phase) comes onto the device."""
+        state = self._state
+        for other in state.units:
+            if other is not unit and other.onloaded and not other.resident:
+                other.park()
+        if state.streamer is not None:
+            state.streamer.release_idle(own)
+        if unit is not None and not unit.onloaded:
+            unit.onload(self.device)
+            state.stats.phase_onloads += 1
+            state.stats.phase_onloaded_bytes += unit.weights.nbytes
+
+    @torch.compiler.disable(reason=EAGER_ONLY)
+    def _leave_phase(self, unit: _PhaseUnit | None) -> None:
+        if unit is not None and unit.onloaded and not unit.resident:
+            unit.park()
+
+    def _enter_stack(self, ring: list[_StreamedBlock], first: tuple[_StreamedBlock, ...],
+                     own: frozenset[int]) -> None:
+        if self._state.units:
+            self._enter_phase(None, own)
+        self._state.streamer.enter_stack(ring, first)
+
+    def _enter_encoder(self, unit: _PhaseUnit | None, ring: list[_StreamedBlock], first: tuple[_StreamedBlock, ...],
+                       own: frozenset[int]) -> None:
+        self._enter_phase(None if unit is None or unit.resident else unit, own)
+        self._state.streamer.enter_stack(ring, first)
+
+    def _on_use(self, state: LayerwiseState, module: nn.Module) -> Callable[[], None] | None:
+        for unit in state.units:
+            if unit.module is module and not unit.per_call and not unit.resident:
+                return partial(self._use_unit, unit)
+        return None
+
+    def _use_unit(self, unit: _PhaseUnit) -> None:
+        state = self._state
+        if state is None or state.lock is None:
+            return
+        with state.lock:
+            self._enter_phase(unit)
+
+    def end_of_call(self) -> None:
+        """The pipeline call returned: the last phase's unit (the VAE) and prefetched blocks leave the device, so
+        between calls only the DiTs' non-block weights and resident blocks stay there."""
+        state = self._state
+        if state is None or not state.units or state.lock is None:
+            return
+        with state.lock:
+            self._enter_phase(None)
 
     def _stage_install_guards(self, state: LayerwiseState, journal: Journal) -> None:
         super()._stage_install_guards(state, journal)
@@ -694,7 +916,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
         return bind_host_copies, put_back
 
     def _stage_prime(self, state: LayerwiseState, journal: Journal) -> None:
-        for row in state.streamed:
+        for row, kind in zip(state.streamed, state.kinds):
+            if kind != DIT:
+                continue  # an encoder's first blocks load when it is called
             ring = [b for b in row if b is not None]
             if ring:
                 state.streamer.enter_stack(ring, tuple(ring[: self.config.prefetch_depth]))
@@ -721,6 +945,10 @@ class LayerwiseOffloadBackend(OffloadBackend):
             for weights in stack_weights:
                 if not weights.empty:
                     weights.restore(clone=clone, to_original_device=False)
+        for unit in state.units:
+            if unit.onloaded:
+                unit.park()
+            unit.weights.restore(clone=clone, to_original_device=False)
         state.host_memory.release(self.device)
         logger.info("layerwise offload disabled: block weights are ordinary host tensors again")
 

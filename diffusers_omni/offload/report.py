@@ -187,6 +187,11 @@ def _layerwise_units(state: Any) -> list[_Unit]:
                 packed = bool(weights.host)
                 units.append(_Unit(weights.tensors.ids, nbytes, nbytes if packed else 0,
                                    _host_kind(mode) if packed else None, True, RESIDENT_PLACEMENT, resident))
+    for unit in getattr(state, "units", ()):  # encoders' non-block weights and VAEs: on the device for their phase
+        weights = unit.weights
+        nbytes = _leaf_bytes(weights)
+        units.append(_Unit(weights.tensors.ids, nbytes, nbytes, _host_kind(mode), unit.onloaded,
+                           RESIDENT_PLACEMENT if unit.resident else SWAPPED, False))
     return units
 
 

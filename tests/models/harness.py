@@ -163,6 +163,29 @@ def check_offload_parity(case: ModelCase) -> None:
         pipe.disable_omni_offload()
 
 
+def _decoded(case: ModelCase, pipe) -> Any:
+    """The case's output with the VAE run (``output_type="pt"``), as a flat list of its tensors."""
+    result = pipe(**{**case.call, "output_type": "pt"}, generator=torch.Generator().manual_seed(0))
+    values = result.values() if hasattr(result, "values") else [result]
+    return [v for v in values if isinstance(v, torch.Tensor)] + [t for v in values if isinstance(v, (list, tuple))
+                                                                for t in v if isinstance(t, torch.Tensor)]
+
+
+def check_layerwise_decoded_output(case: ModelCase) -> None:
+    """Layerwise offload with every component managed (encoders streamed, the VAE for its phase): the decoded
+    output, not only the latents, stays bitwise equal to stock Diffusers, and between calls no phase's weights stay
+    on the device."""
+    expected = _decoded(case, case.factory())
+    assert expected, "no tensor output with output_type='pt'"
+    pipe = omnify(case.factory(), "TORCH_SDPA")
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    for _ in range(2):
+        found = _decoded(case, pipe)
+        assert len(found) == len(expected) and all(torch.equal(a, b) for a, b in zip(found, expected))
+        assert not any(unit.onloaded for unit in backend._state.units)
+    pipe.disable_omni_offload()
+
+
 def standard_tests(cases: list[ModelCase]) -> dict[str, Callable]:
     """Parametrised test functions to bind into a test module's globals."""
     ids = [case.id for case in cases]
@@ -173,6 +196,7 @@ def standard_tests(cases: list[ModelCase]) -> dict[str, Callable]:
         "test_every_attention_call_reaches_its_role": check_every_call_reaches_its_role,
         "test_block_attrs_resolve_in_forward_order": check_blocks_in_forward_order,
         "test_offload_strategies_keep_bitwise_parity": check_offload_parity,
+        "test_layerwise_decoded_output_bitwise_with_every_component_managed": check_layerwise_decoded_output,
     }
 
     def bind(name: str, check: Callable[[ModelCase], None]) -> Callable:

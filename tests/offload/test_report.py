@@ -65,14 +65,22 @@ def test_layerwise_streams_the_transformer_blocks_and_counts_each_copy(pipe):
     transformer = report["transformer"]
     assert transformer.placement == "streamed" and transformer.weight_bytes == expected["transformer"]
     assert (transformer.streamed_blocks, transformer.resident_blocks) == (len(blocks), 0)
-    assert transformer.streamed_blocks == backend.stats.streamed_blocks
-    # Host copies of every streamed block; on the device the non-block weights and the first block, loaded ahead
-    # for the next call when the last block ended.
+    encoders = {"text_encoder": pipe.text_encoder.text_model.encoder.layers
+                if hasattr(pipe.text_encoder, "text_model") else pipe.text_encoder.encoder.layers,
+                "text_encoder_2": pipe.text_encoder_2.encoder.block}
+    assert sum(report[name].streamed_blocks for name in ("transformer", *encoders)) == backend.stats.streamed_blocks
+    # Host copies of every streamed block; on the device only the non-block weights: the first block, loaded ahead
+    # for the next step when the last block ended, left the device with the call's end.
     assert transformer.pageable_bytes == streamed
-    assert transformer.device_bytes == expected["transformer"] - streamed + first
-    for name in ("text_encoder", "text_encoder_2", "vae"):  # resident on the offload's device
-        assert report[name].bytes == {"device": expected[name], "pinned": 0, "pageable": 0, "disk": 0}
-        assert report[name].placement == "resident"
+    assert transformer.device_bytes == expected["transformer"] - streamed
+    # Encoders stream their blocks, their other weights on the device only while they run; the VAE only for its
+    # phase: between calls every byte of theirs is a host copy.
+    for name, layers in encoders.items():
+        assert report[name].placement == "streamed" and report[name].streamed_blocks == len(layers)
+        assert report[name].bytes == {"device": 0, "pinned": 0, "pageable": expected[name], "disk": 0}
+    assert report["vae"].placement == "swapped"
+    assert report["vae"].bytes == {"device": 0, "pinned": 0, "pageable": expected["vae"], "disk": 0}
+    assert first > 0
 
     pipe.disable_omni_offload()
     after = pipe.omni_offload_report()
@@ -87,16 +95,19 @@ def test_layerwise_budget_keeps_blocks_resident_with_their_host_copies():
     transformer = pipe.omni_offload_report()["transformer"]
     stats = backend.stats
     assert stats.resident_blocks > 0 and stats.streamed_blocks > 0
-    assert (transformer.streamed_blocks, transformer.resident_blocks) == (stats.streamed_blocks, stats.resident_blocks)
+    report = pipe.omni_offload_report()
+    assert sum(c.streamed_blocks for c in report.components) == stats.streamed_blocks
+    assert sum(c.resident_blocks for c in report.components) == stats.resident_blocks
+    assert report["text_encoder_2"].streamed_blocks == len(pipe.text_encoder_2.encoder.block)  # DiT blocks first
     assert transformer.placement == "streamed" and transformer.weight_bytes == total
     # Every packed block keeps a host copy (resident ones too): host bytes are every block's.
-    assert transformer.pageable_bytes == stats.host_bytes - _padding(backend)
+    assert sum(c.pageable_bytes for c in report.components) == stats.host_bytes - _padding(backend)
     assert transformer.device_bytes + transformer.pageable_bytes > total
 
 
 def _padding(backend) -> int:
     """Alignment padding of the packed host buffers (the report counts weights' bytes, not padding)."""
-    units = [w for row in backend._state.weights for w in row]
+    units = [w for row in backend._state.weights for w in row] + [u.weights for u in backend._state.units]
     return sum(w.nbytes for w in units) - sum(s.numel * s.dtype.itemsize for w in units for s in w.slots)
 
 
@@ -210,7 +221,7 @@ def test_encoder_blocks_streamed_through_the_plan_are_reported_under_their_encod
     expected = {name: weight_bytes(getattr(pipe, name)) for name in ("text_encoder", "text_encoder_2")}
     t5_blocks = weight_bytes(pipe.text_encoder_2.encoder.block)
     plan = OffloadPlan(extra_streamed=("text_encoder_2.encoder.block",))
-    pipe.enable_layerwise_offload(device="cpu", plan=plan)
+    pipe.enable_layerwise_offload(device="cpu", plan=plan, dits_only=True)  # the plan's streaming only
     report = pipe.omni_offload_report()
     t5 = report["text_encoder_2"]
     assert t5.placement == "streamed" and t5.streamed_blocks == len(pipe.text_encoder_2.encoder.block)
