@@ -80,6 +80,12 @@ class Scenario:
 _QUANT_FLUX = ("--models", "flux")
 _FIVE_FORMATS = ("--formats", "torchao-float8,bnb-nf4,torchao-int8,gguf-q8_0,gguf-q4_k")
 _QUANT_SMOKE = ("--smoke", "--device", "cpu")
+# Whole-pipeline offload: strategies in the order they run (the time budget skips the last ones first); one device
+# call is 10 minutes, the wheels' install included, so no strategy starts after 450 s and a running one stops at 480 s.
+_PIPELINE_FLUX = "resident,omni,diffusers-group,mmgp2,mmgp4,diffusers-sequential,diffusers-model"
+_PIPELINE_QWEN = "resident,omni,diffusers-group,mmgp2,mmgp4,diffusers-model"
+_PIPELINE_WAN = "resident,omni,diffusers-group,omni-budget"
+_PIPELINE_TIME = "450"
 
 SCENARIOS: tuple[Scenario, ...] = (
     # Attention ---------------------------------------------------------------------------------------------------
@@ -162,6 +168,27 @@ SCENARIOS: tuple[Scenario, ...] = (
              args=("--format", "gguf-q4_k"), smoke=None),
     Scenario("peak-diff", "peak_probe", "omni's and Diffusers' peaks, live bytes replayed", "gpu", (OFFLOAD,),
              args=("--diff", "--format", "gguf-q4_k"), smoke=None),
+    # Whole pipelines (prompt → image/video) under offload on an emulated card, every strategy in its own process ----
+    Scenario("pipeline-offload-flux", "pipeline_offload_bench",
+             "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: omni (and with an 8 GiB budget) "
+             "vs Diffusers' offloads vs mmgp", "gpu", (),
+             args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", _PIPELINE_FLUX,
+                   "--omni-budget", "8GiB", "--sequential-steps", "4", "--time-budget", _PIPELINE_TIME)),
+    Scenario("pipeline-offload-qwen", "pipeline_offload_bench",
+             "Qwen-Image pipeline end to end (20 of its 50 steps) on an emulated 24 GiB card: omni (and with a 16 "
+             "GiB budget) vs Diffusers' offloads vs mmgp", "gpu", (),
+             args=("--model", "qwen", "--card-gib", "24", "--steps", "20", "--strategies", _PIPELINE_QWEN,
+                   "--omni-budget", "16GiB", "--time-budget", _PIPELINE_TIME)),
+    Scenario("pipeline-offload-wan", "pipeline_offload_bench",
+             "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card: omni "
+             "(and with a 14 GiB budget) vs Diffusers' group offload", "gpu", (),
+             args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--strategies", _PIPELINE_WAN,
+                   "--omni-budget", "14GiB", "--time-budget", _PIPELINE_TIME)),
+    Scenario("pipeline-offload-wan-mmgp", "pipeline_offload_bench",
+             "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card: mmgp's "
+             "profiles 2 and 4 against resident", "gpu", (),
+             args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--strategies", "resident,mmgp2,mmgp4",
+                   "--time-budget", _PIPELINE_TIME)),
     # Interop -----------------------------------------------------------------------------------------------------
     Scenario("diffusers-pipeline-tests", "diffusers_pipeline_tests",
              "Diffusers' own fast pipeline tests with the Omni classes and offload (give a Diffusers checkout)",

@@ -8,8 +8,9 @@
 # The device gets a copy of the working tree without .git: OMNI_COMMIT records the commit in each result's meta.
 # A few scenarios need more than the runner: FlashInfer JIT-compiles ~90 s per kernel variant on a fresh machine and
 # Triton its kernels (prewarmed in parallel first), the FA3-hidden tune runs use the wheels without fa3-fwd, and
-# quant-offload-check's LoRA scenarios need peft and accelerate. Offload runs take ~4 min per model; the
-# quant-offload-* scenarios each fit one 10-minute call (their --time-budget starts no format after it).
+# quant-offload-check's LoRA scenarios need peft and accelerate, the pipeline-offload-* ones mmgp, optimum-quanto and
+# accelerate. Offload runs take ~4 min per model; the quant-offload-* and pipeline-offload-* scenarios each fit one
+# 10-minute call (their --time-budget starts no format/strategy after it).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
@@ -41,6 +42,10 @@ for job in "$@"; do
           python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target /tmp/site-lora .whl/lora/*.whl
           PYTHONPATH=/tmp/site-lora:$PYTHONPATH run "$job" ;;
+    pipeline-offload-*) # mmgp, optimum-quanto and accelerate (fetch_wheels.sh: .whl/pipeline), for these jobs only
+          python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site-pipeline .whl/pipeline/*.whl
+          PYTHONPATH=/tmp/site-pipeline:$PYTHONPATH run "$job" ;;
     *) run "$job" ;;  # every other scenario needs nothing but the runner (an unknown name: the runner lists them)
   esac
   rc=$?; [ $rc -eq 0 ] || { echo "job $job failed (exit $rc)" >&2; status=$rc; }

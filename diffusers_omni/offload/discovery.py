@@ -258,7 +258,7 @@ def resolve_stacks(target: Any, topology: Topology, plan: OffloadPlan | None) ->
         if module is None:
             raise ValueError(f"extra streamed path {path!r} does not exist on {type(target).__name__}")
         stacks.append(Stack(path, module, tuple(_children_as_blocks(path, module))))
-    _check_stacks(stacks)
+    check_stacks(stacks)
     return stacks
 
 
@@ -312,7 +312,8 @@ def _children_as_blocks(path: str, container: nn.Module) -> list[tuple[str, nn.M
     return [(path, container)]
 
 
-def _check_stacks(stacks: list[Stack]) -> None:
+def check_stacks(stacks: list[Stack]) -> None:
+    """No tensor belongs to two blocks, and no block tensor is also one of its stack owner's other tensors."""
     owner_of: dict[int, str] = {}
     for stack in stacks:
         for path, block in stack.blocks:

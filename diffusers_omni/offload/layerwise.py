@@ -33,19 +33,17 @@ from .base import Journal, OffloadBackend
 from .discovery import (
     DIT,
     ENCODER,
-    VAE,
-    Component,
     Stack,
     Topology,
     check_no_foreign_offload,
     check_no_self_rewriting_weights,
+    check_stacks,
     check_topology,
     discover_components,
     encoder_stack,
     named_tensors,
     resolve_stacks,
 )
-from .discovery import _check_stacks as check_stacks
 from .hooks import (
     EAGER_ONLY,
     LAYERWISE_BLOCK_HOOK,

@@ -28,8 +28,9 @@ def test_generate_offers_every_registered_strategy_and_field(capsys):
     out = _help("generate", capsys)
     assert "--offload {none,model-level,layerwise,distributed-layerwise} offload strategy; distributed-layerwise " \
            "runs under torchrun (default: none)" in out
-    assert "--max-device-memory MAX_DEVICE_MEMORY layerwise: DiT weight bytes allowed on the device, e.g. 12GiB " \
-           "(blocks that fit stay)" in out
+    assert "--max-device-memory MAX_DEVICE_MEMORY layerwise: weight bytes allowed on the device, every component " \
+           "counted, e.g. 12GiB (DiT blocks that fit stay)" in out
+    assert "--dits-only layerwise: stream the DiTs only; text/image encoders and VAEs stay on the device" in out
     assert "--prefetch-depth PREFETCH_DEPTH layerwise, distributed-layerwise: blocks prefetched ahead of the running " \
            "one (default: 1)" in out
     assert "--no-allgather distributed-layerwise: a full host copy per rank instead of 1/N shards + all-gather" in out
@@ -39,9 +40,9 @@ def test_generate_offers_every_registered_strategy_and_field(capsys):
     fields = {f.name for entry in offload_strategies() for f in dataclasses.fields(entry.config)
               if f.init and f.metadata.get("cli")}
     assert {flag.field for flag in offload_flags()} == fields == {
-        "max_device_memory", "prefetch_depth", "use_allgather", "resident_layers"}
+        "max_device_memory", "prefetch_depth", "dits_only", "use_allgather", "resident_layers"}
     assert [flag.flag for flag in offload_flags()] == [
-        "--max-device-memory", "--prefetch-depth", "--no-allgather", "--resident-layers"]
+        "--max-device-memory", "--prefetch-depth", "--dits-only", "--no-allgather", "--resident-layers"]
 
 
 def test_tune_offers_the_strategies_of_one_process(capsys):
