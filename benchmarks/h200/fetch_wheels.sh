@@ -24,7 +24,7 @@ done
 # The whole-pipeline offload benchmark (pipeline-offload-*), kept apart (.whl/pipeline) so that only those jobs run
 # with them: mmgp (the newest 3.8) and optimum-quanto, which mmgp imports at module level; accelerate (mmgp imports
 # it, and Diffusers' enable_model_cpu_offload / enable_sequential_cpu_offload need it) with what it imports (psutil,
-# which mmgp imports too, and pyyaml), at .whl/lora's versions. Pure Python but psutil and pyyaml; ~1.7 MB in all.
+# which mmgp imports too, and pyyaml), at .whl/lora's versions. Pure Python but psutil and pyyaml; 1.6 MB in all.
 for spec in mmgp==3.8.2 optimum-quanto==0.2.7 accelerate==1.16.0 psutil==7.2.2 pyyaml==6.0.4; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl/pipeline "$spec"

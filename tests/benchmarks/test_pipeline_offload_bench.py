@@ -1,0 +1,81 @@
+"""``benchmarks/pipeline_offload_bench.py``'s pure helpers: the real configs build (on the meta device) at the real
+checkpoints' sizes and take only keys the installed classes accept, the strategy list is parsed as documented, and
+the lower bound and the report are computed from the children's results (the strategies themselves run on the H200;
+``python -m benchmarks run pipeline-offload-flux --smoke`` runs them on tiny configs)."""
+
+import pytest
+
+from benchmarks import pipeline_offload_bench as bench
+
+
+@pytest.mark.parametrize("name", ["flux", "qwen", "wan"])
+def test_real_configs_build_on_meta_at_the_known_sizes(name):
+    pipe, build = bench.build_pipeline(name, smoke=False, materialize_weights=False)
+    checks = bench.size_check(name, build["components"])
+    assert checks and all(row["ok"] for row in checks.values()), checks
+    assert not [n for n in build["notes"] if "does not take" in n], build["notes"]
+    if name == "qwen":  # the local tokenizer splits the template's system prefix as the real one: 34 tokens
+        assert any("system prefix is 34 tokens; the pipeline drops 34" in n for n in build["notes"]), build["notes"]
+    if name == "wan":  # from_pretrained keeps Wan's time embedder, norms and scale-shift tables in float32
+        assert set(build["components"]["transformer"]["by_dtype"]) == {"bfloat16", "float32"}
+    assert all(p.is_meta for m in (pipe.transformer,) for p in m.parameters())
+
+
+def test_strategies_parse_and_omni_budget_runs_after_omni():
+    args = bench.parse_args(["--model", "flux", "--strategies", "resident,omni,mmgp2", "--omni-budget", "8GiB",
+                             "--out", "x"])
+    assert args.strategies == ["resident", "omni", "omni-budget", "mmgp2"] and args.steps == 28
+    args = bench.parse_args(["--model", "wan", "--strategies", "omni,mmgp2,omni-budget", "--omni-budget", "8GiB",
+                             "--out", "x"])
+    assert args.strategies == ["omni", "mmgp2", "omni-budget"] and args.steps == 40
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "flux", "--strategies", "resident,nope", "--out", "x"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "flux", "--strategies", "omni-budget", "--out", "x"])
+    smoke = bench.parse_args(["--model", "qwen", "--steps", "20", "--smoke", "--out", "x"])
+    assert (smoke.steps, smoke.warmup_steps) == (3, 1)
+
+
+def _result(strategy, seconds, sha, steps=4, **extra):
+    return {"strategy": strategy, "status": "ok", "steps": steps, "sha256": sha, "end_to_end_s": sum(seconds),
+            "phases": dict(zip(("encode_s", "denoise_s", "decode_s"), seconds)), "rss": {"peak": 2**30},
+            "pinned": {"pinned_total_bytes": 0}, "enable_s": 1.0, "bandwidth_bytes_per_s": 50e9,
+            "bandwidth_bytes": 2**30, **extra}
+
+
+def test_lower_bound_takes_per_phase_the_larger_of_compute_and_copy():
+    resident = _result("resident", (1.0, 10.0, 2.0), "a")
+    omni = _result("omni", (3.0, 21.0, 2.5), "a",
+                   omni={"streamed_bytes": {"encode": 100e9, "denoise": 1000e9, "decode": 0.5e9}})
+    (bound,) = bench.lower_bounds([resident, omni])
+    assert bound["phases"]["encode"]["bound_s"] == pytest.approx(2.0)  # 100 GB at 50 GB/s over 1 s of compute
+    assert bound["phases"]["denoise"]["bound_s"] == pytest.approx(20.0)
+    assert bound["phases"]["decode"]["bound_s"] == pytest.approx(2.0)  # compute-bound
+    assert bound["lower_bound_s"] == pytest.approx(24.0) and bound["ratio"] == pytest.approx(26.5 / 24.0)
+    skipped = {"strategy": "resident", "status": "skipped", "skip_reason": "would not fit"}
+    (none,) = bench.lower_bounds([skipped, omni])
+    assert none["lower_bound_s"] is None and "would not fit" in none["reason"]
+
+
+def test_markdown_reports_every_strategy_and_whether_the_image_matches():
+    resident = _result("resident", (1.0, 10.0, 2.0), "a")
+    omni = _result("omni", (3.0, 21.0, 2.5), "a", omni={"streamed_bytes": {"encode": 0, "denoise": 0, "decode": 0}})
+    mmgp = _result("mmgp4", (2.0, 30.0, 2.0), "b", notes=["quantizes the text encoder"])
+    sequential = _result("diffusers-sequential", (2.0, 30.0, 2.0), "c", steps=2)
+    failed = {"strategy": "diffusers-model", "status": "error", "enable_s": 0.5,
+              "error": {"stage": "warmup", "type": "OutOfMemoryError", "message": "CUDA out of memory."}}
+    skipped = {"strategy": "mmgp2", "status": "skipped", "skip_reason": "time budget: 460 s of 450 s spent"}
+    args = vars(bench.parse_args(["--model", "wan", "--steps", "4", "--out", "x"]))
+    results = [resident, omni, mmgp, sequential, failed, skipped]
+    report = {"environment": {"device_name": "H200"}, "args": args, "steps": 4, "strategies": results,
+              "lower_bounds": bench.lower_bounds(results), "omni_budget": None, "notes": [],
+              "components": {"transformer": {"params": 14, "param_bytes": 28_600_000_000,
+                                             "by_dtype": {"bfloat16": 28_600_000_000}}},
+              "size_check": {"transformer": {"known_gb": 28.6, "ok": True, "param_gb": 28.6}}}
+    text = bench.markdown(report)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["resident"].endswith("| reference |") and rows["omni"].endswith("| yes |")
+    assert rows["mmgp4"].endswith("| NO |") and rows["diffusers-sequential (2 steps)"].endswith("| n/a (2 steps) |")
+    assert "OutOfMemoryError (warmup)" in rows["diffusers-model"] and "skipped: time budget" in rows["mmgp2"]
+    assert "lower bound for omni" in rows and "| 28.60 GB (bfloat16 28.60 GB) | 28.6 GB | ok |" in text
+    assert "- mmgp4: quantizes the text encoder" in text
