@@ -82,6 +82,10 @@ class LayerwiseOffloadConfig(OffloadConfig):
         dits_only (`bool`, defaults to `False`): stream the DiTs' blocks only and keep the text/image encoders and
             VAEs on the device, as before every component was managed. By default encoders stream block by block
             too and the VAE is on the device only for its phase.
+        max_host_memory (`int | str`, *optional*): bytes of host copies allowed (pinned memory), e.g. ``"32GiB"``.
+            Streamed blocks that do not fit (encoder blocks first, then DiT blocks spread through each stack) keep
+            no host copy: each load reads them from the safetensors files their component was loaded from, through
+            a small pinned staging ring (counted in the budget). ``None`` keeps a host copy of every block.
 
     Example:
     ```py
@@ -97,6 +101,9 @@ class LayerwiseOffloadConfig(OffloadConfig):
     prefetch_depth: int = _prefetch_depth()
     dits_only: bool = offload_option(
         False, help="stream the DiTs only; text/image encoders and VAEs stay on the device")
+    max_host_memory: int | str | None = offload_option(
+        None, kind="bytes", help="bytes of pinned host copies allowed, e.g. 32GiB (streamed blocks that do not fit are "
+        "read from the checkpoint's safetensors files at each load)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -104,6 +111,8 @@ class LayerwiseOffloadConfig(OffloadConfig):
             object.__setattr__(self, "max_device_memory", parse_bytes(self.max_device_memory, "max_device_memory"))
         check_count(self.prefetch_depth, "prefetch_depth", 1)
         check_bool(self.dits_only, "dits_only")
+        if self.max_host_memory is not None:
+            object.__setattr__(self, "max_host_memory", parse_bytes(self.max_host_memory, "max_host_memory"))
 
 
 @dataclass(frozen=True, kw_only=True)

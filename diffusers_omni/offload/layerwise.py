@@ -17,6 +17,7 @@ freed), so the compute stream's later uses of that memory come after the copy.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
@@ -30,6 +31,16 @@ from ..config.offload import OffloadStrategy, format_bytes
 from ..models.base import tail_attrs_for
 from ..utils.progress import byte_progress
 from .base import Journal, OffloadBackend
+from .disk import (
+    BlockSource,
+    DiskReader,
+    DiskReadError,
+    StagingRing,
+    block_source,
+    checkpoint_names,
+    find_checkpoint,
+    verify_block,
+)
 from .discovery import (
     DIT,
     ENCODER,
@@ -183,6 +194,99 @@ def _residency_order(block_bytes: list[int], candidates: list[int]) -> list[list
     return [sorted(group) for group in groups]
 
 
+@dataclass
+class HostCandidate:
+    """A streamed block as ``plan_host_memory`` sees it: its host copy's bytes, its stack, whether it is an
+    encoder's, and why it must keep its host copy (``""``: it may be read from its checkpoint instead)."""
+
+    key: Any
+    label: str
+    nbytes: int
+    stack: int
+    encoder: bool
+    reason: str = ""
+
+
+def plan_host_memory(candidates: list[HostCandidate], fixed: dict[str, int], budget: int,
+                     staging_count: int) -> list[HostCandidate]:
+    """The streamed blocks that lose their host copy so that the host copies (``fixed``: what always has one, by
+    part; every candidate not chosen) plus a staging ring of ``staging_count`` buffers (at most one per chosen
+    block) of the largest chosen block take at most ``budget`` bytes. Encoder blocks go first (they run once per
+    call), then DiT blocks evenly spread through each stack (``spread_positions``), a few more at a time, until it
+    fits; ``[]`` when everything fits with host copies. Raises ``ValueError`` with the minimum and what makes it
+    up when nothing fits."""
+    fixed_total = sum(fixed.values())
+    streamed_total = sum(c.nbytes for c in candidates)
+
+    def pinned(chosen: list[HostCandidate]) -> int:
+        largest = max((c.nbytes for c in chosen), default=0)
+        return fixed_total + streamed_total - sum(c.nbytes for c in chosen) + min(staging_count, len(chosen)) * largest
+
+    best: tuple[list[HostCandidate], int] = ([], pinned([]))
+    if best[1] <= budget:
+        return []
+    for chosen in _disk_levels(candidates):
+        total = pinned(chosen)
+        if total <= budget:
+            return chosen
+        if total < best[1]:
+            best = (chosen, total)
+    chosen, needed = best
+    taken = {id(c) for c in chosen}
+    kept = [c for c in candidates if id(c) not in taken]
+    parts = [f"{name} {format_bytes(nbytes)}" for name, nbytes in fixed.items() if nbytes]
+    if kept:
+        kept_bytes = sum(c.nbytes for c in kept)
+        parts.append(f"{len(kept)} streamed blocks that keep their host copy {format_bytes(kept_bytes)}")
+    if chosen:
+        largest = max(c.nbytes for c in chosen)
+        parts.append(f"the staging ring, {min(staging_count, len(chosen))} × {format_bytes(largest)} (the largest of "
+                     f"the {len(chosen)} blocks read from disk)")
+    if any(not c.reason for c in kept):
+        parts[-1] += (f"; {sum(1 for c in kept if not c.reason)} more blocks read from disk would need a larger "
+                      "staging ring than they free")
+    reasons: dict[str, int] = {}
+    for c in kept:
+        if c.reason:
+            reasons[c.reason] = reasons.get(c.reason, 0) + 1
+    why = "; ".join(f"{count} block{'s' if count > 1 else ''}: {reason}" for reason, count in reasons.items())
+    raise ValueError(
+        f"max_host_memory={budget} ({format_bytes(budget)}) is too small; allowed: at least {needed} "
+        f"({format_bytes(needed)}) = {' + '.join(parts) or 'nothing'}"
+        + (f". Blocks that cannot be read from disk keep their host copy: {why}" if why else "")
+    )
+
+
+def _disk_levels(candidates: list[HostCandidate]):
+    """Ever larger sets of blocks to read from disk: the encoders' (evenly spread), then all of them and ever more
+    DiT blocks, evenly spread through each stack (stacks share the count by their sizes)."""
+    def stacks(encoder: bool) -> list[list[HostCandidate]]:
+        found: dict[int, list[HostCandidate]] = {}
+        for c in candidates:
+            if not c.reason and c.encoder == encoder:
+                found.setdefault(c.stack, []).append(c)
+        return [found[k] for k in sorted(found)]
+
+    encoders, dits = stacks(True), stacks(False)
+    every_encoder: list[HostCandidate] = []
+    for count in range(1, sum(len(s) for s in encoders) + 1):
+        every_encoder = _spread_over(encoders, count)
+        yield every_encoder
+    for count in range(1, sum(len(s) for s in dits) + 1):
+        yield every_encoder + _spread_over(dits, count)
+
+
+def _spread_over(stacks: list[list[HostCandidate]], count: int) -> list[HostCandidate]:
+    """``count`` blocks over ``stacks`` in proportion to their sizes (largest remainders), each stack's evenly
+    spread."""
+    total = sum(len(s) for s in stacks)
+    shares = [count * len(s) // total for s in stacks]
+    remainders = sorted(range(len(stacks)), key=lambda i: (-(count * len(stacks[i]) % total), i))
+    for i in remainders[: count - sum(shares)]:
+        shares[i] += 1
+    return [stack[p] for stack, share in zip(stacks, shares) for p in spread_positions(share, len(stack))]
+
+
 class _Slot:
     """One in-flight block: the events ordering its copy (after the memory is free on the compute stream; before
     the block computes) and whether the compute stream has waited for that copy yet."""
@@ -214,6 +318,7 @@ class _StreamedBlock:
         self.placeholders = [placeholder(s.dtype, device) for s in weights.slots]
         self.slot: _Slot | None = None
         self.running = False
+        self.disk: BlockSource | None = None  # no host copy: read from the checkpoint at each load (max_host_memory)
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.views: list[torch.Tensor] = []
         self._copy_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -289,6 +394,15 @@ class LayerwiseStats:
     phase_bytes: int = 0  # the largest of them
     phase_onloads: int = 0
     phase_onloaded_bytes: int = 0
+    # max_host_memory: blocks with no host copy, read from their checkpoint files at each load
+    disk_blocks: int = 0
+    disk_bytes_per_pass: int = 0  # file bytes those blocks read per pass
+    staging_bytes: int = 0  # the page-locked staging ring they are read into
+    disk_reads: int = 0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0  # the reader thread's time in reads (overlapping compute)
+    disk_waits: int = 0  # loads that waited for their block's read
+    disk_wait_seconds: float = 0.0
 
 
 class _Streamer:
@@ -441,6 +555,81 @@ class _Streamer:
         self._load_ahead(first, evict=True)
 
 
+class _DiskStreamer(_Streamer):
+    """The streamer when some blocks have no host copy (``max_host_memory``): such a block's load takes its bytes
+    from the staging ring (``disk.StagingRing``: read from the checkpoint by the reader thread, waiting if the
+    read is not done) and copies them to the device exactly as a host copy is copied; the staging buffer goes back
+    to the ring once the copy is queued (its event recorded on the copy stream), and the reads of the next
+    disk-backed blocks are requested. Blocks with a host copy load as in ``_Streamer``."""
+
+    def __init__(self, capacity: int, transfers: Transfers, stats: LayerwiseStats, ring: StagingRing,
+                 max_blocks: int | None = None) -> None:
+        super().__init__(capacity, transfers, stats, max_blocks=max_blocks)
+        self.ring = ring
+        self._record = transfers.record_on_copy if transfers.asynchronous else None
+
+    def load(self, block: _StreamedBlock, evict: bool = True) -> bool:
+        source = block.disk
+        if source is None:
+            return super().load(block, evict)
+        slot = self._take_slot(block.weights.nbytes, evict)
+        if slot is None:
+            return False
+        try:
+            staged = self.ring.take(source)
+        except BaseException:
+            self._untake(slot)
+            raise
+        try:
+            with torch.inference_mode(False):
+                block.allocate()
+            pairs = staged.pairs[source.index]
+            if pairs is None:  # made once per (block, staging buffer): the hot path allocates nothing more
+                views = source.views(staged.buffer)
+                pairs = staged.pairs[source.index] = [(views[dtype], block.buffers[dtype]) for dtype in views]
+            self.transfers.record_on_compute(slot.allocated)
+            self.transfers.copy(pairs, wait_for=slot.allocated, done=slot.ready)
+        except BaseException:
+            self.transfers.synchronize()  # nothing may still copy into the memory freed here
+            block.free_device_memory()
+            self._untake(slot)
+            self.ring.release(staged)
+            raise
+        self.ring.release(staged, self._record)
+        slot.owner = block
+        block.slot = slot
+        self.stats.loads += 1
+        self.stats.copied_bytes += block.weights.nbytes
+        return True
+
+    def _untake(self, slot: _Slot) -> None:
+        """Give back a slot taken for a load that failed before its copy was queued."""
+        self.in_flight.remove(slot)
+        self.in_flight_bytes -= slot.nbytes
+        slot.nbytes = 0
+        self._spare.append(slot)
+
+    @torch.compiler.disable(reason=EAGER_ONLY)
+    def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...],
+                    own: frozenset[int] | None = None) -> None:
+        for block in blocks:
+            if block.running:
+                self.end(block)
+        if own is not None:
+            self.release_idle(own)
+        # The stack's first disk-backed blocks not on the device yet are read now (another stack's staged reads
+        # give way), while its first blocks load.
+        wanted = []
+        for block in blocks:
+            if block.disk is not None and block.slot is None:
+                wanted.append(block.disk)
+                if len(wanted) == self.ring.size:
+                    break
+        if wanted:
+            self.ring.want(tuple(wanted))
+        self._load_ahead(first, evict=True)
+
+
 @dataclass
 class LayerwiseState:
     """What one enable of layerwise offload built: discovered stacks, packed weights, slots, hooks, counters."""
@@ -462,6 +651,11 @@ class LayerwiseState:
     units: list[_PhaseUnit] = field(default_factory=list)  # per-phase weights: encoders' non-block parts, VAEs
     stack_units: dict[int, _PhaseUnit] = field(default_factory=dict)  # encoder stack index → its non-block unit
     managed: dict[str, str] = field(default_factory=dict)  # component label → how it is managed (for logs)
+    # max_host_memory: id(PackedWeights) → where that block's bytes are in its checkpoint (no host copy)
+    disk: dict[int, BlockSource] = field(default_factory=dict)
+    disk_reader: DiskReader | None = None
+    staging: StagingRing | None = None
+    stop_reader: Any = None  # weakref.finalize: stops and joins the reader thread (disable, rollback, or GC)
 
 
 class LayerwiseOffloadBackend(OffloadBackend):
@@ -472,7 +666,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
     # backends keep them on the device.
     manages_components = True
     stages = (
-        "discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_guards", "prime"
+        "discover", "plan_host", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_guards",
+        "prime",
     )
     # Whether a DiT's output layers (its declaration's ``tail_attrs``) stream with its last block.
     fold_tail = True
@@ -652,6 +847,94 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     tensors.append(tensor)
         return tensors
 
+    # Host memory budget (max_host_memory) -------------------------------------------------------------------
+
+    def _staging_count(self) -> int:
+        """Buffers of the staging ring: one per block the window can hold ahead (``prefetch_depth``), one whose
+        copy to the device is draining, and one being read."""
+        return self.config.prefetch_depth + 2
+
+    def _stage_plan_host(self, state: LayerwiseState, journal: Journal) -> None:
+        """With ``max_host_memory``: which streamed blocks keep no host copy (``plan_host_memory``), each mapped to
+        its checkpoint files and checked against them (names, dtypes, shapes, bytes), before anything changes."""
+        budget = getattr(self.config, "max_host_memory", None)
+        if budget is None:
+            return
+        components: dict[int, tuple[Any, dict[int, list[str]], dict[int, str]]] = {}
+        candidates: list[HostCandidate] = []
+        owners: dict[int, Any] = {}  # id(PackedWeights) → its component, for blocks that may be read from disk
+        resident_bytes = 0
+        for index, (stack, row, resident_row, kind) in enumerate(
+                zip(state.stacks, state.weights, state.resident, state.kinds)):
+            component = self._component_of(state, stack)
+            if component is not None and id(component.module) not in components:
+                components[id(component.module)] = (component, *checkpoint_names(component.module))
+            for weights, resident in zip(row, resident_row):
+                if weights.empty:
+                    continue
+                if resident:
+                    resident_bytes += weights.nbytes
+                    continue
+                if component is None:
+                    reason = "not part of a pipeline component (its checkpoint is unknown)"
+                else:
+                    reason = _disk_refusal(weights, components[id(component.module)][2])
+                    owners[id(weights)] = component
+                candidates.append(HostCandidate(weights, weights.path, weights.nbytes, index, kind == ENCODER, reason))
+        fixed = {"phase units": sum(u.weights.nbytes for u in state.units), "resident blocks": resident_bytes}
+        count = self._staging_count()
+        if sum(fixed.values()) + sum(c.nbytes for c in candidates) > budget:
+            # Disk is needed: the blocks whose component was not loaded from local safetensors files keep theirs.
+            checkpoints: dict[int, tuple[Any, str]] = {}
+            for candidate in candidates:
+                component = owners.get(id(candidate.key))
+                if candidate.reason or component is None:
+                    continue
+                if id(component.module) not in checkpoints:
+                    checkpoints[id(component.module)] = find_checkpoint(component.module, component.path)
+                checkpoint, why = checkpoints[id(component.module)]
+                if checkpoint is None:
+                    candidate.reason = f"{component.label!r}: {why}"
+        chosen = plan_host_memory(candidates, fixed, budget, count)
+        if not chosen:
+            logger.info("layerwise offload: max_host_memory %s: every host copy fits", format_bytes(budget))
+            return
+        files: list = []
+        sources: dict[int, BlockSource] = {}
+        for candidate in chosen:
+            weights = candidate.key
+            component, names, _ = components[id(owners[id(weights)].module)]
+            checkpoint, _ = checkpoints[id(component.module)]
+            sources[id(weights)] = block_source(weights.path, component.label, checkpoint, files, names,
+                                                weights.slots, weights.numel)
+        reader = DiskReader(files)
+        journal.record("close the checkpoint files", reader.close)
+        total = sum(s.read_bytes for s in sources.values())
+        with byte_progress(total, "layerwise offload: checking disk-backed blocks against their files",
+                           self.config.show_progress, state.target) as bar:
+            for source in sources.values():
+                verify_block(source, reader)
+                bar.update(source.read_bytes)
+        state.disk, state.disk_reader = sources, reader
+        ring = min(count, len(sources))
+        state.stats.disk_blocks = len(sources)
+        state.stats.disk_bytes_per_pass = total
+        state.stats.staging_bytes = ring * max(s.nbytes for s in sources.values())
+        logger.info(
+            "layerwise offload: max_host_memory %s: %d of %d streamed blocks (%s per pass) are read from %s at each "
+            "load instead of kept in host memory; staging ring %d × %s",
+            format_bytes(budget), len(sources), len(candidates), format_bytes(total),
+            ", ".join(sorted({str(f.parent) for f in files})), ring, format_bytes(state.stats.staging_bytes // ring),
+        )
+
+    @staticmethod
+    def _component_of(state: LayerwiseState, stack: Stack):
+        """The pipeline component holding ``stack`` (its checkpoint names the block's tensors), or ``None``."""
+        for component in state.topology.components:
+            if component.module is stack.owner or _holds_any(component.module, {id(stack.owner)}):
+                return component
+        return None
+
     def _stage_move_residents(self, state: LayerwiseState, journal: Journal) -> None:
         non_block = {id(t) for t in self._non_block_tensors(state)}
         roots = [(stack.owner, stack.name, non_block) for stack, kind in zip(state.stacks, state.kinds) if kind == DIT]
@@ -668,11 +951,15 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
-        total = sum(w.nbytes for stack in state.weights for w in stack)
+        total = sum(w.nbytes for stack in state.weights for w in stack if id(w) not in state.disk)
         with byte_progress(total + sum(u.weights.nbytes for u in state.units), "layerwise offload: packing blocks", self.config.show_progress, state.target) as bar:
             for stack_weights, stack_resident in zip(state.weights, state.resident):
                 streamed_row: list[_StreamedBlock | None] = []
                 for weights, resident in zip(stack_weights, stack_resident):
+                    source = state.disk.get(id(weights)) if state.disk else None
+                    if source is not None:
+                        streamed_row.append(self._pack_disk(weights, source, journal))
+                        continue
                     streamed_row.append(self._pack_one(weights, resident, host_memory, journal))
                     bar.update(weights.nbytes)
                 state.streamed.append(streamed_row)
@@ -707,6 +994,17 @@ class LayerwiseOffloadBackend(OffloadBackend):
         weights.park(block.placeholders)
         return block
 
+    def _pack_disk(self, weights: PackedWeights, source: BlockSource, journal: Journal) -> _StreamedBlock:
+        """A block with no host copy: its tensors become placeholders at once; the rollback of a failed enable
+        gives them their own data back (kept until enable returns, then freed: its bytes are the files')."""
+        block = _StreamedBlock(weights, self.device)
+        block.disk = source
+        source.owner = block
+        originals = weights.tensors.current()
+        journal.record(f"restore {weights.path}", lambda: weights.park(originals))
+        weights.park(block.placeholders)
+        return block
+
     def _stage_allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:
         blocks = [b for row in state.streamed for b in row if b is not None]
         state.transfers = Transfers(self.device)
@@ -717,8 +1015,13 @@ class LayerwiseOffloadBackend(OffloadBackend):
         # Without a budget, hold no more blocks than Diffusers' group offload would (running + prefetched); with one,
         # the reserve is paid for, so smaller blocks fill it.
         state.stats.in_flight_blocks = count if self.max_device_memory is None else None
-        state.streamer = _Streamer(state.stats.in_flight_capacity, state.transfers, state.stats,
-                                   max_blocks=state.stats.in_flight_blocks)
+        if state.disk:
+            state.streamer = _DiskStreamer(state.stats.in_flight_capacity, state.transfers, state.stats,
+                                           self._start_staging(state, journal),
+                                           max_blocks=state.stats.in_flight_blocks)
+        else:
+            state.streamer = _Streamer(state.stats.in_flight_capacity, state.transfers, state.stats,
+                                       max_blocks=state.stats.in_flight_blocks)
         logger.info(
             "layerwise offload: up to %s of blocks on %s at once (%d × the largest block, %s; %s; prefetch depth %d)",
             format_bytes(state.stats.in_flight_capacity),
@@ -729,6 +1032,38 @@ class LayerwiseOffloadBackend(OffloadBackend):
             else f"at most {count} blocks",
             self.config.prefetch_depth,
         )
+
+    def _start_staging(self, state: LayerwiseState, journal: Journal) -> StagingRing:
+        """The staging ring of the disk-backed blocks: page-locked buffers from the offload's ``HostMemory`` (so
+        they are unregistered with the rest, before they are freed) and the reader thread, stopped and joined by
+        ``disable``, by the rollback of a failed enable, or when this backend is garbage collected. Each disk-backed
+        block learns the disk-backed blocks that load after it (a DiT's wrap around to the next step)."""
+        count = min(self._staging_count(), len(state.disk))
+        size = state.stats.staging_bytes // count
+        buffers = []
+        for _ in range(count):
+            buffer = state.host_memory.allocate(size, torch.uint8)
+            state.host_memory.pin(buffer)
+            buffers.append(buffer)
+        events = [state.transfers.new_event() for _ in buffers]
+        for index, source in enumerate(state.disk.values()):
+            source.index = index
+        ring = StagingRing(state.disk_reader, buffers, events, state.stats, self.device, _source_loaded,
+                           len(state.disk))
+        state.staging = ring
+        state.stop_reader = weakref.finalize(self, ring.close)
+        journal.record("stop the disk reader", state.stop_reader)
+        for row, kind in zip(state.streamed, state.kinds):
+            sources = [b.disk for b in row if b is not None and b.disk is not None]
+            for position, source in enumerate(sources):
+                if kind == DIT:  # the next step starts over: wrap around
+                    following = sources[position + 1:] + sources[:position]
+                else:  # an encoder runs once per call
+                    following = sources[position + 1:]
+                source.next = tuple(following[:count])
+        logger.info("layerwise offload: staging ring of %d × %s (%s host memory) for %d disk-backed blocks",
+                    count, format_bytes(size), state.host_memory.mode, len(state.disk))
+        return ring
 
     def _forward_lock(self) -> ForwardLock:
         """The lock every DiT forward of this offload runs under (the window and its slots serve one call at a
@@ -888,7 +1223,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 if block is not None:
                     modules = [module] + [m for _, m in state.tails.get(path, ())]
                     for owner in modules:
-                        before, after = self._state_dict_hooks(block.weights)
+                        before, after = self._state_dict_hooks(block.weights, block.disk, state.disk_reader)
                         for handle in (owner.register_state_dict_pre_hook(before),
                                        owner.register_state_dict_post_hook(after)):
                             self._guards.on_remove(handle.remove)
@@ -900,12 +1235,16 @@ class LayerwiseOffloadBackend(OffloadBackend):
         refuse_pickling(objects, self._guards.set)
 
     @staticmethod
-    def _state_dict_hooks(weights: PackedWeights):
+    def _state_dict_hooks(weights: PackedWeights, source: BlockSource | None = None,
+                          reader: DiskReader | None = None):
+        """A block without a host copy (``source``) is read from its files into fresh pageable tensors instead,
+        dropped once ``state_dict()`` is done with them."""
         saved: list[list[torch.Tensor]] = []
 
         def bind_host_copies(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            views = weights.host_views if source is None else weights.views_into(reader.read_pageable(source))
             saved.append(weights.tensors.current())
-            weights.bind(weights.host_views)
+            weights.bind(views)
 
         def put_back(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
             if saved:
@@ -936,19 +1275,65 @@ class LayerwiseOffloadBackend(OffloadBackend):
             state.transfers.synchronize()
         if state.streamer is not None:
             state.streamer.release_all()
+        if state.stop_reader is not None:
+            state.stop_reader()  # the reader thread is joined before its staging buffers are unpinned
         state.hooks.remove_all()
         refresh_registry_caches([stack.owner for stack in state.stacks])
         clone = state.host_memory.needs_clone_on_release
+        unread: list[str] = []
         for stack_weights in state.weights:
             for weights in stack_weights:
-                if not weights.empty:
+                if weights.empty:
+                    continue
+                source = state.disk.get(id(weights)) if state.disk else None
+                if source is None:
                     weights.restore(clone=clone, to_original_device=False)
+                    continue
+                try:  # no host copy: read back from the checkpoint into ordinary host tensors
+                    weights.park(weights.views_into(state.disk_reader.read_pageable(source)), final=True)
+                except Exception as error:  # noqa: BLE001 - the rest is restored first, then this is raised
+                    unread.append(f"{weights.path!r} ({type(error).__name__}: {error})")
         for unit in state.units:
             if unit.onloaded:
                 unit.park()
             unit.weights.restore(clone=clone, to_original_device=False)
+        if state.disk_reader is not None:
+            state.disk_reader.close()
         state.host_memory.release(self.device)
+        if unread:
+            raise DiskReadError(
+                f"layerwise offload disabled, but {len(unread)} disk-backed blocks could not be read back from their "
+                f"checkpoint files, so their tensors are empty: {'; '.join(unread[:3])}"
+                + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
+                + "; load the model again from its files"
+            )
         logger.info("layerwise offload disabled: block weights are ordinary host tensors again")
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _disk_refusal(weights: PackedWeights, transient: dict[int, str]) -> str:
+    """Why a block cannot be read from its checkpoint whatever its files hold (``""``: it can): quantized weights
+    (tensor subclasses: torchao, GGUF, bitsandbytes) are not stored as the files hold them, non-persistent buffers
+    are not in the files, and a permuted layout is not the files' order."""
+    for wrapper in weights.tensors.wrappers:
+        return f"its weights are {type(wrapper.original).__name__} tensor subclasses (quantized weights keep " \
+               "their host copy)"
+    for leaf in weights.tensors.leaves:
+        for target in leaf.targets:
+            if type(target) not in _PLAIN:
+                return f"its weights are {type(target).__name__} tensors (quantized weights keep their host copy)"
+            if id(target) in transient:
+                return "it holds non-persistent buffers (not saved in checkpoints)"
+        if leaf.stride is not None:
+            return "it holds tensors in a permuted (non-contiguous) layout"
+    return ""
+
+
+def _source_loaded(source: BlockSource) -> bool:
+    """Whether a disk-backed block is on the device (its read is not needed until it leaves)."""
+    return source.owner is not None and source.owner.slot is not None
 
 
 def _holds_any(module: nn.Module, ids: set[int]) -> bool:

@@ -452,6 +452,11 @@ class Transfers:
         if event is not None:
             event.record(self._module.current_stream(self.device))
 
+    def record_on_copy(self, event) -> None:
+        """Record ``event`` on the copy stream: it completes once the copies queued so far are done."""
+        if event is not None:
+            event.record(self.copy_stream)
+
     def synchronize(self) -> None:
         if self.asynchronous:
             self._module.synchronize(self.device)

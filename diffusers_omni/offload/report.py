@@ -7,7 +7,9 @@ Every weight (parameter or buffer, a quantized one counted by the bytes it store
 testing mode, that is host memory too; without offload, any accelerator). A weight with two copies (a resident block keeps its host copy; a streamed block in flight has a
 device copy beside its host one) counts in both places, so ``device + pinned + pageable + disk`` is at least
 ``weight_bytes`` and equal to it when every weight has exactly one copy. Under distributed layerwise offload with
-AllGather, host bytes are this rank's shards (the other ranks hold the rest).
+AllGather, host bytes are this rank's shards (the other ranks hold the rest). Under layerwise offload with
+``max_host_memory``, blocks with no host copy count under ``disk`` (their checkpoint files), and the staging ring
+they are read through is a note (it holds no weight of its own).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..utils.text import table
 from .discovery import DIT, ENCODER, RESIDENT, VAE, discover_components
 from .distributed import shard_range
 
-# Locations a weight's bytes can be in (``disk``: read from the checkpoint files at use; nothing does that yet).
+# Locations a weight's bytes can be in (``disk``: no host copy, read from the checkpoint files at each use).
 LOCATIONS = ("device", "pinned", "pageable", "disk")
 
 # How a component's weights reach the device under the offload.
@@ -144,7 +146,7 @@ class _Unit:
     ids: set[int]
     leaf_bytes: int
     host_bytes: int
-    host_kind: str | None  # "pinned", "pageable" or None (no host copy)
+    host_kind: str | None  # "pinned", "pageable", "disk" (read from its checkpoint at each use) or None (no copy)
     on_device: bool
     mode: str  # STREAMED, SWAPPED or RESIDENT_PLACEMENT
     block: bool  # a block of a streamed stack (counted in streamed/resident blocks)
@@ -180,9 +182,9 @@ def _layerwise_units(state: Any) -> list[_Unit]:
                 units.append(_Unit(weights.tensors.ids, nbytes, _shard_bytes(weights, entry.world_size, entry.rank),
                                    _host_kind(mode), entry.slot is not None and entry.slot.owner is entry, STREAMED,
                                    True))
-            elif entry is not None:  # streamed: a host copy, and a device copy while in flight
-                units.append(_Unit(weights.tensors.ids, nbytes, nbytes, _host_kind(mode), entry.slot is not None,
-                                   STREAMED, True))
+            elif entry is not None:  # streamed: a host copy (or its checkpoint), and a device copy while in flight
+                kind = "disk" if getattr(entry, "disk", None) is not None else _host_kind(mode)
+                units.append(_Unit(weights.tensors.ids, nbytes, nbytes, kind, entry.slot is not None, STREAMED, True))
             else:  # resident: on the device, with its host copy when it was packed (AllGather moves residents)
                 packed = bool(weights.host)
                 units.append(_Unit(weights.tensors.ids, nbytes, nbytes if packed else 0,
@@ -330,6 +332,12 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
         rank, world = getattr(backend, "rank", 0), getattr(backend, "world_size", 1)
         notes.append(f"host bytes of streamed blocks are this rank's 1/{world} shards (rank {rank}); the other ranks "
                      "hold the rest")
+    stats = getattr(getattr(backend, "_state", None), "stats", None)
+    if getattr(stats, "staging_bytes", 0):
+        mode = getattr(getattr(backend._state, "host_memory", None), "mode", None)
+        notes.append(f"disk: {stats.disk_blocks} streamed blocks have no host copy and are read from their checkpoint "
+                     f"files at each load, through a staging ring of {format_bytes(stats.staging_bytes)} of "
+                     f"{_host_kind(mode)} host memory (not in the columns above: it holds no weight of its own)")
     if peak is None:
         peak_bytes, peak_note = None, "the pipeline has not been called"
     else:

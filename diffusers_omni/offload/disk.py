@@ -1,0 +1,576 @@
+"""Disk-backed blocks: streamed blocks that keep no host copy and are read from their checkpoint at every load.
+
+Under ``LayerwiseOffloadConfig(max_host_memory=...)`` the streamed blocks that do not fit in the host budget are
+read, each time they load, straight from the safetensors files their component was loaded from:
+
+- ``find_checkpoint``: the files of a component, from the folder Diffusers and Transformers record in
+  ``module.config._name_or_path`` (a single ``*.safetensors`` file or the shards of a ``*.safetensors.index.json``),
+  with the absolute byte range, dtype and shape of every tensor (headers only; nothing else is read);
+- ``BlockSource``: where each tensor of one block is (file, byte offset, length) and where it goes in the block's
+  flat layout (``PackedWeights``: one region per dtype, as the device buffers have it), grouped into runs that are
+  contiguous in a file, so one ``os.preadv`` fills several tensors;
+- ``verify_block``: every tensor of a block compared with its file (name, dtype, shape, then its bytes, in chunks)
+  before the block loses its host copy; a model whose weights differ from its files is refused;
+- ``DiskReader``: the open files; reads a block's runs into any host memory (``os.preadv`` releases the GIL);
+- ``StagingRing``: a few block-sized page-locked buffers and one reader thread that fills them, in the order the
+  blocks will load, as far ahead as free buffers allow. ``take`` hands a block's buffer over once its read is done
+  (waiting for it if needed); ``release`` gives it back once the device copy from it is queued: the buffer's event is
+  recorded on the copy stream, and the reader waits for that event before it reads into the buffer again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..config.offload import format_bytes
+from .loading import CheckpointError, checkpoint_files, read_safetensors_header
+
+logger = logging.getLogger("diffusers_omni")
+
+# The most buffers one ``preadv`` call takes (Linux's IOV_MAX); a run with more tensors is read in several calls.
+_IOV_MAX = 1024
+# Verification reads a file through a buffer of this size.
+_VERIFY_CHUNK = 64 << 20
+
+WAY_OUT = ("raise max_host_memory so this block keeps its host copy, or save the model with save_pretrained in the "
+           "dtype it runs and load it from that folder")
+
+
+class DiskReadError(RuntimeError):
+    """A disk-backed block could not be read from its checkpoint while the offload ran."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: its dtype and shape, and its bytes ``[offset, offset + nbytes)``."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def safetensors_entries(path: str | os.PathLike) -> dict[str, TensorEntry]:
+    """Every tensor of one safetensors file with its absolute byte range. The file is validated by
+    ``read_safetensors_header`` (safetensors checks that offsets are contiguous and sizes match shapes)."""
+    path = Path(path)
+    validated = read_safetensors_header(path)
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: cannot read the safetensors header ({error})") from error
+    start = 8 + length
+    entries = {}
+    for name, (dtype, shape) in validated.items():
+        begin, end = header[name]["data_offsets"]
+        entries[name] = TensorEntry(path, dtype, shape, start + begin, end - begin)
+    return entries
+
+
+@dataclass
+class Checkpoint:
+    """The safetensors files one component was loaded from. A name may be in several files (a folder holding a
+    checkpoint in two dtypes, ``variant=``): each of its entries is kept, the one matching the model is used."""
+
+    folder: Path
+    files: list[Path]
+    entries: dict[str, list[TensorEntry]]
+
+    def lookup(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> TensorEntry | None:
+        """The entry of ``name`` with this dtype and shape, else its first entry (``None``: not in the files)."""
+        found = self.entries.get(name)
+        if not found:
+            return None
+        return next((e for e in found if e.dtype == dtype and e.shape == shape), found[0])
+
+
+def find_checkpoint(module: nn.Module, attribute: str = "") -> tuple[Checkpoint | None, str]:
+    """The checkpoint ``module`` was loaded from, or ``None`` and why not. The folder is ``config._name_or_path``
+    (Diffusers and Transformers record it; a pipeline's component records its subfolder), or its ``attribute``
+    subfolder (a model loaded with ``subfolder=``)."""
+    config = getattr(module, "config", None)
+    recorded = getattr(config, "_name_or_path", None)
+    if not isinstance(recorded, (str, os.PathLike)) or not str(recorded):
+        return None, "it was not loaded from local safetensors files (no config._name_or_path: built in memory?)"
+    root = Path(recorded)
+    if not root.is_dir():
+        return None, (f"its config._name_or_path {str(recorded)!r} is not a local folder (a model loaded from the "
+                      "hub by name; load the pipeline from a local folder or the hub's snapshot folder)")
+    folders = [root] + ([root / attribute] if attribute and "." not in attribute and (root / attribute).is_dir()
+                        else [])
+    errors = []
+    for folder in folders:
+        try:
+            files = checkpoint_files(folder)
+        except CheckpointError as error:
+            several = sorted(folder.glob("*.safetensors"))
+            if len(several) < 2 or any(folder.glob("*.safetensors.index.json")):
+                errors.append(str(error))
+                continue
+            files = several  # variants side by side: the entry matching the model is picked per tensor
+        entries: dict[str, list[TensorEntry]] = {}
+        for file in files:
+            for name, entry in safetensors_entries(file).items():
+                entries.setdefault(name, []).append(entry)
+        return Checkpoint(folder, files, entries), ""
+    return None, f"its folder {str(root)!r} holds no usable safetensors checkpoint ({'; '.join(errors)})"
+
+
+def checkpoint_names(module: nn.Module) -> tuple[dict[int, list[str]], dict[int, str]]:
+    """``({id(tensor): names}, {id(buffer): name})``: the names each parameter and persistent buffer of ``module``
+    has in its checkpoint (every alias of a tied tensor), and the non-persistent buffers (never saved)."""
+    names: dict[int, list[str]] = {}
+    transient: dict[int, str] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for key, tensor in sub._parameters.items():
+            if tensor is not None:
+                names.setdefault(id(tensor), []).append(dot + key)
+        for key, tensor in sub._buffers.items():
+            if tensor is None:
+                continue
+            if key in sub._non_persistent_buffers_set:
+                transient.setdefault(id(tensor), dot + key)
+            else:
+                names.setdefault(id(tensor), []).append(dot + key)
+    return names, transient
+
+
+@dataclass
+class Piece:
+    """One tensor of a block: ``length`` bytes at ``offset`` in file ``file`` (an index into the reader's files), to
+    ``dest`` bytes into the block's flat layout; ``tensor`` is what the model holds (checked at enable)."""
+
+    file: int
+    offset: int
+    dest: int
+    length: int
+    name: str
+    tensor: torch.Tensor | None = field(default=None, repr=False)
+
+
+class BlockSource:
+    """Where one disk-backed block's bytes are: its pieces, grouped into ``runs`` (file, offset, pieces) contiguous
+    in one file, and the layout they are read into (``regions``: byte offset and element count per dtype, in the
+    order of the block's ``PackedWeights.numel``; ``nbytes`` in all, padding included). ``index`` (its position
+    among the disk-backed blocks), ``next`` (the disk-backed blocks that load after it) and ``owner`` (the streamed
+    block) are set by the offload; ``staged`` is the staging buffer holding or reading it."""
+
+    def __init__(self, label: str, component: str, numel: dict[torch.dtype, int], pieces: list[Piece]) -> None:
+        self.label = label
+        self.component = component
+        self.regions: dict[torch.dtype, tuple[int, int]] = {}
+        offset = 0
+        for dtype, count in numel.items():
+            self.regions[dtype] = (offset, count)
+            offset += count * dtype.itemsize
+        self.nbytes = offset
+        self.pieces = pieces
+        self.read_bytes = sum(p.length for p in pieces)
+        self.runs: list[tuple[int, int, list[tuple[int, int]]]] = []
+        for piece in sorted((p for p in pieces if p.length), key=lambda p: (p.file, p.offset)):
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last[0] == piece.file and last[1] + sum(n for _, n in last[2]) == piece.offset:
+                last[2].append((piece.dest, piece.length))
+            else:
+                self.runs.append((piece.file, piece.offset, [(piece.dest, piece.length)]))
+        self.index = 0
+        self.next: tuple[BlockSource, ...] = ()
+        self.staged: StagingBuffer | None = None
+        self.wanted = 0  # the staging ring's mark (``StagingRing._want``)
+        self.owner: Any = None
+
+    def drop_tensors(self) -> None:
+        """Forget the model's tensors (kept only to verify them)."""
+        for piece in self.pieces:
+            piece.tensor = None
+
+    def views(self, flat: torch.Tensor) -> dict[torch.dtype, torch.Tensor]:
+        """Per dtype, the region of ``flat`` (a 1-D uint8 tensor of at least ``nbytes``) it is read into."""
+        return {dtype: flat.narrow(0, start, count * dtype.itemsize).view(dtype)
+                for dtype, (start, count) in self.regions.items()}
+
+    def __repr__(self) -> str:
+        return f"BlockSource({self.label!r}, {format_bytes(self.read_bytes)} in {len(self.runs)} runs)"
+
+
+def block_source(label: str, component: str, checkpoint: Checkpoint, files: list[Path], names: dict[int, list[str]],
+                 slots: Iterable[Any], numel: dict[torch.dtype, int]) -> BlockSource:
+    """The ``BlockSource`` of one block whose layout is ``slots`` (``memory.TensorSlot``s) and ``numel``. Each
+    tensor is looked up by its names in ``checkpoint``; ``files`` is the reader's file list (extended here). Raises
+    ``CheckpointError`` (naming the tensor, the file and the way out) for a tensor missing from the files or held
+    there in another dtype or shape."""
+    offsets = {}
+    start = 0
+    for dtype, count in numel.items():
+        offsets[dtype] = start
+        start += count * dtype.itemsize
+    pieces = []
+    for slot in slots:
+        tensor = slot.tensor
+        aliases = names.get(id(tensor), [])
+        entry = next((e for e in (checkpoint.lookup(n, slot.dtype, tuple(slot.shape)) for n in aliases) if e), None)
+        shown = aliases[0] if aliases else "<unnamed>"
+        where = f"block {label!r} of {component!r}: tensor {shown!r}"
+        if entry is None:
+            raise CheckpointError(
+                f"max_host_memory: {where} is not in the checkpoint {checkpoint.folder} "
+                f"({', '.join(f.name for f in checkpoint.files)}): the model is not what its files hold (a LoRA "
+                f"loaded into it, renamed or added weights); allowed: {WAY_OUT}"
+            )
+        name = next(n for n in aliases if n in checkpoint.entries)
+        if entry.dtype != slot.dtype:
+            raise CheckpointError(
+                f"max_host_memory: {where} is {slot.dtype} in the model but {entry.dtype} in {entry.file} (loaded "
+                f"with torch_dtype, or cast after loading); blocks are read from the files as they are, so the "
+                f"model must run in the files' dtype; allowed: {WAY_OUT}"
+            )
+        if entry.shape != tuple(slot.shape):
+            raise CheckpointError(
+                f"max_host_memory: {where} has shape {list(slot.shape)} in the model but {list(entry.shape)} in "
+                f"{entry.file}; allowed: {WAY_OUT}"
+            )
+        if slot.stride is not None:
+            raise CheckpointError(f"max_host_memory: {where} is not contiguous in the model; allowed: {WAY_OUT}")
+        if entry.file not in files:
+            files.append(entry.file)
+        dest = offsets[slot.dtype] + slot.offset * slot.dtype.itemsize
+        pieces.append(Piece(files.index(entry.file), entry.offset, dest, entry.nbytes, name, slot.leaf.data()))
+    return BlockSource(label, component, numel, pieces)
+
+
+class DiskReader:
+    """The checkpoint files of every disk-backed block, opened once. ``read`` fills a block's layout at a host
+    address; each read checks first that no file changed since it was opened (size, modification time)."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.files = files
+        self.fds: list[int] = []
+        self._signatures: list[tuple[int, int, int]] = []
+        try:
+            for file in files:
+                fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self.fds.append(fd)
+                status = os.fstat(fd)
+                self._signatures.append((status.st_ino, status.st_size, status.st_mtime_ns))
+        except OSError as error:
+            self.close()
+            raise CheckpointError(f"max_host_memory: cannot open {error.filename}: {error.strerror}") from error
+        self._finalizer = weakref.finalize(self, _close_all, list(self.fds))
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        _close_all(fds)
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+
+    def read(self, source: BlockSource, address: int) -> None:
+        """Read ``source``'s runs into host memory at ``address`` (``source.nbytes`` bytes of it)."""
+        if not self.fds:
+            raise RuntimeError("the checkpoint files are closed (offload disabled)")
+        checked: set[int] = set()
+        for file, offset, pieces in source.runs:
+            fd = self.fds[file]
+            if file not in checked:
+                checked.add(file)
+                status = os.fstat(fd)
+                if (status.st_ino, status.st_size, status.st_mtime_ns) != self._signatures[file]:
+                    raise CheckpointError(
+                        f"{self.files[file]} changed since the offload was enabled; its blocks are read from it at "
+                        "every load. Allowed: disable and enable the offload again"
+                    )
+            read_pieces(fd, offset, [(address + dest, length) for dest, length in pieces])
+
+    def read_pageable(self, source: BlockSource) -> dict[torch.dtype, torch.Tensor]:
+        """``source``'s bytes in a fresh ordinary (pageable) host buffer: its per-dtype regions."""
+        flat = torch.empty(source.nbytes, dtype=torch.uint8)
+        self.read(source, flat.data_ptr())
+        return source.views(flat)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def read_pieces(fd: int, offset: int, pieces: list[tuple[int, int]]) -> None:
+    """Fill each ``(address, length)`` of ``pieces`` in order from the file's bytes starting at ``offset`` (one
+    ``os.preadv`` per up to ``_IOV_MAX`` pieces, continued after a short read)."""
+    pending = list(pieces)
+    index = 0
+    while index < len(pending):
+        batch = [(ctypes.c_char * length).from_address(address) for address, length in pending[index:index + _IOV_MAX]]
+        count = os.preadv(fd, batch, offset)
+        if count <= 0:
+            raise OSError(f"unexpected end of file at byte {offset}")
+        offset += count
+        while count:
+            address, length = pending[index]
+            if count >= length:
+                count -= length
+                index += 1
+            else:
+                pending[index] = (address + count, length - count)
+                count = 0
+
+
+def verify_block(source: BlockSource, reader: DiskReader) -> None:
+    """Compare every tensor of ``source`` with its bytes in the files, in chunks; raises ``CheckpointError`` naming
+    the block, the tensor, the file and the way out at the first difference. The model's tensors are then
+    forgotten by ``source``."""
+    chunk = torch.empty(min(_VERIFY_CHUNK, max((p.length for p in source.pieces), default=0)) or 1, dtype=torch.uint8)
+    for piece in source.pieces:
+        data = piece.tensor.detach().reshape(-1).view(torch.uint8)
+        done = 0
+        while done < piece.length:
+            size = min(chunk.numel(), piece.length - done)
+            read_pieces(reader.fds[piece.file], piece.offset + done, [(chunk.data_ptr(), size)])
+            mine = data[done:done + size]
+            if mine.device.type != "cpu":
+                mine = mine.cpu()
+            if not torch.equal(mine, chunk[:size]):
+                raise CheckpointError(
+                    f"max_host_memory: block {source.label!r} of {source.component!r}: tensor {piece.name!r} holds "
+                    f"other values than in {reader.files[piece.file]} (a fused LoRA, or weights changed after "
+                    f"loading); blocks are read from the files at every load, so they must be exactly the files'; "
+                    f"allowed: {WAY_OUT}"
+                )
+            done += size
+    source.drop_tensors()
+
+
+# Staging ring ---------------------------------------------------------------------------------------------------
+
+EMPTY, QUEUED, READING, READY, FAILED, IN_USE = "empty", "queued", "reading", "ready", "failed", "in use"
+
+
+class StagingBuffer:
+    """One page-locked buffer of the ring: its state, the block it holds (or is reading), and the event recorded
+    after the last device copy from it (the reader waits for it before reading into the buffer again). ``pairs``
+    caches, per block (``BlockSource.index``), the offload's copy pairs from this buffer (made on first use)."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, event: Any, sources: int) -> None:
+        self.index = index
+        self.buffer = buffer
+        self.pairs: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * sources
+        self.address = buffer.data_ptr()
+        self.event = event
+        self.pending = False  # a device copy from it may still run (its event was recorded since the last wait)
+        self.state = EMPTY
+        self.source: BlockSource | None = None
+        self.error: BaseException | None = None
+        self.retried = False  # a failed read is read once more when its block is taken
+
+
+class StagingRing:
+    """Block-sized page-locked buffers filled by one reader thread, in the order blocks load.
+
+    ``want(sources)`` says which blocks load next: buffers holding other blocks (not being read, not handed over)
+    are reused for them, in that order, as far as buffers are free. ``take(source)`` returns the buffer holding
+    ``source`` once read (requesting it first if it was not), counting waits; ``release(buffer, record)`` gives it
+    back after the device copy from it is queued (``record(event)`` records the buffer's event on the copy
+    stream). ``is_loaded(source)``: the block is on the device already (never requested again before it leaves).
+    ``close`` stops and joins the thread and drops the buffers (the ring's views of them included), so the pages
+    are freed (and unpinned) as soon as the ring is, also when the offload is garbage collected. ``sources`` is
+    the number of disk-backed blocks (``BlockSource.index`` < it). Counters go to ``stats`` (``disk_reads``,
+    ``disk_read_bytes``, ``disk_read_seconds``, ``disk_waits``, ``disk_wait_seconds``).
+    """
+
+    def __init__(self, reader: DiskReader, buffers: list[torch.Tensor], events: list[Any], stats: Any,
+                 device: torch.device, is_loaded: Callable[[BlockSource], bool], sources: int) -> None:
+        self.reader = reader
+        self.slots = [StagingBuffer(i, b, e, sources) for i, (b, e) in enumerate(zip(buffers, events))]
+        self.size = len(self.slots)
+        self.stats = stats
+        self.device = device
+        self.is_loaded = is_loaded
+        # Re-entrant: a finaliser (``close``) may run in a thread that holds it.
+        self._cond = threading.Condition(threading.RLock())
+        self._queue: deque[StagingBuffer] = deque()
+        self._closing = False
+        self._generation = 0
+        self._thread = threading.Thread(target=self._run, name=f"diffusers-omni disk reader {id(self):#x}",
+                                        daemon=True)
+        self._thread.start()
+
+    # Main thread ------------------------------------------------------------------------------------------
+
+    def want(self, sources: tuple[BlockSource, ...]) -> None:
+        with self._cond:
+            self._want(sources)
+
+    def _want(self, sources: tuple[BlockSource, ...]) -> None:
+        # The first ``size`` of ``sources`` not on the device are marked with this call's generation (no list is
+        # built: this runs at every load); buffers holding unmarked blocks are reused, in ``sources`` order.
+        self._generation += 1
+        generation, count = self._generation, 0
+        for source in sources:
+            if count == self.size:
+                break
+            if source.staged is not None or not self.is_loaded(source):
+                source.wanted = generation
+                count += 1
+        for slot in self.slots:
+            if slot.state in (QUEUED, READY, FAILED) and slot.source.wanted != generation:
+                self._clear(slot)
+        queued = False
+        for source in sources:
+            if source.wanted != generation or source.staged is not None:
+                continue
+            slot = self._empty()
+            if slot is None:
+                break
+            slot.source, slot.state = source, QUEUED
+            source.staged = slot
+            self._queue.append(slot)
+            queued = True
+        if queued:
+            self._cond.notify_all()
+
+    def _empty(self) -> StagingBuffer | None:
+        for slot in self.slots:
+            if slot.state == EMPTY:
+                return slot
+        return None
+
+    def _clear(self, slot: StagingBuffer) -> None:
+        if slot.state == QUEUED:
+            self._queue.remove(slot)
+        if slot.source is not None and slot.source.staged is slot:
+            slot.source.staged = None
+        slot.source, slot.state, slot.error, slot.retried = None, EMPTY, None, False
+
+    def take(self, source: BlockSource) -> StagingBuffer:
+        """The buffer holding ``source``, read; raises ``DiskReadError`` (naming the block) if its read failed
+        twice (a read that failed is read once more when its block is taken)."""
+        with self._cond:
+            self._check_open()
+            if source.staged is None:
+                self._want((source,) + source.next)
+                while source.staged is None:  # every buffer is being read for other blocks: the first one done
+                    self._wait()
+                    self._want((source,) + source.next)
+            slot = source.staged
+            start = None
+            while True:
+                if slot.state in (QUEUED, READING):
+                    if start is None:
+                        start = perf_counter()
+                        self.stats.disk_waits += 1
+                    self._wait()
+                elif slot.state == FAILED and not slot.retried:  # e.g. read ahead before a transient error ended
+                    slot.retried, slot.state, slot.error = True, QUEUED, None
+                    self._queue.appendleft(slot)
+                    self._cond.notify_all()
+                else:
+                    break
+            if start is not None:
+                self.stats.disk_wait_seconds += perf_counter() - start
+            if slot.state == FAILED:
+                error = slot.error
+                self._clear(slot)
+                files = sorted({self.reader.files[f].name for f, _, _ in source.runs})
+                raise DiskReadError(
+                    f"layerwise offload: reading block {source.label!r} of {source.component!r} from "
+                    f"{', '.join(files)} failed ({type(error).__name__}: {error})"
+                ) from error
+            slot.state = IN_USE
+            return slot
+
+    def release(self, slot: StagingBuffer, record: Callable[[Any], None] | None = None) -> None:
+        """Give ``slot`` back once the device copy from it is queued; the reads of the blocks after its own are
+        requested."""
+        with self._cond:
+            if slot.event is not None and record is not None:
+                record(slot.event)
+                slot.pending = True
+            source = slot.source
+            self._clear(slot)
+            if source is not None and not self._closing:
+                self._want(source.next)
+
+    def _wait(self) -> None:
+        self._cond.wait(timeout=1.0)
+        self._check_open()
+        if not self._thread.is_alive():
+            raise DiskReadError("layerwise offload: the disk reader thread is gone")
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise DiskReadError("layerwise offload: the disk reader was stopped (offload disabled)")
+
+    def close(self) -> None:
+        """Stop the reader thread and wait for it (a read in progress completes first)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+            if self._thread.is_alive():
+                logger.warning("layerwise offload: the disk reader thread did not stop within 60 s")
+        if self._thread.is_alive():
+            return  # still reading into a buffer: the buffers stay until it is done
+        for slot in self.slots:
+            if slot.source is not None and slot.source.staged is slot:
+                slot.source.staged = None
+            slot.source, slot.state, slot.error = None, EMPTY, None
+            slot.pairs = []
+            slot.buffer = None
+        self._queue.clear()
+
+    # Reader thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the events are this device's
+        cond = self._cond
+        while True:
+            with cond:
+                while not self._closing and not self._queue:
+                    cond.wait()
+                if self._closing:
+                    return
+                slot = self._queue.popleft()
+                slot.state = READING
+                source = slot.source
+            error = None
+            start = perf_counter()
+            try:
+                if slot.pending:
+                    slot.event.synchronize()  # the last device copy from this buffer is done
+                    slot.pending = False
+                start = perf_counter()
+                self.reader.read(source, slot.address)
+            except BaseException as caught:  # noqa: BLE001 - handed to the thread that takes the block
+                error = caught
+            elapsed = perf_counter() - start
+            with cond:
+                if error is None:
+                    slot.state = READY
+                    self.stats.disk_reads += 1
+                    self.stats.disk_read_bytes += source.read_bytes
+                    self.stats.disk_read_seconds += elapsed
+                else:
+                    slot.state, slot.error = FAILED, error
+                cond.notify_all()

@@ -1,0 +1,330 @@
+"""Layerwise offload under a host-memory budget (``max_host_memory``, #29 item 2): streamed blocks that do not fit
+keep no host copy and are read from their checkpoint's safetensors files at each load, through a staging ring and
+one reader thread; everything that reads a host copy (state_dict, disable, rollback, the report) reads them too."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+
+from diffusers_omni import LayerwiseOffloadConfig, apply_offload
+from diffusers_omni.offload import disk, memory
+from diffusers_omni.offload.layerwise import HostCandidate, plan_host_memory
+from diffusers_omni.pipelines.flux import OmniFluxPipeline
+from diffusers_omni.pipelines.wan import OmniWanPipeline
+
+from offload_helpers import FakeCudaRuntime, assert_same_snapshot, flux_pipe, pipeline_snapshot, wan22_pipe
+
+pytestmark = pytest.mark.integration
+
+COMPONENTS = ("transformer", "text_encoder", "text_encoder_2", "vae")
+
+
+def _deep_flux() -> OmniFluxPipeline:
+    """The tiny FLUX pipeline with a 3 + 4 block transformer (room for blocks on disk and blocks in memory)."""
+    pipe = flux_pipe()
+    config = {**pipe.transformer.config, "num_layers": 3, "num_single_layers": 4}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pipe.register_modules(transformer=FluxTransformer2DModel.from_config(config).eval())
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A saved deep FLUX pipeline: the transformer in several shards (an index), the encoders in single files."""
+    folder = tmp_path_factory.mktemp("flux")
+    _deep_flux().save_pretrained(folder, max_shard_size="300KB")
+    assert (folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    return folder
+
+
+def _load(folder, **kwargs) -> OmniFluxPipeline:
+    pipe = OmniFluxPipeline.from_pretrained(folder, **kwargs)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    return pipe
+
+
+def _image(pipe) -> torch.Tensor:
+    return pipe(prompt="a red fox in the snow", num_inference_steps=2, height=32, width=32,
+                generator=torch.Generator().manual_seed(0), output_type="pt", max_sequence_length=32).images
+
+
+def _host_bytes(pipe) -> int:
+    """What layerwise offload keeps in host memory without a budget."""
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    total = backend.stats.host_bytes
+    pipe.disable_omni_offload()
+    return total
+
+
+def _state_dicts(pipe) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: {k: v.clone() for k, v in getattr(pipe, name).state_dict().items()} for name in COMPONENTS}
+
+
+def _minimum(error: Exception) -> int:
+    """The least ``max_host_memory`` a too-small budget's error names."""
+    return int(str(error).split("at least ")[1].split(" ")[0])
+
+
+def _readers(backend) -> threading.Thread:
+    return backend._state.staging._thread
+
+
+def _reader_threads() -> set[threading.Thread]:
+    """Every disk reader thread of this process (other threads, tqdm's monitor say, may come and go)."""
+    return {t for t in threading.enumerate() if t.name.startswith("diffusers-omni disk reader")}
+
+
+def test_blocks_read_from_disk_bitwise_report_state_dict_and_disable(saved):
+    pipe = _load(saved)
+    reference = _image(pipe)
+    expected = _state_dicts(pipe)
+    budget = _host_bytes(pipe) * 3 // 4
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    stats = backend.stats
+    state = backend._state
+    disk_paths = [b.weights.path for row in state.streamed for b in row if b is not None and b.disk is not None]
+    # Encoder blocks first, then DiT blocks; some DiT blocks keep their host copy.
+    dit = [p for p in disk_paths if p.startswith("transformer.")]
+    assert len(disk_paths) - len(dit) == 4 and 0 < len(dit) < 7
+    assert stats.disk_blocks == len(disk_paths)
+    assert stats.host_bytes + stats.staging_bytes <= budget
+    reader = _readers(backend)
+    assert reader.is_alive() and reader.daemon
+    for _ in range(2):
+        assert torch.equal(_image(pipe), reference)
+    assert stats.disk_reads >= 2 * stats.disk_blocks and stats.disk_read_bytes >= 2 * stats.disk_bytes_per_pass
+    assert stats.on_demand_loads == 0
+    with torch.inference_mode():
+        assert torch.equal(_image(pipe), reference)
+
+    report = pipe.omni_offload_report()
+    disk_bytes = sum(s.read_bytes for s in state.disk.values())
+    assert sum(report[name].disk_bytes for name in COMPONENTS) == disk_bytes == stats.disk_bytes_per_pass
+    assert report["transformer"].disk_bytes > 0 and report["vae"].disk_bytes == 0
+    for name in COMPONENTS:  # one copy of each weight between calls: the non-block ones on the device
+        entry = report[name]
+        assert entry.device_bytes + entry.pageable_bytes + entry.disk_bytes == entry.weight_bytes
+    assert any(note.startswith(f"disk: {stats.disk_blocks} streamed blocks have no host copy") for note in report.notes)
+    assert "staging ring" in str(report)
+
+    # state_dict() while enabled reads the disk-backed blocks from their files.
+    for name, tensors in _state_dicts(pipe).items():
+        assert tensors.keys() == expected[name].keys()
+        assert all(torch.equal(tensors[k], expected[name][k]) for k in tensors), name
+    assert torch.equal(_image(pipe), reference)
+
+    pipe.disable_omni_offload()
+    assert not reader.is_alive()
+    for name in COMPONENTS:
+        module = getattr(pipe, name)
+        for key, tensor in module.state_dict(keep_vars=True).items():
+            assert type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.device.type == "cpu", key
+            assert not tensor.is_pinned() and tensor.numel() == expected[name][key].numel(), key
+            assert torch.equal(tensor, expected[name][key]), key
+    assert torch.equal(_image(pipe), reference)
+
+
+def test_budget_that_fits_reads_nothing_and_starts_no_thread(saved):
+    pipe = _load(saved)
+    threads = _reader_threads()
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=_host_bytes(pipe))
+    assert backend.stats.disk_blocks == 0 and backend.stats.staging_bytes == 0
+    assert backend._state.staging is None and backend._state.disk_reader is None
+    assert type(backend._state.streamer).__name__ == "_Streamer"
+    assert _reader_threads() == threads
+    pipe.disable_omni_offload()
+
+
+def test_budget_too_small_states_the_minimum_which_then_works(saved):
+    pipe = _load(saved)
+    reference = _image(pipe)
+    before = pipeline_snapshot(pipe)
+    with pytest.raises(ValueError, match=r"max_host_memory=1 \(1 B\) is too small; allowed: at least (\d+) ") as info:
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=1)
+    message = str(info.value)
+    assert "phase units" in message and "the staging ring, 3 ×" in message
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+    minimum = _minimum(info.value)
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=minimum)
+    assert backend.stats.host_bytes + backend.stats.staging_bytes == minimum
+    assert torch.equal(_image(pipe), reference)
+    pipe.disable_omni_offload()
+    assert torch.equal(_image(pipe), reference)
+
+
+def test_a_pipeline_built_in_memory_is_refused_when_it_needs_disk_and_nothing_changes():
+    pipe = _deep_flux()
+    budget = _host_bytes(pipe) // 2
+    before = pipeline_snapshot(pipe)
+    threads = _reader_threads()
+    with pytest.raises(ValueError, match="is too small") as info:
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    assert "not loaded from local safetensors files" in str(info.value)
+    assert "'transformer'" in str(info.value) and "'text_encoder_2'" in str(info.value)
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+    assert _reader_threads() == threads
+
+
+def test_weights_that_differ_from_their_files_are_refused(saved):
+    pipe = _load(saved, dtype=torch.bfloat16)  # the files are float32
+    budget = _host_bytes(pipe) * 3 // 4
+    before = pipeline_snapshot(pipe)
+    with pytest.raises(ValueError, match=r"max_host_memory: block 'text_encoder") as info:
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    message = str(info.value)
+    assert "is torch.bfloat16 in the model but torch.float32 in" in message and "model.safetensors" in message
+    assert "raise max_host_memory" in message and "save_pretrained" in message
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+
+    pipe = _load(saved)
+    budget = _host_bytes(pipe) * 3 // 4
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    path = next(s.label for s in backend._state.disk.values() if s.label.startswith("transformer."))
+    pipe.disable_omni_offload()
+    weight = next(p for p in pipe.transformer.get_submodule(path.removeprefix("transformer.")).parameters())
+    weight.data[0] += 1  # as a fused LoRA would
+    before = pipeline_snapshot(pipe)
+    with pytest.raises(ValueError, match=f"block '{path}' of 'transformer': tensor .* holds other values than in "):
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+
+
+def test_quantized_like_weights_keep_their_host_copy_and_the_error_says_so(saved):
+    class Marked(torch.nn.Parameter):
+        """A storage-carrying Parameter subclass, as GGUF's and bitsandbytes' weights are."""
+
+    pipe = _load(saved)
+    for block in pipe.transformer.transformer_blocks:
+        linear = block.attn.to_q
+        linear.weight = Marked(linear.weight.data)
+    with pytest.raises(ValueError, match="is too small") as info:
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=1)
+    assert "3 blocks: its weights are Marked tensors (quantized weights keep their host copy)" in str(info.value)
+
+
+def test_reader_thread_stops_on_disable_and_when_the_pipeline_is_collected(saved, monkeypatch):
+    runtime = FakeCudaRuntime()  # registered host memory, so the staging ring's pinning is checked too
+    monkeypatch.setattr(memory, "host_pinner", lambda device: runtime)
+    pipe = _load(saved)
+    budget = _host_bytes(pipe) * 3 // 4
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    staging = backend._state.staging
+    assert {slot.address for slot in staging.slots} <= set(runtime.registered)
+    reader = _readers(backend)
+    pipe.disable_omni_offload()
+    assert not reader.is_alive() and runtime.registered == {}
+
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    _image(pipe)
+    reader = _readers(backend)
+    assert reader.is_alive() and runtime.registered
+    del pipe, backend, staging
+    gc.collect()
+    reader.join(timeout=10)
+    assert not reader.is_alive() and runtime.registered == {}
+
+
+def test_a_failing_read_names_the_block_and_leaves_no_hung_thread(saved, monkeypatch):
+    pipe = _load(saved)
+    reference = _image(pipe)
+    budget = _host_bytes(pipe) * 3 // 4
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    reader = _readers(backend)
+    original = disk.read_pieces
+
+    def failing(*args, **kwargs):
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(disk, "read_pieces", failing)
+    with pytest.raises(disk.DiskReadError, match=r"reading block '[\w.]+' of '\w+' from [\w.-]+safetensors.* failed "
+                                                 r"\(OSError: \[Errno 5\] Input/output error \(injected\)\)"):
+        _image(pipe)
+    assert reader.is_alive()  # waiting for the next request, not stuck
+    monkeypatch.setattr(disk, "read_pieces", original)
+    assert torch.equal(_image(pipe), reference)  # the next call reads again
+    pipe.disable_omni_offload()
+    assert not reader.is_alive()
+    assert torch.equal(_image(pipe), reference)
+
+    # A read failing while enabling (the first blocks load at the end of enable) rolls everything back.
+    before = pipeline_snapshot(pipe)
+    threads = _reader_threads()
+    monkeypatch.setattr(disk, "read_pieces", failing)
+    monkeypatch.setattr(disk, "verify_block", lambda source, reader: source.drop_tensors())
+    monkeypatch.setattr("diffusers_omni.offload.layerwise.verify_block", disk.verify_block)
+    with pytest.raises(disk.DiskReadError, match="reading block 'transformer"):
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+    assert _reader_threads() == threads
+
+
+def test_bare_model_loaded_from_its_folder(saved):
+    model = FluxTransformer2DModel.from_pretrained(saved / "transformer").eval()
+    from offload_helpers import flux_inputs
+
+    with torch.no_grad():
+        reference = model(**flux_inputs())[0]
+    host = apply_offload(model, LayerwiseOffloadConfig(device="cpu"))
+    total = host.stats.host_bytes
+    host.disable()
+    backend = apply_offload(model, LayerwiseOffloadConfig(device="cpu", max_host_memory=total * 3 // 4))
+    assert backend.stats.disk_blocks > 0
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(**flux_inputs())[0], reference)
+    backend.disable()
+    with torch.no_grad():
+        assert torch.equal(model(**flux_inputs())[0], reference)
+
+
+def test_wan22_both_experts_read_blocks_from_disk(tmp_path):
+    wan22_pipe().save_pretrained(tmp_path)
+    pipe = OmniWanPipeline.from_pretrained(tmp_path)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    call = {"prompt": "a red fox", "num_inference_steps": 4, "height": 32, "width": 32, "num_frames": 5,
+            "output_type": "pt", "max_sequence_length": 32}
+    reference = pipe(**call, generator=torch.Generator().manual_seed(0)).frames
+    with pytest.raises(ValueError, match="is too small") as info:
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=1)
+    budget = _minimum(info.value)  # every block on disk
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    labels = [s.label for s in backend._state.disk.values()]
+    assert any(label.startswith("transformer.") for label in labels)
+    assert any(label.startswith("transformer_2.") for label in labels)
+    for _ in range(2):
+        assert torch.equal(pipe(**call, generator=torch.Generator().manual_seed(0)).frames, reference)
+    assert backend.stats.disk_reads > 0
+    pipe.disable_omni_offload()
+    assert torch.equal(pipe(**call, generator=torch.Generator().manual_seed(0)).frames, reference)
+
+
+def test_plan_takes_encoder_blocks_first_then_spreads_dit_blocks_over_the_stacks():
+    encoder = [HostCandidate(f"e{i}", f"e{i}", 10, 0, True) for i in range(2)]
+    first = [HostCandidate(f"a{i}", f"a{i}", 10, 1, False) for i in range(8)]
+    second = [HostCandidate(f"b{i}", f"b{i}", 10, 2, False) for i in range(4)]
+    quantized = HostCandidate("q", "q", 10, 1, False, reason="quantized")
+    candidates = encoder + first + second + [quantized]
+
+    def chosen(budget: int) -> list[str]:
+        return [c.key for c in plan_host_memory(candidates, {"phase units": 5}, budget, 3)]
+
+    # Host copies: 5 + 15 × 10 = 155. A ring of three 10-byte buffers only pays off from four blocks on disk.
+    assert chosen(155) == []
+    assert chosen(154) == ["e0", "e1", "a4", "b2"]  # two DiT blocks shared by the stacks' sizes (8 and 4)
+    assert chosen(75) == ["e0", "e1", "a0", "a2", "a3", "a4", "a6", "a7", "b0", "b2", "b3"]  # 9 of 12, spread
+    with pytest.raises(ValueError, match=r"max_host_memory=10 \(10 B\) is too small; allowed: at least 45 \(45 B\) = "
+                                         r"phase units 5 B \+ 1 streamed blocks that keep their host copy 10 B \+ the "
+                                         r"staging ring, 3 × 10 B \(the largest of the 14 blocks read from disk\)\. "
+                                         r"Blocks that cannot be read from disk keep their host copy: 1 block: "
+                                         r"quantized$"):
+        plan_host_memory(candidates, {"phase units": 5}, 10, 3)
