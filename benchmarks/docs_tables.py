@@ -1104,6 +1104,131 @@ def offload_concurrency() -> str:
               f"Run: `{cite('offload-concurrency')}`.\n")
 
 
+# Whole pipelines on a small card (#29) ----------------------------------------------------------------------------
+
+PIPELINE_RUNS = (("pipeline-offload-flux", "FLUX.1-dev"), ("pipeline-offload-qwen", "Qwen-Image"))
+# Diffusers' strategies and mmgp's, as the run names them (what the targets compare with).
+_DIFFUSERS = ("diffusers-group", "diffusers-model", "diffusers-sequential")
+
+
+def _pipeline_name(row: dict, report: dict) -> str:
+    if row["strategy"] == "omni-budget":
+        return f"omni layerwise, `max_device_memory=\"{report['args']['omni_budget']}\"`"
+    return {"omni": "omni layerwise", "resident": "resident (no card limit)",
+            "diffusers-group": "Diffusers `enable_group_offload` (pipeline, block level, streams)",
+            "diffusers-model": "Diffusers `enable_model_cpu_offload`",
+            "diffusers-sequential": "Diffusers `enable_sequential_cpu_offload`",
+            "mmgp2": "mmgp `profile` 2", "mmgp4": "mmgp `profile` 4 (its default quantizes the text encoder to int8)"}.get(
+                row["strategy"], row["strategy"])
+
+
+def _pipeline_skip(row: dict) -> str:
+    reason = row.get("skip_reason") or ""
+    return f"not run: {reason}" if reason else f"not run ({row.get('status')})"
+
+
+def _pipeline_ok(row: dict) -> bool:
+    return row.get("status") == "ok" and row.get("end_to_end_s") is not None
+
+
+def _pipeline_checks(report: dict) -> dict:
+    """The issue's targets for one run: omni's peak within the card, omni within 1.1× its lower bound, and how much
+    faster than the fastest Diffusers strategy that ran and than mmgp profile 2."""
+    rows = {r["strategy"]: r for r in report["strategies"]}
+    bounds = {b["strategy"]: b for b in report["lower_bounds"]}
+    card = report["strategies"][1]["card_bytes"] if len(report["strategies"]) > 1 else None
+    diffusers = [rows[n] for n in _DIFFUSERS if n in rows and _pipeline_ok(rows[n])]
+    checks = {}
+    for name in ("omni", "omni-budget"):
+        row = rows.get(name)
+        if row is None or not _pipeline_ok(row):
+            continue
+        fastest = min(diffusers, key=lambda r: r["end_to_end_s"]) if diffusers else None
+        mmgp = rows.get("mmgp2")
+        checks[name] = {
+            "peak_ok": row["device_peak_allocated"] <= row["card_bytes"],
+            "bound_ratio": bounds[name]["ratio"] if name in bounds else None,
+            "vs_diffusers": (fastest["end_to_end_s"] / row["end_to_end_s"], fastest["strategy"]) if fastest else None,
+            "vs_mmgp2": mmgp["end_to_end_s"] / row["end_to_end_s"] if mmgp and _pipeline_ok(mmgp) else None,
+            "same_image": row.get("sha256") == rows["resident"].get("sha256") if "resident" in rows else None,
+        }
+    return checks
+
+
+def pipeline_offload() -> str:
+    """``benchmarks/pipeline_offload_bench.py``'s runs: whole pipelines, prompt to image, on an emulated card."""
+    out = []
+    for name, label in PIPELINE_RUNS:
+        report = result(name)
+        rows = []
+        for row in report["strategies"]:
+            if not _pipeline_ok(row):
+                error = row.get("error")
+                why = (f"failed in {error['stage']}: {error['type']}: {_short_error(error['message'])}"
+                       if isinstance(error, dict) else _pipeline_skip(row))
+                rows.append([_pipeline_name(row, report), why, "", "", "", "", "", ""])
+                continue
+            phases = row["phases"]
+            same = ("reference" if row["strategy"] == "resident" else
+                    "yes" if row.get("sha256") == report["strategies"][0].get("sha256") else "**no**")
+            rows.append([_pipeline_name(row, report), f"{row['end_to_end_s']:.1f} s",
+                         f"{phases['encode_s']:.2f} / {phases['denoise_s']:.1f} / {phases['decode_s']:.2f} s",
+                         gib(row["device_peak_allocated"]), gib(row["rss"]["peak"]),
+                         gib(row["pinned"]["pinned_total_bytes"]), f"{row['enable_s']:.1f} s", same])
+        checks = _pipeline_checks(report)
+        lines = []
+        for strategy, check in checks.items():
+            parts = [f"peak within the card: {_verdict(check['peak_ok'])}"]
+            if check["bound_ratio"] is not None:
+                parts.append(f"end to end ÷ lower bound {check['bound_ratio']:.2f} (≤ 1.1: "
+                             f"{_verdict(check['bound_ratio'] <= 1.1)})")
+            if check["vs_diffusers"] is not None:
+                speed, against = check["vs_diffusers"]
+                parts.append(f"{speed:.2f}× faster than the fastest Diffusers strategy that ran ({against}; ≥ 1.3: "
+                             f"{_verdict(speed >= 1.3)})")
+            else:
+                parts.append("no Diffusers strategy completed on this card")
+            if check["vs_mmgp2"] is not None:
+                parts.append(f"{check['vs_mmgp2']:.2f}× faster than mmgp profile 2 (≥ 1.8: "
+                             f"{_verdict(check['vs_mmgp2'] >= 1.8)})")
+            lines.append(f"- {strategy}: " + "; ".join(parts))
+        env, args = report["environment"], report["args"]
+        card = args["card_gib"]
+        out.append(
+            f"**{label}**, {report['steps']} steps, card emulated at {card:g} GiB "
+            f"(`torch.cuda.set_per_process_memory_fraction`), {env['device_name']}, torch {env['torch']}, diffusers "
+            f"{env['diffusers']}; `{cite(name)}`\n\n"
+            + table(["Strategy", "End to end", "Encode / denoise / decode", "Device peak", "Host RSS peak",
+                     "Pinned", "Enable", "Same image as resident"], rows)
+            + "\n" + "\n".join(lines) + "\n")
+    return "\n".join(out)
+
+
+def readme_pipelines() -> str:
+    """The README's row for whole pipelines: omni against the fastest Diffusers strategy and mmgp, same runs as
+    the offload guide's tables."""
+    rows = []
+    for name, label in PIPELINE_RUNS:
+        report = result(name)
+        by = {r["strategy"]: r for r in report["strategies"]}
+        omni, card = by["omni"], report["args"]["card_gib"]
+        checks = _pipeline_checks(report)["omni"]
+        diffusers = (f"{checks['vs_diffusers'][0] * omni['end_to_end_s']:.1f} s ({checks['vs_diffusers'][1]})"
+                     if checks["vs_diffusers"] else "none completed on this card")
+        mmgp = by.get("mmgp2")
+        rows.append([f"{label}, prompt → {report['steps']}-step image on a {card:g} GiB card",
+                     f"**{omni['end_to_end_s']:.1f} s**, peak {gib(omni['device_peak_allocated'])}", diffusers,
+                     f"{mmgp['end_to_end_s']:.1f} s" if mmgp and _pipeline_ok(mmgp) else "—"])
+    env = result(PIPELINE_RUNS[0][0])["environment"]
+    runs = ", ".join(f"`{cite(name, '.json')}`" for name, _ in PIPELINE_RUNS)
+    return table(["Whole pipeline, every component offloaded (" + env["device_name"] + ")",
+                  "diffusers-omni `enable_layerwise_offload`", "Diffusers, fastest that ran", "mmgp profile 2"],
+                 rows) + (f"\nbf16 random weights at the real sizes, card emulated with "
+                          f"`set_per_process_memory_fraction`, same image as the resident pipeline; from {runs}. "
+                          "[Offload guide](docs/user_guide/offload.md#whole-pipelines-on-a-small-card) for the "
+                          "phases, budgets and every strategy.\n")
+
+
 def quality_h200() -> str:
     """``benchmarks/quality_bench.py``'s tables (``docs/user_guide/quality.md``); a pointer until it has run."""
     from benchmarks.quality_bench import to_markdown  # imports torch and the package: only when rendering this table
@@ -1288,6 +1413,8 @@ RENDERERS = {
     "peak-diff": peak_diff,
     "offload-lifecycle": offload_lifecycle,
     "offload-concurrency": offload_concurrency,
+    "pipeline-offload": pipeline_offload,
+    "readme-pipelines": readme_pipelines,
     "quality-h200": quality_h200,
     "diffusers-pipeline-tests": diffusers_pipeline_tests,
 }
@@ -1348,7 +1475,53 @@ def plot_offload_summary(path: Path) -> None:
     plt.close(fig)
 
 
-PLOTS = {"offload_summary.png": (plot_offload_summary, offload_plot_data)}
+def pipeline_plot_data() -> list[dict]:
+    """The bars of ``pipeline_offload.png``: end to end and device peak of every strategy that completed, per run."""
+    bars = []
+    for name, label in PIPELINE_RUNS:
+        report = result(name)
+        for row in report["strategies"]:
+            if _pipeline_ok(row):
+                bars.append({"group": f"{label}, {report['args']['card_gib']:g} GiB card, {report['steps']} steps",
+                             "strategy": row["strategy"], "seconds": round(row["end_to_end_s"], 3),
+                             "peak_gib": round(row["device_peak_allocated"] / GiB, 2),
+                             "card_gib": report["args"]["card_gib"], "budget": report["args"]["omni_budget"]})
+    return bars
+
+
+def plot_pipeline_offload(path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = pipeline_plot_data()
+    groups = list(dict.fromkeys(b["group"] for b in bars))
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.4), squeeze=False)
+    names = {"resident": "resident\n(no limit)", "omni": "omni\nlayerwise", "diffusers-group": "Diffusers\ngroup offload",
+             "diffusers-model": "Diffusers\nmodel offload", "diffusers-sequential": "Diffusers\nsequential",
+             "mmgp2": "mmgp\nprofile 2", "mmgp4": "mmgp\nprofile 4"}
+    for ax, group in zip(axes[0], groups):
+        mine = [b for b in bars if b["group"] == group]
+        colors = ["tab:green" if b["strategy"].startswith("omni") else
+                  "tab:blue" if b["strategy"] == "resident" else "tab:gray" for b in mine]
+        ax.bar(range(len(mine)), [b["seconds"] for b in mine], color=colors)
+        for i, b in enumerate(mine):
+            ax.text(i, b["seconds"], f"{b['seconds']:.1f} s\n{b['peak_gib']:.1f} GiB", ha="center", va="bottom",
+                    fontsize=7)
+        labels = [names.get(b["strategy"], f"omni\n{b['budget']} budget") for b in mine]
+        ax.set_xticks(range(len(mine)), labels, fontsize=7)
+        ax.set_title(group, fontsize=9)
+        ax.set_ylabel("seconds, prompt to image")
+        ax.margins(y=0.2)
+    fig.suptitle("Whole pipelines on an emulated card: end to end and device peak (H200)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Description": f"data-sha256:{_digest(bars)}", "Software": None})
+    plt.close(fig)
+
+
+PLOTS = {"offload_summary.png": (plot_offload_summary, offload_plot_data),
+         "pipeline_offload.png": (plot_pipeline_offload, pipeline_plot_data)}
 
 
 def plot_is_current(name: str, directory: Path | None = None) -> bool:

@@ -171,12 +171,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     # Whole pipelines (prompt → image/video) under offload on an emulated card, every strategy in its own process ----
     Scenario("pipeline-offload-flux", "pipeline_offload_bench",
              "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: omni (and with an 8 GiB budget) "
-             "vs Diffusers' offloads vs mmgp", "gpu", (),
+             "vs Diffusers' offloads vs mmgp", "gpu", (README, OFFLOAD),
              args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", _PIPELINE_FLUX,
                    "--omni-budget", "8GiB", "--sequential-steps", "4", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-qwen", "pipeline_offload_bench",
              "Qwen-Image pipeline end to end (20 of its 50 steps) on an emulated 24 GiB card: omni (and with a 16 "
-             "GiB budget) vs Diffusers' offloads vs mmgp", "gpu", (),
+             "GiB budget) vs Diffusers' offloads vs mmgp", "gpu", (README, OFFLOAD),
              args=("--model", "qwen", "--card-gib", "24", "--steps", "20", "--strategies", _PIPELINE_QWEN,
                    "--omni-budget", "16GiB", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-wan", "pipeline_offload_bench",
