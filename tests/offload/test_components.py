@@ -108,6 +108,24 @@ def test_a_budget_that_holds_everything_keeps_every_component_resident():
     pipe.disable_omni_offload()
 
 
+def test_a_budget_holding_every_block_but_not_every_phase_keeps_blocks_and_swaps_the_phases():
+    pipe = flux_pipe()
+    reference = _image(pipe)
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    state = backend._state
+    everything = (backend.stats.resident_device_bytes + sum(w.nbytes for row in state.weights for w in row)
+                  + sum(u.weights.nbytes for u in state.units))
+    pipe.disable_omni_offload()
+    backend = pipe.enable_layerwise_offload(device="cpu", max_device_memory=everything - 1)
+    assert backend.stats.streamed_blocks == 0 and backend.stats.phase_units == 3
+    assert not any(unit.resident for unit in backend._state.units)
+    for _ in range(2):
+        assert torch.equal(_image(pipe), reference)
+        assert not any(unit.onloaded for unit in backend._state.units)  # every block resident, the rest per phase
+    assert pipe.omni_offload_report()["text_encoder_2"].placement == "swapped"
+    pipe.disable_omni_offload()
+
+
 def test_a_budget_keeps_dit_blocks_before_encoder_blocks():
     import dist_scenarios
 
