@@ -259,3 +259,37 @@ def test_distributed_refuses_a_second_concurrent_call_at_once(one_rank_group, us
     with torch.no_grad():  # the refused call changed nothing
         assert torch.equal(model(**inputs)[0], reference)
     backend.disable()
+
+
+def test_layerwise_phases_called_from_several_threads_at_once():
+    """Every component managed by phase (#29): threads calling the T5 encoder, the CLIP encoder, the VAE's decode and
+    the transformer at once each get what they get alone; a phase entering (parking the other units, freeing other
+    stacks' prefetched blocks) never lands in the middle of another thread's forward."""
+    pipe = flux_pipe()
+    ids_t5 = pipe.tokenizer_2(["a red fox in the snow"], return_tensors="pt").input_ids
+    ids_clip = pipe.tokenizer(["a red fox in the snow"], return_tensors="pt").input_ids
+    latents = torch.randn(1, pipe.vae.config.latent_channels, 4, 4, generator=torch.Generator().manual_seed(3))
+    inputs = flux_inputs()
+    calls = {
+        "t5": lambda: pipe.text_encoder_2(ids_t5)[0],
+        "clip": lambda: pipe.text_encoder(ids_clip).pooler_output,
+        "vae": lambda: pipe.vae.decode(latents).sample,
+        "dit": lambda: pipe.transformer(**inputs)[0],
+    }
+    with torch.no_grad():
+        references = {name: call() for name, call in calls.items()}
+    pipe.enable_layerwise_offload(device="cpu")
+    names = list(calls)
+    for _ in range(ROUNDS):
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+
+        def work(k: int) -> None:
+            for call in range(CALLS):
+                with torch.no_grad():
+                    outputs[k, call] = calls[names[(k + call) % len(names)]]()
+
+        errors = _run_threads(work, len(names))
+        assert not errors, [f"{type(e).__name__}: {e}" for e in errors]
+        for (k, call), output in outputs.items():
+            assert torch.equal(output, references[names[(k + call) % len(names)]])
+    pipe.disable_omni_offload()
