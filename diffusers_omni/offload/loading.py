@@ -225,6 +225,9 @@ def load_transformer_mmap(
         raise CheckpointError(f"{directory}: tensors left unloaded on the meta device: {meta[:3]}")
     if torch_dtype is not None:
         _convert_buffers(model, torch_dtype)
+    # Where the weights came from, as from_pretrained records it (layerwise offload's max_host_memory reads blocks
+    # back from these files).
+    model.register_to_config(_name_or_path=str(directory))
     return model.eval()
 
 

@@ -328,3 +328,27 @@ def test_plan_takes_encoder_blocks_first_then_spreads_dit_blocks_over_the_stacks
                                          r"Blocks that cannot be read from disk keep their host copy: 1 block: "
                                          r"quantized$"):
         plan_host_memory(candidates, {"phase units": 5}, 10, 3)
+
+
+def test_a_transformer_loaded_as_mmap_views_reads_its_blocks_from_its_files(saved):
+    """The low-RAM way to load a big DiT (``load_transformer_mmap``: weights are views of the checkpoint, no
+    anonymous copy) records its folder as from_pretrained does, so a host budget can send its blocks to disk."""
+    import re
+
+    from diffusers_omni.offload.loading import load_transformer_mmap
+
+    reference = _image(_load(saved))
+    pipe = _load(saved)
+    pipe.transformer = load_transformer_mmap(FluxTransformer2DModel, saved, subfolder="transformer").eval()
+    assert pipe.transformer.config._name_or_path == str(saved / "transformer")
+    with pytest.raises(ValueError, match="max_host_memory=1 ") as error:
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=1)
+    least = int(re.search(r"at least (\d+)", str(error.value)).group(1))
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=least)
+    report = pipe.omni_offload_report()
+    assert report["transformer"].bytes["disk"] > 0 and report["transformer"].pageable_bytes == 0
+    for _ in range(2):
+        assert torch.equal(_image(pipe), reference)
+    assert backend.stats.disk_reads > 0
+    pipe.disable_omni_offload()
+    assert torch.equal(_image(pipe), reference)
