@@ -11,7 +11,12 @@ enabled (every strategy but ``resident``). Strategies:
 * ``resident``: the whole pipeline ``.to("cuda")``, no cap: the reference image and each phase's compute time
   (skipped where the weights would not fit the real device);
 * ``omni``: ``omni = omnify(pipe); omni.enable_layerwise_offload(device="cuda")``, run on ``omni``;
-  ``omni-budget``: the same with ``max_device_memory=--omni-budget`` (added after ``omni`` when the option is given).
+  ``omni-budget``: the same with ``max_device_memory=--omni-budget`` (added after ``omni`` when the option is given);
+  ``omni-host``: the host budget (``max_host_memory=--omni-host-budget``): the DiTs are first saved to
+  ``--checkpoint-dir`` (safetensors, needs their bytes free on that disk) and loaded back as mmap views
+  (``load_transformer_mmap``: no private copy in RAM), so the blocks beyond the budget are read from those files at
+  every load; with ``--drop-page-cache`` (default) the files' cached pages are dropped
+  (``posix_fadvise(DONTNEED)``) before every transformer forward, so those reads come from the disk, not RAM.
   ``--omni-attention`` chooses the attention ``omnify`` installs: ``off`` (default) keeps Diffusers' own processors,
   as every other strategy runs, so that only the offload differs (and the image can match ``resident`` bit for bit);
   ``auto`` is ``omnify(pipe)``'s default (omni attention with the platform's choice); any other value is passed on;
@@ -79,10 +84,10 @@ from benchmarks.offload_bench import environment, host_rss, parameters_on_meta, 
 
 GiB = 2**30
 MiB = 2**20
-STRATEGIES = ("resident", "omni", "omni-budget", "diffusers-group", "diffusers-model", "diffusers-sequential",
-              "mmgp2", "mmgp4")
+STRATEGIES = ("resident", "omni", "omni-budget", "omni-host", "diffusers-group", "diffusers-model",
+              "diffusers-sequential", "mmgp2", "mmgp4")
 NEEDS_CUDA = {"diffusers-group", "diffusers-model", "diffusers-sequential", "mmgp2", "mmgp4"}
-OMNI = ("omni", "omni-budget")
+OMNI = ("omni", "omni-budget", "omni-host")
 PHASES = ("encode", "denoise", "decode")
 PROMPT = "A red fox sitting in a snowy forest at dawn, soft golden light, highly detailed photograph"
 SEED = 0
@@ -536,6 +541,85 @@ def omni_budget(args: argparse.Namespace) -> str | int | None:
     return args.expected_weight_bytes if args.smoke else args.omni_budget
 
 
+def host_budget(omni: Any, device: torch.device, args: argparse.Namespace) -> str | int:
+    """``max_host_memory`` of omni-host: ``--omni-host-budget``; in a smoke run, the least the tiny pipeline allows
+    (read from the error a 1-byte budget raises), so that blocks go to disk there too."""
+    if not args.smoke:
+        return args.omni_host_budget
+    import re
+
+    try:
+        omni.enable_layerwise_offload(device=str(device), max_host_memory=1)
+    except ValueError as error:
+        found = re.search(r"at least (\d+)", str(error))
+        if found:
+            return int(found.group(1))
+        raise
+    omni.disable_omni_offload()
+    return 1
+
+
+def disk_checkpoint(pipe: Any, spec: "ModelSpec", args: argparse.Namespace) -> dict[str, Any]:
+    """omni-host: save each DiT to ``--checkpoint-dir`` and put it back into ``pipe`` loaded as mmap views of those
+    files (its built copy is dropped). Refuses, before writing anything, when the disk has not room for them."""
+    import shutil
+
+    from diffusers_omni.offload.loading import load_transformer_mmap
+
+    folder = Path(args.checkpoint_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = [t for t in spec.transformers if getattr(pipe, t, None) is not None]
+    need = sum(p.numel() * p.element_size() for t in names for p in getattr(pipe, t).parameters())
+    free = shutil.disk_usage(folder).free
+    if need * 1.02 + GiB > free:
+        raise RuntimeError(f"the DiTs' checkpoint needs {need / GiB:.1f} GiB on disk and {folder} has "
+                           f"{free / GiB:.1f} GiB free; give --checkpoint-dir on a larger disk")
+    start = time.perf_counter()
+    for name in names:
+        model = getattr(pipe, name)
+        model.save_pretrained(folder / name, max_shard_size="10GB")
+        cls = type(model)
+        by_dtype: dict[torch.dtype, int] = collections.Counter()
+        for p in model.parameters():
+            by_dtype[p.dtype] += p.numel()
+        dtype = max(by_dtype, key=by_dtype.get)  # as from_pretrained(torch_dtype=...): fp32-kept modules stay fp32
+        del model
+        setattr(pipe, name, None)
+        gc.collect()
+        trim_host_heap()
+        setattr(pipe, name, load_transformer_mmap(cls, folder, name, torch_dtype=dtype).eval())
+    files = sorted(str(p) for p in folder.rglob("*.safetensors"))
+    return {"folder": str(folder), "bytes": need, "save_and_load_s": time.perf_counter() - start, "files": files}
+
+
+class PageCacheDropper:
+    """Drops the page cache of the checkpoint files (``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no
+    privileges for clean pages) before each transformer forward, so omni-host's reads come from the disk."""
+
+    def __init__(self, files: list[str]) -> None:
+        self.files = files
+        self.handles: list[Any] = []
+        self.drops = 0
+
+    def drop(self) -> None:
+        for path in self.files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        self.drops += 1
+
+    def attach(self, modules: dict[str, nn.Module]) -> None:
+        for module in modules.values():
+            self.handles.append(module.register_forward_pre_hook(lambda *_: self.drop(), prepend=True))
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
 def enable_strategy(strategy: str, pipe: Any, device: torch.device, args: argparse.Namespace) -> tuple[Any, Any]:
     """Enable ``strategy`` on ``pipe``; returns (the object to call, the offload handle if any)."""
     if strategy == "resident":
@@ -549,7 +633,10 @@ def enable_strategy(strategy: str, pipe: Any, device: torch.device, args: argpar
         else:
             omni = omnify(pipe, None if args.omni_attention == "auto" else args.omni_attention)
         budget = omni_budget(args) if strategy == "omni-budget" else None
-        backend = omni.enable_layerwise_offload(device=str(device), max_device_memory=budget)
+        if strategy == "omni-host":
+            backend = omni.enable_layerwise_offload(device=str(device), max_host_memory=host_budget(omni, device, args))
+        else:
+            backend = omni.enable_layerwise_offload(device=str(device), max_device_memory=budget)
         return omni, backend
     if strategy == "diffusers-group":
         pipe.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",
@@ -773,6 +860,19 @@ def run_child(args: argparse.Namespace) -> int:
         result["rss"] = {"after_build": rss["rss"], "build_peak": rss["hwm"]}
         save()
         print(f"built in {build['build_s']:.1f} s; host RSS {rss['rss'] / GiB:.1f} GiB", flush=True)
+        dropper = None
+        if strategy == "omni-host":
+            stage = result["stage"] = "checkpoint"
+            save()
+            result["checkpoint"] = disk_checkpoint(pipe, spec, args)
+            rss = host_rss()
+            result["rss"]["after_checkpoint"] = rss["rss"]
+            print(f"DiTs saved and loaded back as mmap views in {result['checkpoint']['save_and_load_s']:.1f} s; "
+                  f"host RSS {rss['rss'] / GiB:.1f} GiB", flush=True)
+            if args.drop_page_cache:
+                dropper = PageCacheDropper(result["checkpoint"]["files"])
+                dropper.drop()
+            save()
 
         stage = result["stage"] = "enable"
         save()
@@ -790,6 +890,8 @@ def run_child(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             result["enable_device_peak"] = torch.cuda.max_memory_allocated(device)
         result["pinned_after_enable"] = pinned_bytes(pipe, device)
+        if strategy == "omni-host":
+            result["max_host_memory"] = handle.config.max_host_memory
         print(f"enabled in {result['enable_s']:.1f} s; host RSS {rss['rss'] / GiB:.1f} GiB (peak "
               f"{rss['hwm'] / GiB:.1f}), pinned {result['pinned_after_enable']['pinned_total_bytes'] / GiB:.1f} GiB",
               flush=True)
@@ -806,6 +908,8 @@ def run_child(args: argparse.Namespace) -> int:
         modules = {t: getattr(pipe, t) for t in spec.transformers if getattr(pipe, t, None) is not None}
         clock = PhaseClock(device)
         clock.attach(modules)
+        if dropper is not None:
+            dropper.attach(modules)  # registered after the clock's (prepended) hook: it runs first, untimed
 
         stage = result["stage"] = "warmup"
         save()
@@ -851,6 +955,9 @@ def run_child(args: argparse.Namespace) -> int:
         if strategy in OMNI:
             stage = result["stage"] = "report"
             result["omni"] = omni_record(target, handle, dict(clock.forwards), spec.transformers)
+        if dropper is not None:
+            result["page_cache_drops"] = dropper.drops
+            dropper.detach()
         result["status"] = "ok"
         clock.detach()
     except Exception as error:  # noqa: BLE001 - recorded as this strategy's result
@@ -927,8 +1034,8 @@ def lower_bounds(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     resident = next((r for r in results if r["strategy"] == "resident"), None)
     bounds = []
     for r in results:
-        if r["strategy"] not in OMNI or r.get("status") != "ok" or "omni" not in r:
-            continue
+        if r["strategy"] not in OMNI or r["strategy"] == "omni-host" or r.get("status") != "ok" or "omni" not in r:
+            continue  # omni-host reads from the disk: its own bound is in host_budget_summary
         row: dict[str, Any] = {"strategy": r["strategy"], "streamed_bytes": r["omni"]["streamed_bytes"],
                                "bandwidth_bytes_per_s": r["bandwidth_bytes_per_s"]}
         if resident is None or resident.get("status") != "ok":
@@ -1061,9 +1168,52 @@ def markdown(report: dict[str, Any]) -> str:
         for note in r.get("notes", []):
             notes.append(f"- {r['strategy']}: {note}")
     notes += [f"- {note}" for note in report.get("notes", [])]
+    summary = report.get("host_budget")
+    if summary:
+        lines += ["", "## Host budget (omni-host against omni)", "",
+                  "| max_host_memory | pinned | host RSS peak | denoise forward (median): omni-host / omni | "
+                  "disk blocks | read from disk per pass | disk reads: bytes / seconds / bandwidth | loads that "
+                  "waited | page cache |", "|---|---|---|---|---|---|---|---|---|"]
+        ratio = summary.get("forward_ratio")
+        lines.append(
+            f"| {summary['budget']} | {_gib(summary['pinned_bytes'])} | {_gib(summary['rss_peak'])} | "
+            f"{_s(summary['forward_s'])} / {_s(summary['omni_forward_s'])}"
+            f"{'' if ratio is None else f' ({ratio:.2f}×)'} | {summary['disk_blocks']} | "
+            f"{_gib(summary['disk_bytes_per_pass'])} | {_gib(summary['disk_read_bytes'])} / "
+            f"{_s(summary['disk_read_seconds'])} / {_gib(summary['disk_bandwidth'])}/s | {summary['disk_waits']} | "
+            f"{'dropped before every forward' if summary['page_cache_dropped'] else 'kept'} |")
     if notes:
         lines += ["", "## Notes", "", *dict.fromkeys(notes)]
     return "\n".join(lines) + "\n"
+
+
+def host_budget_summary(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any] | None:
+    """omni-host against omni (all host copies pinned) in the same run: pinned bytes, host RSS peak, the median
+    transformer forward of each, and what the disk delivered (the reader thread's bytes and time)."""
+    import statistics
+
+    host = next((r for r in results if r["strategy"] == "omni-host" and r.get("status") == "ok"), None)
+    if host is None:
+        return None
+    omni = next((r for r in results if r["strategy"] == "omni" and r.get("status") == "ok"), None)
+
+    def median_forward(r: dict[str, Any] | None) -> float | None:
+        times = [t for values in (r or {}).get("forward_s", {}).values() for t in values]
+        return statistics.median(times) if times else None
+
+    stats = host["omni"].get("stats", {})
+    forward, omni_forward = median_forward(host), median_forward(omni)
+    seconds = stats.get("disk_read_seconds") or 0.0
+    return {
+        "budget": _bytes(host["max_host_memory"]) if host.get("max_host_memory") else args.omni_host_budget,
+        "pinned_bytes": host["pinned"]["pinned_total_bytes"],
+        "rss_peak": host["rss"]["peak"], "forward_s": forward, "omni_forward_s": omni_forward,
+        "forward_ratio": forward / omni_forward if forward and omni_forward else None,
+        "disk_blocks": stats.get("disk_blocks"), "disk_bytes_per_pass": stats.get("disk_bytes_per_pass"),
+        "disk_read_bytes": stats.get("disk_read_bytes"), "disk_read_seconds": seconds,
+        "disk_bandwidth": (stats.get("disk_read_bytes") or 0) / seconds if seconds else None,
+        "disk_waits": stats.get("disk_waits"), "page_cache_dropped": bool(host.get("page_cache_drops")),
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1078,6 +1228,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated, run in this order: {', '.join(STRATEGIES)}")
     parser.add_argument("--omni-budget", default=None,
                         help="max_device_memory for omni-budget (e.g. 8GiB); given, omni-budget runs after omni")
+    parser.add_argument("--omni-host-budget", default=None,
+                        help="max_host_memory for omni-host (e.g. 32GiB); given, omni-host runs after omni")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="omni-host: where the DiTs are saved (default: a folder under the temporary directory)")
+    parser.add_argument("--keep-page-cache", dest="drop_page_cache", action="store_false",
+                        help="omni-host: leave the checkpoint's pages cached (default: dropped before each forward)")
     parser.add_argument("--omni-attention", default="off",
                         help="attention omnify installs: off (Diffusers' processors, as the other strategies run), "
                              "auto (omnify's default) or a backend name")
@@ -1107,6 +1263,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         strategies.insert(strategies.index("omni") + 1 if "omni" in strategies else len(strategies), "omni-budget")
     if "omni-budget" in strategies and args.omni_budget is None:
         parser.error("--strategies omni-budget needs --omni-budget (e.g. 8GiB)")
+    if args.omni_host_budget is not None and "omni-host" not in strategies:
+        strategies.append("omni-host")
+    if "omni-host" in strategies and args.omni_host_budget is None and not args.smoke:
+        parser.error("--strategies omni-host needs --omni-host-budget (e.g. 32GiB)")
+    if args.checkpoint_dir is None:
+        args.checkpoint_dir = str(Path(tempfile.gettempdir()) / f"omni-pipeline-checkpoint-{args.model}")
     args.strategies = list(dict.fromkeys(strategies))
     if args.smoke:
         args.steps = min(args.steps, 3)
@@ -1155,6 +1317,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:
         report["lower_bounds"] = lower_bounds(report["strategies"])
+        report["host_budget"] = host_budget_summary(report["strategies"], args)
         out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
         out.with_suffix(".md").write_text(markdown(report))
 
@@ -1190,6 +1353,10 @@ def main(argv: list[str] | None = None) -> int:
     for path in scratch.iterdir():
         path.unlink()
     scratch.rmdir()
+    if "omni-host" in args.strategies:  # the DiTs' checkpoint written for omni-host: tens of GB at full size
+        import shutil
+
+        shutil.rmtree(args.checkpoint_dir, ignore_errors=True)
     print(out.with_suffix(".md").read_text())
     print(f"wrote {out.with_suffix('.json')} and .md")
     return 0

@@ -79,3 +79,34 @@ def test_markdown_reports_every_strategy_and_whether_the_image_matches():
     assert "OutOfMemoryError (warmup)" in rows["diffusers-model"] and "skipped: time budget" in rows["mmgp2"]
     assert "lower bound for omni" in rows and "| 28.60 GB (bfloat16 28.60 GB) | 28.6 GB | ok |" in text
     assert "- mmgp4: quantizes the text encoder" in text
+
+
+def test_omni_host_needs_its_budget_and_runs_after_omni(tmp_path):
+    args = bench.parse_args(["--model", "wan", "--strategies", "omni", "--omni-host-budget", "32GiB",
+                             "--out", str(tmp_path / "run")])
+    assert args.strategies == ["omni", "omni-host"] and args.checkpoint_dir.endswith("omni-pipeline-checkpoint-wan")
+    assert args.drop_page_cache
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "wan", "--strategies", "omni,omni-host", "--out", str(tmp_path / "run")])
+
+
+def test_host_budget_summary_compares_the_median_forward_with_omni():
+    from argparse import Namespace
+
+    omni = _result("omni", (1.0, 3.3, 1.0), "a", forward_s={"transformer": [1.0, 1.1, 1.2]},
+                   omni={"streamed_bytes": {"encode": 0, "denoise": 0, "decode": 0}})
+    host = {**_result("omni-host", (1.0, 4.0, 1.0), "a"), "forward_s": {"transformer": [1.3, 1.2, 1.5]},
+            "max_host_memory": 32 * 2**30, "pinned": {"pinned_total_bytes": 30 * 2**30}, "rss": {"peak": 38 * 2**30},
+            "page_cache_drops": 4,
+            "omni": {"stats": {"disk_blocks": 40, "disk_bytes_per_pass": 2**34, "disk_read_bytes": 2**35,
+                               "disk_read_seconds": 8.0, "disk_waits": 3}}}
+    summary = bench.host_budget_summary([omni, host], Namespace(omni_host_budget="32GiB"))
+    assert summary["forward_ratio"] == pytest.approx(1.3 / 1.1)
+    assert summary["disk_bandwidth"] == 2**35 / 8.0 and summary["page_cache_dropped"]
+    args = vars(bench.parse_args(["--model", "wan", "--steps", "4", "--out", "x"]))
+    report = {"environment": {"device_name": "H200"}, "args": args, "steps": 4, "strategies": [omni, host],
+              "lower_bounds": [], "omni_budget": None, "notes": [], "components": {}, "size_check": {},
+              "host_budget": summary}
+    text = bench.markdown(report)
+    assert "## Host budget (omni-host against omni)" in text
+    assert "| 34.36 GB | 30.00 GiB | 38.00 GiB | 1.30 s / 1.10 s (1.18×) | 40 |" in text
