@@ -165,18 +165,22 @@ def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001 - pytest hook sig
 # working directory, so ``from_pretrained("hf-internal-testing/…")`` finds the local folder. The stand-ins are
 # not the hub's files (tests asserting hard-coded output slices fail in every mode alike); every mode uses the same.
 STAND_INS = ("hf-internal-testing/tiny-random-t5", "hf-internal-testing/tiny-random-clip",
-             "hf-internal-testing/tiny-random-Qwen2VLForConditionalGeneration")
+             "hf-internal-testing/tiny-random-Qwen2VLForConditionalGeneration", "hf-internal-testing/tiny-gemma3",
+             "hf-internal-testing/tiny-cosmos3-modular-pipe")
 
 
 def make_stand_ins(hub: Path) -> list[str]:
-    """Build the ``STAND_INS`` under ``hub`` (tokenizers from ``diffusers_omni.testing``; T5's config as the hub's
-    tiny-random-t5: d_model 32, 5 layers, 4 heads); returns the repo ids written."""
-    from transformers import T5Config
+    """Build the ``STAND_INS`` under ``hub`` (tokenizers and LTX-2's tiny Gemma 3 from ``diffusers_omni.testing``;
+    T5's config as the hub's tiny-random-t5: d_model 32, 5 layers, 4 heads); returns the repo ids written."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig, T5Config
 
     from diffusers_omni.testing.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+    from diffusers_omni.testing.tiny_cosmos3 import tiny_cosmos3_tokenizer
+    from diffusers_omni.testing.tiny_ltx2 import tiny_gemma_tokenizer
     from diffusers_omni.testing.tiny_qwenimage import tiny_qwen2_tokenizer
 
-    t5, clip, qwen = (hub / repo for repo in STAND_INS)
+    t5, clip, qwen, gemma, cosmos = (hub / repo for repo in STAND_INS)
     tokenizer = tiny_t5_tokenizer()
     tokenizer.save_pretrained(t5)
     T5Config(vocab_size=1103, d_model=32, d_kv=8, d_ff=37, num_layers=5, num_decoder_layers=5, num_heads=4,
@@ -186,6 +190,21 @@ def make_stand_ins(hub: Path) -> list[str]:
     # Tokenizer only: Qwen2VLProcessor.from_pretrained needs a video processor, which needs torchvision (absent
     # here), so the Edit tests that load a processor fail in every mode alike.
     tiny_qwen2_tokenizer().save_pretrained(qwen)
+    # LTX-2's tests load a tiny Gemma 3 (tokenizer and weights) and size their connectors from its config; Cosmos 3's
+    # load only the text tokenizer of a modular pipeline (the one diffusers-omni's own tests build).
+    tokenizer = tiny_gemma_tokenizer()
+    tokenizer.save_pretrained(gemma)
+    # Hidden size 32: the tests' connectors (4 heads × 8) take the encoder's hidden size as their width.
+    text = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=8, sliding_window=8,
+                            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                            eos_token_id=tokenizer.eos_token_id)
+    vision = SiglipVisionConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=8, patch_size=4)
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision,
+                                                mm_tokens_per_image=4)).save_pretrained(gemma)
+    tiny_cosmos3_tokenizer().save_pretrained(cosmos / "text_tokenizer")
     return list(STAND_INS)
 
 
