@@ -1345,7 +1345,8 @@ def diffusers_pipeline_tests() -> str:
     text = (f"Diffusers' tests from `{data['diffusers_tests_ref']}`, run against the installed diffusers "
             f"{data['diffusers']} (torch {data['torch']}, {data['device']}) for the families {families} "
             f"(`python -m benchmarks.diffusers_pipeline_tests`, "
-            f"`benchmarks/results/{cite('diffusers-pipeline-tests', '.json')}`; each run at the commit it names).\n\n")
+            f"`benchmarks/results/{cite('diffusers-pipeline-tests', '.json')}`; each run at the commit it names"
+            + (f"; {data['note']}" if data.get("note") else "") + ").\n\n")
     text += table(["Run", "Commit, date", "Passed", "Failed", "Skipped", "Failed beyond stock"], rows)
     folders = sorted({nodeid.split("::")[0].split("/")[2] for run in runs.values() for nodeid in run["outcomes"]})
     per_folder = []
