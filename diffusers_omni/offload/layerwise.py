@@ -552,7 +552,12 @@ class _Streamer:
                 self.end(block)
         if own is not None:
             self.release_idle(own)
+        self._request_reads(blocks)
         self._load_ahead(first, evict=True)
+
+    def _request_reads(self, blocks: list[_StreamedBlock]) -> None:
+        """Start reading what ``blocks`` need from disk before they load (nothing here: every block has a host
+        copy; see ``_DiskStreamer``)."""
 
 
 class _DiskStreamer(_Streamer):
@@ -609,14 +614,7 @@ class _DiskStreamer(_Streamer):
         slot.nbytes = 0
         self._spare.append(slot)
 
-    @torch.compiler.disable(reason=EAGER_ONLY)
-    def enter_stack(self, blocks: list[_StreamedBlock], first: tuple[_StreamedBlock, ...],
-                    own: frozenset[int] | None = None) -> None:
-        for block in blocks:
-            if block.running:
-                self.end(block)
-        if own is not None:
-            self.release_idle(own)
+    def _request_reads(self, blocks: list[_StreamedBlock]) -> None:
         # The stack's first disk-backed blocks not on the device yet are read now (another stack's staged reads
         # give way), while its first blocks load.
         wanted = []
@@ -627,7 +625,6 @@ class _DiskStreamer(_Streamer):
                     break
         if wanted:
             self.ring.want(tuple(wanted))
-        self._load_ahead(first, evict=True)
 
 
 @dataclass
