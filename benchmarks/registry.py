@@ -195,6 +195,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              "profiles 2 and 4 against resident", "gpu", (),
              args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--strategies", "resident,mmgp2,mmgp4",
                    "--time-budget", _PIPELINE_TIME)),
+    Scenario("disk-read-probe", "disk_read_probe",
+             "cold read bandwidth of the machine's disk, one reader and several in parallel (max_host_memory's reads)",
+             "gpu", (OFFLOAD,), args=("--size-gib", "8")),
     # Interop -----------------------------------------------------------------------------------------------------
     Scenario("diffusers-pipeline-tests", "diffusers_pipeline_tests",
              "Diffusers' own fast pipeline tests with the Omni classes and offload (give a Diffusers checkout)",
