@@ -30,6 +30,7 @@ import torch.nn as nn
 from ..config.offload import OffloadStrategy, format_bytes
 from ..models.base import tail_attrs_for
 from ..utils.progress import byte_progress
+from . import vae_tiling
 from .base import Journal, OffloadBackend
 from .disk import (
     BlockSource,
@@ -1211,6 +1212,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
     def _stage_install_guards(self, state: LayerwiseState, journal: Journal) -> None:
         super()._stage_install_guards(state, journal)
         self._refuse_pickling(state)
+        for component in state.topology.vaes:  # a VAE phase that does not fit untiled runs in tiles
+            if component.label in state.managed:
+                vae_tiling.install(component.module, component.label, self._guards.set, self._guards.on_remove)
         # state_dict() (save_pretrained, LoRA and PEFT helpers) reads streamed blocks from their host copies: their
         # own tensors are empty placeholders between uses. The block is bound to its host views for the duration of
         # its state_dict() (quantized weights included: wrapper subclasses are rebuilt around the host views,

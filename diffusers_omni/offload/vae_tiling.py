@@ -1,0 +1,81 @@
+"""A VAE whose phase alone does not fit the device: decode (or encode) in tiles instead of failing.
+
+Under layerwise offload every DiT block and encoder has left the device when the VAE's phase starts, so what is
+left there is the VAE's weights and its activations; at a large resolution or many frames the activations alone can
+exceed a small card. Diffusers' VAEs can work in tiles (``vae.enable_tiling()``); which size needs it depends on the
+card, the resolution and the frame count, which the offload cannot know before the call. So the managed VAE's
+``decode`` and ``encode`` are wrapped while the offload is enabled: when one runs out of device memory untiled, the
+VAE switches to tiling, says so once (the output of a tiled decode can differ slightly from an untiled one), and the
+same call runs again. Tiling stays on for later calls; ``disable_omni_offload()`` puts the VAE's own setting back.
+A VAE already tiling, or one without ``enable_tiling``, raises the error as it came, and so does a tiled retry that
+fails too (tiling is switched off again first).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger("diffusers_omni")
+
+METHODS = ("decode", "encode")
+
+
+def can_tile(vae: Any) -> bool:
+    """Whether ``vae`` has Diffusers' tiling switch (``enable_tiling`` / ``disable_tiling`` and ``use_tiling``)."""
+    return all(callable(getattr(vae, name, None)) for name in ("enable_tiling", "disable_tiling")) and isinstance(
+        getattr(vae, "use_tiling", None), bool)
+
+
+def install(vae: Any, label: str, set_attribute: Callable[[Any, str, Any], None],
+            on_remove: Callable[[Callable[[], None]], None]) -> list[str]:
+    """Wrap ``vae``'s ``decode`` and ``encode`` (instance attributes through ``set_attribute``, undone by the
+    caller) and register, through ``on_remove``, putting its tiling setting back. The methods wrapped."""
+    if not can_tile(vae):
+        return []
+    tiled_before = vae.use_tiling
+
+    def restore() -> None:
+        if vae.use_tiling != tiled_before:
+            (vae.enable_tiling if tiled_before else vae.disable_tiling)()
+
+    on_remove(restore)
+    wrapped = []
+    for name in METHODS:
+        method = getattr(vae, name, None)
+        if callable(method):
+            set_attribute(vae, name, _retry_tiled(vae, label, name, method))
+            wrapped.append(name)
+    return wrapped
+
+
+def _retry_tiled(vae: Any, label: str, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if vae.use_tiling:
+            return method(*args, **kwargs)
+        try:
+            return method(*args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            # Leave the except block before retrying, so the failed call's frames (and the activations they hold)
+            # are gone from the traceback first.
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.warning(
+            "%s.%s ran out of device memory untiled (%s); it runs in tiles from now on (vae.enable_tiling(): the "
+            "output can differ slightly from an untiled one). disable_omni_offload() puts the VAE's setting back",
+            label, name, message)
+        vae.enable_tiling()
+        try:
+            return method(*args, **kwargs)
+        except BaseException:
+            vae.disable_tiling()  # tiling did not save it: the VAE is left as it was
+            raise
+
+    return call
