@@ -1292,7 +1292,9 @@ def pipeline_host_budget() -> str:
     rows = [[f"`{report['args']['omni_host_budget']}`",
              f"{gib(summary['pinned_bytes'])} (≤ budget: {_verdict(budget is None or summary['pinned_bytes'] <= budget)})",
              f"{gib(host['rss']['call_peak'])} (≤ 40 GiB: {_verdict(host['rss']['call_peak'] <= 40 * GiB)})",
-             gib(host["rss"]["enable_peak"]),
+             gib(host["rss"]["enable_peak"]) + (
+                 f" (sampled: own {gib(host['rss']['enable_anon_peak'])}, file pages "
+                 f"{gib(host['rss']['enable_file_peak'])})" if host["rss"].get("enable_anon_peak") else ""),
              f"{summary['forward_s']:.2f} s / {summary['omni_forward_s']:.2f} s = {summary['forward_ratio']:.2f}× "
              f"(≤ 1.2: {_verdict(summary['forward_ratio'] <= 1.2)})",
              f"{summary['disk_blocks']}, {gib(summary['disk_bytes_per_pass'])}",

@@ -64,6 +64,38 @@ def host_rss() -> dict[str, int]:
     return values
 
 
+class RssSampler:
+    """Peaks of anonymous and file-backed resident memory (``RssAnon`` / ``RssFile``) while a ``with`` body runs,
+    sampled every ``interval`` seconds by a thread (the kernel keeps a peak only for their sum, ``VmHWM``): whether
+    a peak is memory the process owns or file pages it maps, which the kernel can drop."""
+
+    def __init__(self, interval: float = 0.01) -> None:
+        self.interval = interval
+        self.anon = self.file = 0
+
+    def _sample(self) -> None:
+        now = host_rss()
+        self.anon, self.file = max(self.anon, now["anon"]), max(self.file, now["file"])
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> "RssSampler":
+        import threading
+
+        self._done = threading.Event()
+        self._sample()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self._sample()
+
+
 def reset_peak_rss() -> bool:
     try:
         Path("/proc/self/clear_refs").write_text("5")

@@ -80,7 +80,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from benchmarks.offload_bench import environment, host_rss, parameters_on_meta, reset_peak_rss, trim_host_heap
+from benchmarks.offload_bench import (
+    RssSampler, environment, host_rss, parameters_on_meta, reset_peak_rss, trim_host_heap,
+)
 
 GiB = 2**30
 MiB = 2**20
@@ -881,12 +883,14 @@ def run_child(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
-        target, handle = enable_strategy(strategy, pipe, device, args)
-        sync()
+        with RssSampler() as sampled:
+            target, handle = enable_strategy(strategy, pipe, device, args)
+            sync()
         target.set_progress_bar_config(disable=True)
         result["enable_s"] = time.perf_counter() - start
         rss = host_rss()
-        result["rss"].update(after_enable=rss["rss"], enable_peak=rss["hwm"])
+        result["rss"].update(after_enable=rss["rss"], enable_peak=rss["hwm"], enable_anon_peak=sampled.anon,
+                             enable_file_peak=sampled.file)
         if device.type == "cuda":
             result["enable_device_peak"] = torch.cuda.max_memory_allocated(device)
         result["pinned_after_enable"] = pinned_bytes(pipe, device)
@@ -936,9 +940,11 @@ def run_child(args: argparse.Namespace) -> int:
         result["rss"]["warmup_peak"] = host_rss()["hwm"]  # since the reset before enabling: enable + warm-up
         call_peak_reset = reset_peak_rss()
         generator = torch.Generator("cpu").manual_seed(SEED)
-        clock.begin()
-        output = target(**call_kwargs(name, args, steps), generator=generator)
-        clock.end()
+        with RssSampler() as sampled:
+            clock.begin()
+            output = target(**call_kwargs(name, args, steps), generator=generator)
+            clock.end()
+        result["rss"].update(call_anon_peak=sampled.anon, call_file_peak=sampled.file)
         result["end_to_end_s"] = clock.t1 - clock.t0
         result["phases"] = clock.phases()
         result["forwards"] = dict(clock.forwards)
@@ -1208,6 +1214,9 @@ def host_budget_summary(results: list[dict[str, Any]], args: argparse.Namespace)
         "budget": _bytes(host["max_host_memory"]) if host.get("max_host_memory") else args.omni_host_budget,
         "pinned_bytes": host["pinned"]["pinned_total_bytes"],
         "rss_peak": host["rss"]["peak"], "forward_s": forward, "omni_forward_s": omni_forward,
+        # Sampled: what of the peak while enabling is the process's own memory and what is mapped file pages.
+        "enable_anon_peak": host["rss"].get("enable_anon_peak"), "enable_file_peak": host["rss"].get("enable_file_peak"),
+        "call_anon_peak": host["rss"].get("call_anon_peak"),
         "forward_ratio": forward / omni_forward if forward and omni_forward else None,
         "disk_blocks": stats.get("disk_blocks"), "disk_bytes_per_pass": stats.get("disk_bytes_per_pass"),
         "disk_read_bytes": stats.get("disk_read_bytes"), "disk_read_seconds": seconds,

@@ -10,7 +10,9 @@ read, each time they load, straight from the safetensors files their component w
   flat layout (``PackedWeights``: one region per dtype, as the device buffers have it), grouped into runs that are
   contiguous in a file, so one ``os.preadv`` fills several tensors;
 - ``verify_block``: every tensor of a block compared with its file (name, dtype, shape, then its bytes, in chunks)
-  before the block loses its host copy; a model whose weights differ from its files is refused;
+  before the block loses its host copy; a model whose weights differ from its files is refused. ``FileViews`` tells
+  the tensors that are untouched views of the file (mapped, no copied-on-write page): those are not read, and once
+  packed their pages are given back to the kernel;
 - ``DiskReader``: the open files; reads a block's runs into any host memory (``os.preadv`` releases the GIL);
 - ``StagingRing``: a few block-sized page-locked buffers and one reader thread that fills them, in the order the
   blocks will load, as far ahead as free buffers allow. ``take`` hands a block's buffer over once its read is done
@@ -335,12 +337,105 @@ def read_pieces(fd: int, offset: int, pieces: list[tuple[int, int]]) -> None:
                 count = 0
 
 
-def verify_block(source: BlockSource, reader: DiskReader) -> None:
+class FileViews:
+    """The private file mappings of this process that hold no copied-on-write page (``/proc/self/smaps``: the
+    ``Anonymous`` count of the mapping is 0), read once: a plain host tensor inside one of them is a view of its
+    file's bytes, as ``load_transformer_mmap`` makes them. ``offset_of`` says which file and byte offset; ``release``
+    drops a packed tensor's pages from the process (``madvise(MADV_DONTNEED)``: clean file pages, which stay in the
+    page cache and would be read again if touched), so the process does not hold both the file's pages and the
+    packed copy. Where ``/proc`` or ``madvise`` is missing (not Linux) nothing is a view and nothing is released."""
+
+    _MADV_DONTNEED = 4
+
+    def __init__(self) -> None:
+        self._maps: list[tuple[int, int, int, str, int]] = []  # (start, end, file offset of start, path, inode)
+        try:
+            text = Path("/proc/self/smaps").read_text()
+        except OSError:
+            return
+        current = None
+        for line in text.splitlines():
+            fields = line.split()
+            if not fields:
+                continue
+            if "-" in fields[0] and len(fields) >= 6 and len(fields[1]) == 4:  # a mapping's header line
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                inode = int(fields[4])
+                current = (start, end, int(fields[2], 16), " ".join(fields[5:]), inode) if inode else None
+            elif fields[0] == "Anonymous:" and current is not None:
+                if int(fields[1]) == 0:
+                    self._maps.append(current)
+                current = None
+        self._maps.sort()
+        self._libc = None
+
+    def _find(self, address: int, nbytes: int) -> tuple[int, int, int, str, int] | None:
+        for mapping in self._maps:
+            if mapping[0] <= address and address + nbytes <= mapping[1]:
+                return mapping
+        return None
+
+    @staticmethod
+    def _plain(tensor: torch.Tensor) -> bool:
+        return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.device.type == "cpu"
+
+    def offset_of(self, tensor: torch.Tensor, files: list[Path]) -> tuple[int, int] | None:
+        """``(index into files, byte offset)`` where ``tensor``'s bytes are, if it is an untouched view of one of
+        ``files`` (same path and inode), else ``None``."""
+        if not self._maps or not self._plain(tensor) or not tensor.is_contiguous():
+            return None
+        address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        mapping = self._find(address, nbytes)
+        if mapping is None:
+            return None
+        start, _, offset, path, inode = mapping
+        for index, file in enumerate(files):
+            try:
+                same = str(Path(file).resolve()) == path and os.stat(file).st_ino == inode
+            except OSError:
+                same = False
+            if same:
+                return index, offset + address - start
+        return None
+
+    def release(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Drop the whole pages of each untouched file view among ``tensors`` from the process; the bytes
+        released."""
+        if not self._maps:
+            return 0
+        if self._libc is None:
+            try:
+                self._libc = ctypes.CDLL(None, use_errno=True)
+                self._libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            except (OSError, AttributeError):
+                self._maps = []
+                return 0
+        page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        released = 0
+        for tensor in tensors:
+            if not self._plain(tensor):
+                continue
+            address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+            if self._find(address, nbytes) is None:
+                continue
+            first = -(-address // page) * page
+            last = (address + nbytes) // page * page
+            if last > first and self._libc.madvise(first, last - first, self._MADV_DONTNEED) == 0:
+                released += last - first
+        return released
+
+
+def verify_block(source: BlockSource, reader: DiskReader, views: FileViews | None = None) -> int:
     """Compare every tensor of ``source`` with its bytes in the files, in chunks; raises ``CheckpointError`` naming
-    the block, the tensor, the file and the way out at the first difference. The model's tensors are then
-    forgotten by ``source``."""
+    the block, the tensor, the file and the way out at the first difference. A tensor that ``views`` shows is an
+    untouched view of the very bytes it would be compared with (a model loaded with ``load_transformer_mmap``) is
+    not read: it is those bytes. The model's tensors are then forgotten by ``source``. Returns the bytes compared."""
     chunk = torch.empty(min(_VERIFY_CHUNK, max((p.length for p in source.pieces), default=0)) or 1, dtype=torch.uint8)
+    compared = 0
     for piece in source.pieces:
+        if views is not None and views.offset_of(piece.tensor, reader.files) == (piece.file, piece.offset):
+            continue
+        compared += piece.length
         data = piece.tensor.detach().reshape(-1).view(torch.uint8)
         done = 0
         while done < piece.length:
@@ -358,6 +453,7 @@ def verify_block(source: BlockSource, reader: DiskReader) -> None:
                 )
             done += size
     source.drop_tensors()
+    return compared
 
 
 # Staging ring ---------------------------------------------------------------------------------------------------

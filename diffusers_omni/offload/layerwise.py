@@ -36,6 +36,7 @@ from .disk import (
     BlockSource,
     DiskReader,
     DiskReadError,
+    FileViews,
     StagingRing,
     block_source,
     checkpoint_names,
@@ -908,10 +909,11 @@ class LayerwiseOffloadBackend(OffloadBackend):
         reader = DiskReader(files)
         journal.record("close the checkpoint files", reader.close)
         total = sum(s.read_bytes for s in sources.values())
+        views = FileViews()  # tensors that are views of these very files need no comparison
         with byte_progress(total, "layerwise offload: checking disk-backed blocks against their files",
                            self.config.show_progress, state.target) as bar:
             for source in sources.values():
-                verify_block(source, reader)
+                verify_block(source, reader, views)
                 bar.update(source.read_bytes)
         state.disk, state.disk_reader = sources, reader
         ring = min(count, len(sources))
@@ -950,6 +952,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
         total = sum(w.nbytes for stack in state.weights for w in stack if id(w) not in state.disk)
+        # Weights that are views of checkpoint files (load_transformer_mmap) give their pages back once packed.
+        release = FileViews().release
         with byte_progress(total + sum(u.weights.nbytes for u in state.units), "layerwise offload: packing blocks", self.config.show_progress, state.target) as bar:
             for stack_weights, stack_resident in zip(state.weights, state.resident):
                 streamed_row: list[_StreamedBlock | None] = []
@@ -958,13 +962,13 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     if source is not None:
                         streamed_row.append(self._pack_disk(weights, source, journal))
                         continue
-                    streamed_row.append(self._pack_one(weights, resident, host_memory, journal))
+                    streamed_row.append(self._pack_one(weights, resident, host_memory, journal, release))
                     bar.update(weights.nbytes)
                 state.streamed.append(streamed_row)
             for unit in state.units:
                 weights = unit.weights
                 journal.record(f"restore {weights.path}", lambda w=weights: w.undo_pack(host_memory.needs_clone_on_release))
-                weights.pack(host_memory)
+                weights.pack(host_memory, release)
                 if unit.resident:
                     unit.onload(self.device)
                 bar.update(weights.nbytes)
@@ -974,14 +978,15 @@ class LayerwiseOffloadBackend(OffloadBackend):
         release_freed_device_memory(self.device)
 
     def _pack_one(
-        self, weights: PackedWeights, resident: bool, host_memory: HostMemory, journal: Journal
+        self, weights: PackedWeights, resident: bool, host_memory: HostMemory, journal: Journal,
+        release: Callable[[list[torch.Tensor]], Any] | None = None,
     ) -> _StreamedBlock | None:
         if weights.empty:
             return None
         clone = host_memory.needs_clone_on_release
         # Recorded first: a pack that fails part-way has already rebound some tensors.
         journal.record(f"restore {weights.path}", lambda: weights.undo_pack(clone))
-        weights.pack(host_memory)
+        weights.pack(host_memory, release)
         if resident:
             _, views = weights.device_buffers(self.device)
             for host_view, view in zip(weights.host_views, views):

@@ -12,6 +12,7 @@ import ctypes
 import logging
 import mmap
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -119,7 +120,7 @@ class PackedWeights:
         buffers = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in self.numel.items()}
         return buffers, self.views_into(buffers)
 
-    def pack(self, host_memory: "HostMemory") -> None:
+    def pack(self, host_memory: "HostMemory", release: Callable[[list[torch.Tensor]], Any] | None = None) -> None:
         """Copy every tensor into fresh host buffers and rebind it to its host view, tensor by tensor, so the
         original storage can be freed as we go (no second full copy). Callers record ``restore`` as the undo
         *before* calling this: if it fails part-way, ``restore`` puts back exactly the tensors already rebound.
@@ -127,7 +128,9 @@ class PackedWeights:
         Tensors on an accelerator are copied into buffers page-locked beforehand, asynchronously, with one wait per
         module: into pageable memory every copy is staged by the driver (about 1 GB/s for a FLUX-size quantized
         model on an H200, against tens of GB/s by DMA). Host tensors are copied first and page-locked after
-        (a memcpy faults the pages in, and registering touched pages is faster)."""
+        (a memcpy faults the pages in, and registering touched pages is faster). ``release`` is given the
+        original host tensors once they are copied (``disk.FileViews.release`` drops the pages of those that are
+        views of a checkpoint file)."""
         self.rebound = 0
         self.host = {dtype: host_memory.allocate(numel, dtype) for dtype, numel in self.numel.items()}
         self.host_views = self.views_into(self.host)
@@ -146,6 +149,8 @@ class PackedWeights:
         if direct:  # ``sources`` keeps the device memory alive until the copies are done
             for device in devices:
                 torch.get_device_module(device).current_stream(device).synchronize()
+        if release is not None:
+            release(sources)
         del sources
         self.tensors.park(self.host_views)
         if not direct:

@@ -258,7 +258,7 @@ def test_a_failing_read_names_the_block_and_leaves_no_hung_thread(saved, monkeyp
     before = pipeline_snapshot(pipe)
     threads = _reader_threads()
     monkeypatch.setattr(disk, "read_pieces", failing)
-    monkeypatch.setattr(disk, "verify_block", lambda source, reader: source.drop_tensors())
+    monkeypatch.setattr(disk, "verify_block", lambda source, reader, views=None: source.drop_tensors())
     monkeypatch.setattr("diffusers_omni.offload.layerwise.verify_block", disk.verify_block)
     with pytest.raises(disk.DiskReadError, match="reading block 'transformer"):
         pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
@@ -352,3 +352,121 @@ def test_a_transformer_loaded_as_mmap_views_reads_its_blocks_from_its_files(save
     assert backend.stats.disk_reads > 0
     pipe.disable_omni_offload()
     assert torch.equal(_image(pipe), reference)
+
+
+def _spy_verify(monkeypatch) -> list[tuple[str, int]]:
+    """``(component, bytes compared)`` for every block ``verify_block`` checks."""
+    from diffusers_omni.offload import layerwise
+
+    compared = []
+    original = layerwise.verify_block
+
+    def spy(source, reader, views=None):
+        compared.append((source.component, original(source, reader, views)))
+        return compared[-1][1]
+
+    monkeypatch.setattr(layerwise, "verify_block", spy)
+    return compared
+
+
+def _least_host_budget(pipe) -> int:
+    import re
+
+    with pytest.raises(ValueError, match="max_host_memory=1 ") as error:
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=1)
+    return int(re.search(r"at least (\d+)", str(error.value)).group(1))
+
+
+def test_mmap_views_of_the_files_are_not_read_to_be_checked(saved, monkeypatch):
+    # A tensor that is an untouched view of the very bytes it would be compared with is those bytes.
+    from diffusers_omni.offload.loading import load_transformer_mmap
+
+    compared = _spy_verify(monkeypatch)
+    pipe = _load(saved)
+    reference = _image(pipe)
+    with torch.no_grad():
+        for parameter in pipe.transformer.parameters():  # private copies: each one is compared
+            parameter.data = parameter.data.clone()
+    pipe.enable_layerwise_offload(device="cpu", max_host_memory=_least_host_budget(pipe))
+    mine = [nbytes for component, nbytes in compared if component == "transformer"]
+    assert mine and all(nbytes > 0 for nbytes in mine)
+    pipe.disable_omni_offload()
+    compared.clear()
+    pipe = _load(saved)
+    pipe.transformer = load_transformer_mmap(FluxTransformer2DModel, saved, subfolder="transformer").eval()
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=_least_host_budget(pipe))
+    mine = [nbytes for component, nbytes in compared if component == "transformer"]
+    assert backend.stats.disk_blocks > 0 and mine and all(nbytes == 0 for nbytes in mine)
+    assert torch.equal(_image(pipe), reference)
+    pipe.disable_omni_offload()
+
+
+def test_mmap_views_changed_in_place_are_compared_and_refused(saved):
+    # Writing into a private mapping copies the page: the mapping holds anonymous pages, so its tensors are no longer
+    # taken for the file's bytes and the comparison finds the change.
+    from diffusers_omni.offload.loading import CheckpointError, load_transformer_mmap
+
+    pipe = _load(saved)
+    pipe.transformer = load_transformer_mmap(FluxTransformer2DModel, saved, subfolder="transformer").eval()
+    budget = _least_host_budget(pipe)
+    with torch.no_grad():
+        for block in [*pipe.transformer.transformer_blocks, *pipe.transformer.single_transformer_blocks]:
+            next(block.parameters()).view(-1)[0] += 1
+    before = pipeline_snapshot(pipe)
+    with pytest.raises(CheckpointError, match="holds other values than in"):
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+
+
+def _rss_peak_while(action) -> tuple[int, int]:
+    """``(RSS before, peak RSS while action runs)`` in bytes, sampled from ``/proc/self/status`` every 2 ms."""
+    def rss() -> int:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS in /proc/self/status")
+
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            done.wait(0.002)
+
+    gc.collect()
+    before = rss()
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        action()
+    finally:
+        done.set()
+        thread.join()
+    return before, max(peak[0], rss())
+
+
+def test_enabling_an_mmap_loaded_model_does_not_hold_its_file_pages(tmp_path):
+    # Packing copies a block from the file's pages and then gives those pages back; the blocks read from disk are
+    # not read to be checked. So enabling holds about the host copies, not the copies plus the whole file.
+    from diffusers_omni.offload.loading import load_transformer_mmap
+
+    config = dict(num_layers=2, num_single_layers=6, attention_head_dim=64, num_attention_heads=12,
+                  joint_attention_dim=256, pooled_projection_dim=64, in_channels=16)
+    torch.manual_seed(0)
+    FluxTransformer2DModel(**config).to(torch.bfloat16).save_pretrained(tmp_path / "transformer")
+    pipe = flux_pipe()
+    pipe.transformer = load_transformer_mmap(FluxTransformer2DModel, tmp_path, subfolder="transformer",
+                                             torch_dtype=torch.bfloat16).eval()
+    model_bytes = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    assert model_bytes > 150 << 20
+    budget = _least_host_budget(pipe)
+    backends = []
+    before, peak = _rss_peak_while(
+        lambda: backends.append(pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)))
+    backend = backends[0]
+    disk_bytes = backend.stats.disk_bytes_per_pass
+    assert disk_bytes > model_bytes // 3
+    # Without giving pages back the peak would reach the host copies plus the whole model's file pages.
+    assert peak - before < budget + model_bytes // 8, (peak - before, budget, model_bytes)
+    pipe.disable_omni_offload()

@@ -49,9 +49,9 @@ def test_host_allocation_failure_rolls_back_without_an_error_for_untouched_block
     calls = {"allocate": 0}
     original_pack, original_allocate = memory.PackedWeights.pack, memory.HostMemory.allocate
 
-    def pack(self, host_memory):
+    def pack(self, host_memory, release=None):
         packed.append(self.path)
-        return original_pack(self, host_memory)
+        return original_pack(self, host_memory, release)
 
     def allocate(self, numel, dtype):
         calls["allocate"] += 1
