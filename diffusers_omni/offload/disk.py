@@ -22,6 +22,7 @@ read, each time they load, straight from the safetensors files their component w
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import json
 import logging
@@ -367,13 +368,28 @@ class FileViews:
                     self._maps.append(current)
                 current = None
         self._maps.sort()
+        self._starts = [mapping[0] for mapping in self._maps]
         self._libc = None
+        self._identities: dict[tuple[Path, ...], list[tuple[str, int] | None]] = {}
 
     def _find(self, address: int, nbytes: int) -> tuple[int, int, int, str, int] | None:
-        for mapping in self._maps:
-            if mapping[0] <= address and address + nbytes <= mapping[1]:
-                return mapping
+        index = bisect.bisect_right(self._starts, address) - 1
+        if index >= 0 and address + nbytes <= self._maps[index][1]:
+            return self._maps[index]
         return None
+
+    def _identity(self, files: list[Path]) -> list[tuple[str, int] | None]:
+        """(resolved path, inode) of each file, once per list of files."""
+        key = tuple(files)
+        if key not in self._identities:
+            found: list[tuple[str, int] | None] = []
+            for file in files:
+                try:
+                    found.append((str(Path(file).resolve()), os.stat(file).st_ino))
+                except OSError:
+                    found.append(None)
+            self._identities[key] = found
+        return self._identities[key]
 
     @staticmethod
     def _plain(tensor: torch.Tensor) -> bool:
@@ -389,12 +405,8 @@ class FileViews:
         if mapping is None:
             return None
         start, _, offset, path, inode = mapping
-        for index, file in enumerate(files):
-            try:
-                same = str(Path(file).resolve()) == path and os.stat(file).st_ino == inode
-            except OSError:
-                same = False
-            if same:
+        for index, identity in enumerate(self._identity(files)):
+            if identity == (path, inode):
                 return index, offset + address - start
         return None
 
