@@ -403,6 +403,7 @@ class LayerwiseStats:
     disk_reads: int = 0
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0  # the reader thread's time in reads (overlapping compute)
+    tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
     disk_waits: int = 0  # loads that waited for their block's read
     disk_wait_seconds: float = 0.0
 
@@ -1219,7 +1220,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
         self._refuse_pickling(state)
         for component in state.topology.vaes:  # a VAE phase that does not fit untiled runs in tiles
             if component.label in state.managed:
-                vae_tiling.install(component.module, component.label, self._guards.set, self._guards.on_remove)
+                vae_tiling.install(component.module, component.label, self._guards.set, self._guards.on_remove,
+                                   state.stats.tiled_vaes.append)
         # state_dict() (save_pretrained, LoRA and PEFT helpers) reads streamed blocks from their host copies: their
         # own tensors are empty placeholders between uses. The block is bound to its host views for the duration of
         # its state_dict() (quantized weights included: wrapper subclasses are rebuilt around the host views,

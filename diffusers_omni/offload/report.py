@@ -338,6 +338,9 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
         notes.append(f"disk: {stats.disk_blocks} streamed blocks have no host copy and are read from their checkpoint "
                      f"files at each load, through a staging ring of {format_bytes(stats.staging_bytes)} of "
                      f"{_host_kind(mode)} host memory (not in the columns above: it holds no weight of its own)")
+    for label in dict.fromkeys(getattr(stats, "tiled_vaes", ())):
+        notes.append(f"{label}: ran out of device memory untiled; it decodes and encodes in tiles now "
+                     "(vae.enable_tiling(); disable_omni_offload() puts its own setting back)")
     if peak is None:
         peak_bytes, peak_note = None, "the pipeline has not been called"
     else:

@@ -32,9 +32,11 @@ def can_tile(vae: Any) -> bool:
 
 
 def install(vae: Any, label: str, set_attribute: Callable[[Any, str, Any], None],
-            on_remove: Callable[[Callable[[], None]], None]) -> list[str]:
+            on_remove: Callable[[Callable[[], None]], None],
+            switched: Callable[[str], None] = lambda label: None) -> list[str]:
     """Wrap ``vae``'s ``decode`` and ``encode`` (instance attributes through ``set_attribute``, undone by the
-    caller) and register, through ``on_remove``, putting its tiling setting back. The methods wrapped."""
+    caller) and register, through ``on_remove``, putting its tiling setting back; ``switched(label)`` is told when a
+    retry turns tiling on. The methods wrapped."""
     if not can_tile(vae):
         return []
     tiled_before = vae.use_tiling
@@ -48,12 +50,13 @@ def install(vae: Any, label: str, set_attribute: Callable[[Any, str, Any], None]
     for name in METHODS:
         method = getattr(vae, name, None)
         if callable(method):
-            set_attribute(vae, name, _retry_tiled(vae, label, name, method))
+            set_attribute(vae, name, _retry_tiled(vae, label, name, method, switched))
             wrapped.append(name)
     return wrapped
 
 
-def _retry_tiled(vae: Any, label: str, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+def _retry_tiled(vae: Any, label: str, name: str, method: Callable[..., Any],
+                 switched: Callable[[str], None]) -> Callable[..., Any]:
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         if vae.use_tiling:
@@ -73,9 +76,11 @@ def _retry_tiled(vae: Any, label: str, name: str, method: Callable[..., Any]) ->
             label, name, message)
         vae.enable_tiling()
         try:
-            return method(*args, **kwargs)
+            output = method(*args, **kwargs)
         except BaseException:
             vae.disable_tiling()  # tiling did not save it: the VAE is left as it was
             raise
+        switched(label)
+        return output
 
     return call

@@ -55,6 +55,7 @@ def test_an_untiled_decode_that_runs_out_of_memory_runs_again_in_tiles(caplog):
     warnings = [r.getMessage() for r in caplog.records if "runs in tiles" in r.getMessage()]
     assert len(warnings) == 1 and "vae.decode ran out of device memory untiled" in warnings[0]
     assert pipe.vae.use_tiling
+    assert any(note.startswith("vae: ran out of device memory untiled") for note in pipe.omni_offload_report().notes)
     # Later calls tile from the start: no second failure, no second warning.
     seen.clear()
     caplog.clear()
@@ -71,6 +72,7 @@ def test_a_decode_that_fits_is_untouched_bitwise():
     pipe.enable_layerwise_offload(device="cpu")
     assert torch.equal(generate(pipe), _reference(tiled=False))
     assert not pipe.vae.use_tiling
+    assert not [note for note in pipe.omni_offload_report().notes if "untiled" in note]
     pipe.disable_omni_offload()
     assert "decode" not in pipe.vae.__dict__
 
