@@ -1565,19 +1565,38 @@ def _digest(data) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def plot_offload_summary(path: Path) -> None:
+def _bar_panels(bars: list[dict], key: str, width: float, height: float):
+    """One panel per ``group`` of ``bars`` (in first-seen order): ``(figure, [(axes, its bars, their colours)])``,
+    omni's bars green, resident blue, the rest grey (``key`` names the bar's strategy field)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bars = offload_plot_data()
     groups = list(dict.fromkeys(b["group"] for b in bars))
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(groups), figsize=(width * len(groups), height), squeeze=False)
+    panels = []
     for ax, group in zip(axes[0], groups):
         mine = [b for b in bars if b["group"] == group]
-        colors = ["tab:green" if b["variant"].startswith("omni") else
-                  "tab:blue" if b["variant"] == "resident" else "tab:gray" for b in mine]
+        colors = ["tab:green" if b[key].startswith("omni") else "tab:blue" if b[key] == "resident" else "tab:gray"
+                  for b in mine]
+        panels.append((ax, mine, colors))
+    return fig, panels
+
+
+def _save_plot(fig, path: Path, bars: list[dict]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Description": f"data-sha256:{_digest(bars)}", "Software": None})
+    plt.close(fig)
+
+
+def plot_offload_summary(path: Path) -> None:
+    bars = offload_plot_data()
+    fig, panels = _bar_panels(bars, "variant", 4.2, 4.2)
+    for ax, mine, colors in panels:
+        group = mine[0]["group"]
         ax.bar(range(len(mine)), [b["step_s"] for b in mine], color=colors)
         for i, b in enumerate(mine):
             top = max(b["step_s"], b["target_s"] or 0)
@@ -1591,9 +1610,7 @@ def plot_offload_summary(path: Path) -> None:
         ax.set_ylabel("seconds per transformer forward")
         ax.margins(y=0.2)
     fig.suptitle("Offloaded step time and peak GPU memory (H200; red dashes: target)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Description": f"data-sha256:{_digest(bars)}", "Software": None})
-    plt.close(fig)
+    _save_plot(fig, path, bars)
 
 
 def pipeline_plot_data() -> list[dict]:
@@ -1613,21 +1630,13 @@ def pipeline_plot_data() -> list[dict]:
 
 
 def plot_pipeline_offload(path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     bars = pipeline_plot_data()
-    groups = list(dict.fromkeys(b["group"] for b in bars))
-    fig, axes = plt.subplots(1, len(groups), figsize=(5.2 * len(groups), 4.4), squeeze=False)
+    fig, panels = _bar_panels(bars, "strategy", 5.2, 4.4)
     names = {"resident": "resident\n(no limit)", "omni": "omni\nlayerwise", "diffusers-group": "Diffusers\ngroup offload",
              "diffusers-model": "Diffusers\nmodel offload", "diffusers-sequential": "Diffusers\nsequential",
              "mmgp2": "mmgp\nprofile 2", "mmgp4": "mmgp\nprofile 4"}
-    for ax, group in zip(axes[0], groups):
-        mine = [b for b in bars if b["group"] == group]
-        colors = ["tab:green" if b["strategy"].startswith("omni") else
-                  "tab:blue" if b["strategy"] == "resident" else "tab:gray" for b in mine]
+    for ax, mine, colors in panels:
+        group = mine[0]["group"]
         ax.bar(range(len(mine)), [b["seconds"] for b in mine], color=colors)
         for i, b in enumerate(mine):
             ax.text(i, b["seconds"], f"{b['seconds']:.1f} s\n{b['peak_gib']:.1f} GiB", ha="center", va="bottom",
@@ -1644,9 +1653,7 @@ def plot_pipeline_offload(path: Path) -> None:
     if any(b["second_run"] for b in bars):
         title += f"\n²: a second run; its resident pipeline ran within {max(drift):.0%} of the first run's"
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Description": f"data-sha256:{_digest(bars)}", "Software": None})
-    plt.close(fig)
+    _save_plot(fig, path, bars)
 
 
 PLOTS = {"offload_summary.png": (plot_offload_summary, offload_plot_data),

@@ -169,6 +169,10 @@ class OffloadBackend(ABC):
         self._members = members
         install_group_offloading_check()
 
+    def end_of_call(self) -> None:
+        """A pipeline call using this offload returned (called by the Omni pipelines' call wrapper): what is on the
+        device only for a phase of the call may leave. Nothing, unless a strategy keeps phases."""
+
     def _on_use(self, state: Any, module: torch.nn.Module) -> Callable[[], None] | None:
         """What must run before a method of component ``module`` other than ``forward`` computes (Diffusers calls
         ``_hf_hook.pre_forward`` first in the methods it decorates with ``apply_forward_hook``: a VAE's ``encode``

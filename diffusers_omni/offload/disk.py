@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from ..config.offload import format_bytes
 from .loading import CheckpointError, checkpoint_files, read_safetensors_header
+from .tensors import PLAIN_TENSOR_TYPES
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -393,7 +394,7 @@ class FileViews:
 
     @staticmethod
     def _plain(tensor: torch.Tensor) -> bool:
-        return type(tensor) in (torch.Tensor, nn.Parameter) and tensor.device.type == "cpu"
+        return type(tensor) in PLAIN_TENSOR_TYPES and tensor.device.type == "cpu"
 
     def offset_of(self, tensor: torch.Tensor, files: list[Path]) -> tuple[int, int] | None:
         """``(index into files, byte offset)`` where ``tensor``'s bytes are, if it is an untouched view of one of
@@ -640,9 +641,7 @@ class StagingRing:
         if self._thread.is_alive():
             return  # still reading into a buffer: the buffers stay until it is done
         for slot in self.slots:
-            if slot.source is not None and slot.source.staged is slot:
-                slot.source.staged = None
-            slot.source, slot.state, slot.error = None, EMPTY, None
+            self._clear(slot)
             slot.pairs = []
             slot.buffer = None
         self._queue.clear()
@@ -663,16 +662,15 @@ class StagingRing:
                 slot.state = READING
                 source = slot.source
             error = None
-            start = perf_counter()
             try:
                 if slot.pending:
                     slot.event.synchronize()  # the last device copy from this buffer is done
                     slot.pending = False
                 start = perf_counter()
                 self.reader.read(source, slot.address)
+                elapsed = perf_counter() - start
             except BaseException as caught:  # noqa: BLE001 - handed to the thread that takes the block
                 error = caught
-            elapsed = perf_counter() - start
             with cond:
                 if error is None:
                     slot.state = READY

@@ -72,7 +72,7 @@ from .hooks import (
 from .memory import (
     HostMemory, PackedWeights, Transfers, placeholder, release_freed_device_memory, release_freed_host_memory,
 )
-from .tensors import TensorSet, tensor_nbytes
+from .tensors import PLAIN_TENSOR_TYPES, TensorSet, tensor_nbytes
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -403,9 +403,9 @@ class LayerwiseStats:
     disk_reads: int = 0
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0  # the reader thread's time in reads (overlapping compute)
-    tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
     disk_waits: int = 0  # loads that waited for their block's read
     disk_wait_seconds: float = 0.0
+    tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
 
 
 class _Streamer:
@@ -453,6 +453,10 @@ class _Streamer:
             # the compute stream may reuse the memory as soon as it is freed.
             self.transfers.compute_waits_for(slot.ready)
         slot.release()
+        self._return_slot(slot)
+
+    def _return_slot(self, slot: _Slot) -> None:
+        """Take ``slot`` out of the window and keep it for reuse."""
         self.in_flight.remove(slot)
         self.in_flight_bytes -= slot.nbytes
         slot.nbytes = 0
@@ -586,7 +590,7 @@ class _DiskStreamer(_Streamer):
         try:
             staged = self.ring.take(source)
         except BaseException:
-            self._untake(slot)
+            self._return_slot(slot)  # the load failed before its copy was queued
             raise
         try:
             with torch.inference_mode(False):
@@ -600,7 +604,7 @@ class _DiskStreamer(_Streamer):
         except BaseException:
             self.transfers.synchronize()  # nothing may still copy into the memory freed here
             block.free_device_memory()
-            self._untake(slot)
+            self._return_slot(slot)
             self.ring.release(staged)
             raise
         self.ring.release(staged, self._record)
@@ -609,13 +613,6 @@ class _DiskStreamer(_Streamer):
         self.stats.loads += 1
         self.stats.copied_bytes += block.weights.nbytes
         return True
-
-    def _untake(self, slot: _Slot) -> None:
-        """Give back a slot taken for a load that failed before its copy was queued."""
-        self.in_flight.remove(slot)
-        self.in_flight_bytes -= slot.nbytes
-        slot.nbytes = 0
-        self._spare.append(slot)
 
     def _request_reads(self, blocks: list[_StreamedBlock]) -> None:
         # The stack's first disk-backed blocks not on the device yet are read now (another stack's staged reads
@@ -656,6 +653,7 @@ class LayerwiseState:
     disk_reader: DiskReader | None = None
     staging: StagingRing | None = None
     stop_reader: Any = None  # weakref.finalize: stops and joins the reader thread (disable, rollback, or GC)
+    file_views: FileViews | None = None  # the process's file mappings, read once while enabling
 
 
 class LayerwiseOffloadBackend(OffloadBackend):
@@ -910,7 +908,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         reader = DiskReader(files)
         journal.record("close the checkpoint files", reader.close)
         total = sum(s.read_bytes for s in sources.values())
-        views = FileViews()  # tensors that are views of these very files need no comparison
+        views = self._file_views(state)  # tensors that are views of these very files need no comparison
         with byte_progress(total, "layerwise offload: checking disk-backed blocks against their files",
                            self.config.show_progress, state.target) as bar:
             for source in sources.values():
@@ -927,6 +925,13 @@ class LayerwiseOffloadBackend(OffloadBackend):
             format_bytes(budget), len(sources), len(candidates), format_bytes(total),
             ", ".join(sorted({str(f.parent) for f in files})), ring, format_bytes(state.stats.staging_bytes // ring),
         )
+
+    @staticmethod
+    def _file_views(state: LayerwiseState) -> FileViews:
+        """The process's file mappings, read once per enable (checking disk-backed blocks, then packing)."""
+        if state.file_views is None:
+            state.file_views = FileViews()
+        return state.file_views
 
     @staticmethod
     def _component_of(state: LayerwiseState, stack: Stack):
@@ -953,9 +958,11 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
         total = sum(w.nbytes for stack in state.weights for w in stack if id(w) not in state.disk)
+        total += sum(u.weights.nbytes for u in state.units)
         # Weights that are views of checkpoint files (load_transformer_mmap) give their pages back once packed.
-        release = FileViews().release
-        with byte_progress(total + sum(u.weights.nbytes for u in state.units), "layerwise offload: packing blocks", self.config.show_progress, state.target) as bar:
+        release = self._file_views(state).release
+        with byte_progress(total, "layerwise offload: packing blocks", self.config.show_progress,
+                           state.target) as bar:
             for stack_weights, stack_resident in zip(state.weights, state.resident):
                 streamed_row: list[_StreamedBlock | None] = []
                 for weights, resident in zip(stack_weights, stack_resident):
@@ -968,12 +975,12 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 state.streamed.append(streamed_row)
             for unit in state.units:
                 weights = unit.weights
-                journal.record(f"restore {weights.path}", lambda w=weights: w.undo_pack(host_memory.needs_clone_on_release))
+                journal.record(f"restore {weights.path}",
+                               lambda w=weights: w.undo_pack(host_memory.needs_clone_on_release))
                 weights.pack(host_memory, release)
                 if unit.resident:
                     unit.onload(self.device)
                 bar.update(weights.nbytes)
-        total += sum(u.weights.nbytes for u in state.units)
         state.stats.host_bytes = total
         release_freed_host_memory()
         release_freed_device_memory(self.device)
@@ -1318,9 +1325,6 @@ class LayerwiseOffloadBackend(OffloadBackend):
         logger.info("layerwise offload disabled: block weights are ordinary host tensors again")
 
 
-_PLAIN = (torch.Tensor, nn.Parameter)
-
-
 def _disk_refusal(weights: PackedWeights, transient: dict[int, str]) -> str:
     """Why a block cannot be read from its checkpoint whatever its files hold (``""``: it can): quantized weights
     (tensor subclasses: torchao, GGUF, bitsandbytes) are not stored as the files hold them, non-persistent buffers
@@ -1330,7 +1334,7 @@ def _disk_refusal(weights: PackedWeights, transient: dict[int, str]) -> str:
                "their host copy)"
     for leaf in weights.tensors.leaves:
         for target in leaf.targets:
-            if type(target) not in _PLAIN:
+            if type(target) not in PLAIN_TENSOR_TYPES:
                 return f"its weights are {type(target).__name__} tensors (quantized weights keep their host copy)"
             if id(target) in transient:
                 return "it holds non-persistent buffers (not saved in checkpoints)"

@@ -43,7 +43,7 @@ SUPPORTED = (
     "Int8Tensor, Int4 tensors and AffineQuantizedTensor"
 )
 
-_PLAIN = (torch.Tensor, nn.Parameter)
+PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)  # a tensor or parameter, not a subclass
 _SCAN_DEPTH = 3
 
 
@@ -268,7 +268,7 @@ class TensorSet:
     # Discovery -------------------------------------------------------------------------------------------------
 
     def _add_weight(self, where: str, tensor: torch.Tensor, owners: list) -> None:
-        if type(tensor) in _PLAIN:
+        if type(tensor) in PLAIN_TENSOR_TYPES:
             self._add_leaf(where, tensor, inner=False)
             return
         if is_traceable_wrapper_subclass(tensor):
@@ -291,7 +291,7 @@ class TensorSet:
         for key, value in attributes.items():
             path = f"{where}.{key}"
             if isinstance(value, torch.Tensor):
-                if type(value) not in _PLAIN:
+                if type(value) not in PLAIN_TENSOR_TYPES:
                     raise _refuse(*self._weight, f"holds a {type(value).__name__} tensor subclass in {path!r}")
                 self._add_leaf(path, value, inner=False)
             elif isinstance(value, (list, tuple, dict, set)):
@@ -315,7 +315,7 @@ class TensorSet:
         for name in names:
             inner = getattr(tensor, name)
             path = f"{where}.{name}"
-            if type(inner) in _PLAIN:
+            if type(inner) in PLAIN_TENSOR_TYPES:
                 children[name] = self._add_leaf(path, inner, inner=True)
             elif is_traceable_wrapper_subclass(inner):
                 children[name] = self._add_wrapper(path, inner)

@@ -22,8 +22,7 @@ from ..installer import (
     remove_attention_all,
     tune_attention,
 )
-from ..offload.guards import FOREIGN_OFFLOADERS, SUSPENDING_METHODS, call_refused, call_suspended
-from ..offload.guards import offload_backends
+from ..offload.guards import FOREIGN_OFFLOADERS, SUSPENDING_METHODS, call_refused, call_suspended, offload_backends
 from ..offload.report import OffloadReport, call_peak_end, call_peak_start, offload_report
 from ..utils.modules import get_submodule_path
 
@@ -122,9 +121,7 @@ def _tracked_call(pipe: Any, call: Any, args: tuple, kwargs: dict) -> Any:
         _in_tracked_call.reset(token)
         pipe.__dict__["_omni_last_call_peak"] = call_peak_end(device, tracked, completed)
         for backend in offload_backends(pipe):  # the last phase's weights (the VAE) leave the device
-            end_of_call = getattr(backend, "end_of_call", None)
-            if end_of_call is not None:
-                end_of_call()
+            backend.end_of_call()
 
 
 def _expose_in_diffusers(cls: type) -> None:
