@@ -470,3 +470,36 @@ def test_enabling_an_mmap_loaded_model_does_not_hold_its_file_pages(tmp_path):
     # Without giving pages back the peak would reach the host copies plus the whole model's file pages.
     assert peak - before < budget + model_bytes // 8, (peak - before, budget, model_bytes)
     pipe.disable_omni_offload()
+
+
+def test_a_failed_enable_after_file_pages_were_given_back_leaves_the_model_exactly_as_it_was(saved, monkeypatch):
+    # Packing gave the transformer's mmap pages back before the VAE's pack failed: the rollback puts the mapped
+    # tensors back, and their pages read from the file again, the same bytes.
+    from diffusers_omni.offload.loading import load_transformer_mmap
+    from diffusers_omni.offload.memory import PackedWeights
+
+    pipe = _load(saved)
+    pipe.transformer = load_transformer_mmap(FluxTransformer2DModel, saved, subfolder="transformer").eval()
+    reference = _image(pipe)
+    before = pipeline_snapshot(pipe)
+    released = []
+    original_release = disk.FileViews.release
+
+    def spy(self, tensors):
+        released.append(original_release(self, tensors))
+        return released[-1]
+
+    original_pack = PackedWeights.pack
+
+    def pack(self, host_memory, release=None):
+        if self.path == "vae":
+            raise MemoryError("no host memory for the VAE (injected)")
+        return original_pack(self, host_memory, release)
+
+    monkeypatch.setattr(disk.FileViews, "release", spy)
+    monkeypatch.setattr(PackedWeights, "pack", pack)
+    with pytest.raises(MemoryError, match="injected"):
+        pipe.enable_layerwise_offload(device="cpu")
+    assert sum(released) > 0  # pages of the mapped transformer were given back before the failure
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+    assert torch.equal(_image(pipe), reference)
