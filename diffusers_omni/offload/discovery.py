@@ -55,6 +55,8 @@ class Topology:
     vaes: tuple[Component, ...]
     residents: tuple[Component, ...]
     source: str  # "declared", "scanned" or "bare model"
+    # DiTs of which one runs per denoising step (declared: ``_alternating_dits``; Wan 2.2's two experts)
+    alternating: tuple[Component, ...] = ()
 
     @property
     def components(self) -> tuple[Component, ...]:
@@ -129,7 +131,18 @@ def discover_components(target: Any, plan: OffloadPlan | None = None) -> Topolog
         raise ValueError(
             f"{type(target).__name__} has no DiT to offload (looked for {list(paths[DIT])}); declare _dit_modules"
         )
-    return Topology(tuple(found[DIT]), tuple(found[ENCODER]), tuple(found[VAE]), tuple(residents), source)
+    alternating = ()
+    if source == "declared":
+        declared = tuple(getattr(target, "_alternating_dits", ()) or ())
+        unknown = [path for path in declared if path not in declared_dits]
+        if unknown:
+            raise ValueError(f"{type(target).__name__}._alternating_dits names {unknown}, which are not among its "
+                             f"_dit_modules {list(declared_dits)}")
+        alternating = tuple(c for c in found[DIT] if c.path in declared)
+        if len(alternating) < 2:  # one of them absent (Wan 2.1 has no transformer_2): nothing alternates
+            alternating = ()
+    return Topology(tuple(found[DIT]), tuple(found[ENCODER]), tuple(found[VAE]), tuple(residents), source,
+                    alternating)
 
 
 def _tensor_ids(module: nn.Module) -> set[int]:

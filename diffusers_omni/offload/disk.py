@@ -17,7 +17,9 @@ read, each time they load, straight from the safetensors files their component w
 - ``StagingRing``: a few block-sized page-locked buffers and one reader thread that fills them, in the order the
   blocks will load, as far ahead as free buffers allow. ``take`` hands a block's buffer over once its read is done
   (waiting for it if needed); ``release`` gives it back once the device copy from it is queued: the buffer's event is
-  recorded on the copy stream, and the reader waits for that event before it reads into the buffer again.
+  recorded on the copy stream, and the reader waits for that event before it reads into the buffer again. The ring
+  also holds the buffers that blocks of alternating DiTs share (``host_plan``): such a buffer keeps the block last
+  read into it, so that block loads again without a read until the other DiT's block takes the buffer.
 """
 
 from __future__ import annotations
@@ -175,7 +177,8 @@ class BlockSource:
     in one file, and the layout they are read into (``regions``: byte offset and element count per dtype, in the
     order of the block's ``PackedWeights.numel``; ``nbytes`` in all, padding included). ``index`` (its position
     among the disk-backed blocks), ``next`` (the disk-backed blocks that load after it) and ``owner`` (the streamed
-    block) are set by the offload; ``staged`` is the staging buffer holding or reading it."""
+    block) are set by the offload; ``staged`` is the staging buffer holding or reading it; ``home`` the buffer it
+    shares with the blocks of the other alternating DiTs at its position (``None``: it goes through the ring)."""
 
     def __init__(self, label: str, component: str, numel: dict[torch.dtype, int], pieces: list[Piece]) -> None:
         self.label = label
@@ -198,6 +201,7 @@ class BlockSource:
         self.index = 0
         self.next: tuple[BlockSource, ...] = ()
         self.staged: StagingBuffer | None = None
+        self.home: StagingBuffer | None = None  # the buffer it shares with other alternating DiTs' blocks
         self.wanted = 0  # the staging ring's mark (``StagingRing._want``)
         self.owner: Any = None
 
@@ -479,8 +483,10 @@ class StagingBuffer:
     after the last device copy from it (the reader waits for it before reading into the buffer again). ``pairs``
     caches, per block (``BlockSource.index``), the offload's copy pairs from this buffer (made on first use)."""
 
-    def __init__(self, index: int, buffer: torch.Tensor, event: Any, sources: int) -> None:
+    def __init__(self, index: int, buffer: torch.Tensor, event: Any, sources: int, shared: bool = False) -> None:
         self.index = index
+        self.shared = shared  # a shared buffer: keeps its block after the copy (read again only for another one)
+        self.kept = False  # a shared buffer holding a block it handed over before (loading it again reads nothing)
         self.buffer = buffer
         self.pairs: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * sources
         self.address = buffer.data_ptr()
@@ -502,15 +508,28 @@ class StagingRing:
     stream). ``is_loaded(source)``: the block is on the device already (never requested again before it leaves).
     ``close`` stops and joins the thread and drops the buffers (the ring's views of them included), so the pages
     are freed (and unpinned) as soon as the ring is, also when the offload is garbage collected. ``sources`` is
-    the number of disk-backed blocks (``BlockSource.index`` < it). Counters go to ``stats`` (``disk_reads``,
-    ``disk_read_bytes``, ``disk_read_seconds``, ``disk_waits``, ``disk_wait_seconds``).
+    the number of disk-backed blocks (``BlockSource.index`` < it); ``ahead`` how many of the blocks that load
+    next are read ahead at most. Counters go to ``stats`` (``disk_reads``, ``disk_read_bytes``,
+    ``disk_read_seconds``, ``disk_waits``, ``disk_wait_seconds``, ``shared_hits``).
+
+    ``shared``: (buffer, event, blocks) per buffer that blocks of alternating DiTs share (``BlockSource.home``):
+    such a buffer keeps the block last read into it, so loading that block again reads nothing; wanting another
+    of its blocks reads that one into it (once the device copies from it are done), in load order like the ring's.
     """
 
     def __init__(self, reader: DiskReader, buffers: list[torch.Tensor], events: list[Any], stats: Any,
-                 device: torch.device, is_loaded: Callable[[BlockSource], bool], sources: int) -> None:
+                 device: torch.device, is_loaded: Callable[[BlockSource], bool], sources: int, ahead: int,
+                 shared: Iterable[tuple[torch.Tensor, Any, list[BlockSource]]] = ()) -> None:
         self.reader = reader
         self.slots = [StagingBuffer(i, b, e, sources) for i, (b, e) in enumerate(zip(buffers, events))]
         self.size = len(self.slots)
+        self.ahead = ahead
+        self.homes = []
+        for buffer, event, members in shared:
+            home = StagingBuffer(len(self.slots) + len(self.homes), buffer, event, sources, shared=True)
+            for source in members:
+                source.home = home
+            self.homes.append(home)
         self.stats = stats
         self.device = device
         self.is_loaded = is_loaded
@@ -530,12 +549,12 @@ class StagingRing:
             self._want(sources)
 
     def _want(self, sources: tuple[BlockSource, ...]) -> None:
-        # The first ``size`` of ``sources`` not on the device are marked with this call's generation (no list is
-        # built: this runs at every load); buffers holding unmarked blocks are reused, in ``sources`` order.
+        # The first ``ahead`` of ``sources`` not on the device are marked with this call's generation (no list is
+        # built: this runs at every load); ring buffers holding unmarked blocks are reused, in ``sources`` order.
         self._generation += 1
         generation, count = self._generation, 0
         for source in sources:
-            if count == self.size:
+            if count == self.ahead:
                 break
             if source.staged is not None or not self.is_loaded(source):
                 source.wanted = generation
@@ -545,7 +564,12 @@ class StagingRing:
                 self._clear(slot)
         queued = False
         for source in sources:
-            if source.wanted != generation or source.staged is not None:
+            if source.wanted != generation:
+                continue
+            if source.home is not None:
+                queued = self._want_home(source) or queued
+                continue
+            if source.staged is not None:
                 continue
             slot = self._empty()
             if slot is None:
@@ -556,6 +580,22 @@ class StagingRing:
             queued = True
         if queued:
             self._cond.notify_all()
+
+    def _want_home(self, source: BlockSource) -> bool:
+        """Read ``source`` into its shared buffer unless that holds it (or reads it) already; a buffer reading or
+        handing over another block is left alone (``take`` asks again once it is free). Whether a read was
+        queued."""
+        home = source.home
+        if home.source is source or home.state in (READING, IN_USE):
+            return False
+        if home.state == QUEUED:
+            self._queue.remove(home)
+        if home.source is not None and home.source.staged is home:
+            home.source.staged = None
+        home.source, home.state, home.error, home.retried, home.kept = source, QUEUED, None, False, False
+        source.staged = home
+        self._queue.append(home)
+        return True
 
     def _empty(self) -> StagingBuffer | None:
         for slot in self.slots:
@@ -568,7 +608,7 @@ class StagingRing:
             self._queue.remove(slot)
         if slot.source is not None and slot.source.staged is slot:
             slot.source.staged = None
-        slot.source, slot.state, slot.error, slot.retried = None, EMPTY, None, False
+        slot.source, slot.state, slot.error, slot.retried, slot.kept = None, EMPTY, None, False, False
 
     def take(self, source: BlockSource) -> StagingBuffer:
         """The buffer holding ``source``, read; raises ``DiskReadError`` (naming the block) if its read failed
@@ -581,6 +621,8 @@ class StagingRing:
                     self._wait()
                     self._want((source,) + source.next)
             slot = source.staged
+            if slot.kept:
+                self.stats.shared_hits += 1
             start = None
             while True:
                 if slot.state in (QUEUED, READING):
@@ -615,7 +657,10 @@ class StagingRing:
                 record(slot.event)
                 slot.pending = True
             source = slot.source
-            self._clear(slot)
+            if slot.shared:
+                slot.state, slot.kept = READY, True  # it keeps its block: the next load of it reads nothing
+            else:
+                self._clear(slot)
             if source is not None and not self._closing:
                 self._want(source.next)
 
@@ -640,7 +685,7 @@ class StagingRing:
                 logger.warning("layerwise offload: the disk reader thread did not stop within 60 s")
         if self._thread.is_alive():
             return  # still reading into a buffer: the buffers stay until it is done
-        for slot in self.slots:
+        for slot in self.slots + self.homes:
             self._clear(slot)
             slot.pairs = []
             slot.buffer = None

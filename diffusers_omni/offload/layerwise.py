@@ -69,19 +69,13 @@ from .hooks import (
     refresh_registry_caches,
     refuse_pickling,
 )
+from .host_plan import HostCandidate, HostPlan, plan_host_memory, spread_positions
 from .memory import (
     HostMemory, PackedWeights, Transfers, placeholder, release_freed_device_memory, release_freed_host_memory,
 )
 from .tensors import PLAIN_TENSOR_TYPES, TensorSet, tensor_nbytes
 
 logger = logging.getLogger("diffusers_omni")
-
-
-def spread_positions(count: int, total: int) -> list[int]:
-    """``count`` positions out of ``range(total)``, evenly spread (``2, 8`` → ``[2, 6]``)."""
-    if count <= 0:
-        return []
-    return sorted({min(int((k + 0.5) * total / count), total - 1) for k in range(count)})
 
 
 def plan_residency(
@@ -194,99 +188,6 @@ def _residency_order(block_bytes: list[int], candidates: list[int]) -> list[list
         else:
             groups.append([i])
     return [sorted(group) for group in groups]
-
-
-@dataclass
-class HostCandidate:
-    """A streamed block as ``plan_host_memory`` sees it: its host copy's bytes, its stack, whether it is an
-    encoder's, and why it must keep its host copy (``""``: it may be read from its checkpoint instead)."""
-
-    key: Any
-    label: str
-    nbytes: int
-    stack: int
-    encoder: bool
-    reason: str = ""
-
-
-def plan_host_memory(candidates: list[HostCandidate], fixed: dict[str, int], budget: int,
-                     staging_count: int) -> list[HostCandidate]:
-    """The streamed blocks that lose their host copy so that the host copies (``fixed``: what always has one, by
-    part; every candidate not chosen) plus a staging ring of ``staging_count`` buffers (at most one per chosen
-    block) of the largest chosen block take at most ``budget`` bytes. Encoder blocks go first (they run once per
-    call), then DiT blocks evenly spread through each stack (``spread_positions``), a few more at a time, until it
-    fits; ``[]`` when everything fits with host copies. Raises ``ValueError`` with the minimum and what makes it
-    up when nothing fits."""
-    fixed_total = sum(fixed.values())
-    streamed_total = sum(c.nbytes for c in candidates)
-
-    def pinned(chosen: list[HostCandidate]) -> int:
-        largest = max((c.nbytes for c in chosen), default=0)
-        return fixed_total + streamed_total - sum(c.nbytes for c in chosen) + min(staging_count, len(chosen)) * largest
-
-    best: tuple[list[HostCandidate], int] = ([], pinned([]))
-    if best[1] <= budget:
-        return []
-    for chosen in _disk_levels(candidates):
-        total = pinned(chosen)
-        if total <= budget:
-            return chosen
-        if total < best[1]:
-            best = (chosen, total)
-    chosen, needed = best
-    taken = {id(c) for c in chosen}
-    kept = [c for c in candidates if id(c) not in taken]
-    parts = [f"{name} {format_bytes(nbytes)}" for name, nbytes in fixed.items() if nbytes]
-    if kept:
-        kept_bytes = sum(c.nbytes for c in kept)
-        parts.append(f"{len(kept)} streamed blocks that keep their host copy {format_bytes(kept_bytes)}")
-    if chosen:
-        largest = max(c.nbytes for c in chosen)
-        parts.append(f"the staging ring, {min(staging_count, len(chosen))} × {format_bytes(largest)} (the largest of "
-                     f"the {len(chosen)} blocks read from disk)")
-    if any(not c.reason for c in kept):
-        parts[-1] += (f"; {sum(1 for c in kept if not c.reason)} more blocks read from disk would need a larger "
-                      "staging ring than they free")
-    reasons: dict[str, int] = {}
-    for c in kept:
-        if c.reason:
-            reasons[c.reason] = reasons.get(c.reason, 0) + 1
-    why = "; ".join(f"{count} block{'s' if count > 1 else ''}: {reason}" for reason, count in reasons.items())
-    raise ValueError(
-        f"max_host_memory={budget} ({format_bytes(budget)}) is too small; allowed: at least {needed} "
-        f"({format_bytes(needed)}) = {' + '.join(parts) or 'nothing'}"
-        + (f". Blocks that cannot be read from disk keep their host copy: {why}" if why else "")
-    )
-
-
-def _disk_levels(candidates: list[HostCandidate]):
-    """Ever larger sets of blocks to read from disk: the encoders' (evenly spread), then all of them and ever more
-    DiT blocks, evenly spread through each stack (stacks share the count by their sizes)."""
-    def stacks(encoder: bool) -> list[list[HostCandidate]]:
-        found: dict[int, list[HostCandidate]] = {}
-        for c in candidates:
-            if not c.reason and c.encoder == encoder:
-                found.setdefault(c.stack, []).append(c)
-        return [found[k] for k in sorted(found)]
-
-    encoders, dits = stacks(True), stacks(False)
-    every_encoder: list[HostCandidate] = []
-    for count in range(1, sum(len(s) for s in encoders) + 1):
-        every_encoder = _spread_over(encoders, count)
-        yield every_encoder
-    for count in range(1, sum(len(s) for s in dits) + 1):
-        yield every_encoder + _spread_over(dits, count)
-
-
-def _spread_over(stacks: list[list[HostCandidate]], count: int) -> list[HostCandidate]:
-    """``count`` blocks over ``stacks`` in proportion to their sizes (largest remainders), each stack's evenly
-    spread."""
-    total = sum(len(s) for s in stacks)
-    shares = [count * len(s) // total for s in stacks]
-    remainders = sorted(range(len(stacks)), key=lambda i: (-(count * len(stacks[i]) % total), i))
-    for i in remainders[: count - sum(shares)]:
-        shares[i] += 1
-    return [stack[p] for stack, share in zip(stacks, shares) for p in spread_positions(share, len(stack))]
 
 
 class _Slot:
@@ -405,6 +306,11 @@ class LayerwiseStats:
     disk_read_seconds: float = 0.0  # the reader thread's time in reads (overlapping compute)
     disk_waits: int = 0  # loads that waited for their block's read
     disk_wait_seconds: float = 0.0
+    # max_host_memory, alternating DiTs: blocks at one position share one host buffer, read when their DiT is back
+    shared_buffers: int = 0
+    shared_blocks: int = 0
+    shared_bytes: int = 0
+    shared_hits: int = 0  # loads that found their block in its shared buffer (nothing read)
     tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
 
 
@@ -621,7 +527,7 @@ class _DiskStreamer(_Streamer):
         for block in blocks:
             if block.disk is not None and block.slot is None:
                 wanted.append(block.disk)
-                if len(wanted) == self.ring.size:
+                if len(wanted) == self.ring.ahead:
                     break
         if wanted:
             self.ring.want(tuple(wanted))
@@ -651,6 +557,8 @@ class LayerwiseState:
     # max_host_memory: id(PackedWeights) → where that block's bytes are in its checkpoint (no host copy)
     disk: dict[int, BlockSource] = field(default_factory=dict)
     disk_reader: DiskReader | None = None
+    # blocks (one per alternating DiT, same position) that share one host buffer; their sources are in ``disk`` too
+    shared: list[list[BlockSource]] = field(default_factory=list)
     staging: StagingRing | None = None
     stop_reader: Any = None  # weakref.finalize: stops and joins the reader thread (disable, rollback, or GC)
     file_views: FileViews | None = None  # the process's file mappings, read once while enabling
@@ -853,20 +761,25 @@ class LayerwiseOffloadBackend(OffloadBackend):
         return self.config.prefetch_depth + 2
 
     def _stage_plan_host(self, state: LayerwiseState, journal: Journal) -> None:
-        """With ``max_host_memory``: which streamed blocks keep no host copy (``plan_host_memory``), each mapped to
-        its checkpoint files and checked against them (names, dtypes, shapes, bytes), before anything changes."""
+        """With ``max_host_memory``: which streamed blocks keep no host copy of their own (``plan_host_memory``:
+        read from disk at every load, or sharing a buffer with the blocks of the alternating DiTs at the same
+        position), each mapped to its checkpoint files and checked against them (names, dtypes, shapes, bytes),
+        before anything changes."""
         budget = getattr(self.config, "max_host_memory", None)
         if budget is None:
             return
         components: dict[int, tuple[Any, dict[int, list[str]], dict[int, str]]] = {}
         candidates: list[HostCandidate] = []
         owners: dict[int, Any] = {}  # id(PackedWeights) → its component, for blocks that may be read from disk
+        groups = {id(c.module): 0 for c in state.topology.alternating}
+        positions: dict[int, int] = {}  # id(component module) → streamed blocks seen so far (load order)
         resident_bytes = 0
         for index, (stack, row, resident_row, kind) in enumerate(
                 zip(state.stacks, state.weights, state.resident, state.kinds)):
             component = self._component_of(state, stack)
             if component is not None and id(component.module) not in components:
                 components[id(component.module)] = (component, *checkpoint_names(component.module))
+            group = groups.get(id(component.module), -1) if component is not None and kind == DIT else -1
             for weights, resident in zip(row, resident_row):
                 if weights.empty:
                     continue
@@ -878,12 +791,17 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 else:
                     reason = _disk_refusal(weights, components[id(component.module)][2])
                     owners[id(weights)] = component
-                candidates.append(HostCandidate(weights, weights.path, weights.nbytes, index, kind == ENCODER, reason))
+                position = 0
+                if group >= 0:
+                    position = positions.get(id(component.module), 0)
+                    positions[id(component.module)] = position + 1
+                candidates.append(HostCandidate(weights, weights.path, weights.nbytes, index, kind == ENCODER, reason,
+                                                group, position))
         fixed = {"phase units": sum(u.weights.nbytes for u in state.units), "resident blocks": resident_bytes}
         count = self._staging_count()
+        checkpoints: dict[int, tuple[Any, str]] = {}
         if sum(fixed.values()) + sum(c.nbytes for c in candidates) > budget:
             # Disk is needed: the blocks whose component was not loaded from local safetensors files keep theirs.
-            checkpoints: dict[int, tuple[Any, str]] = {}
             for candidate in candidates:
                 component = owners.get(id(candidate.key))
                 if candidate.reason or component is None:
@@ -893,13 +811,13 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 checkpoint, why = checkpoints[id(component.module)]
                 if checkpoint is None:
                     candidate.reason = f"{component.label!r}: {why}"
-        chosen = plan_host_memory(candidates, fixed, budget, count)
-        if not chosen:
+        plan = plan_host_memory(candidates, fixed, budget, count)
+        if not plan:
             logger.info("layerwise offload: max_host_memory %s: every host copy fits", format_bytes(budget))
             return
         files: list = []
         sources: dict[int, BlockSource] = {}
-        for candidate in chosen:
+        for candidate in plan.blocks:
             weights = candidate.key
             component, names, _ = components[id(owners[id(weights)].module)]
             checkpoint, _ = checkpoints[id(component.module)]
@@ -915,16 +833,30 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 verify_block(source, reader, views)
                 bar.update(source.read_bytes)
         state.disk, state.disk_reader = sources, reader
-        ring = min(count, len(sources))
-        state.stats.disk_blocks = len(sources)
-        state.stats.disk_bytes_per_pass = total
-        state.stats.staging_bytes = ring * max(s.nbytes for s in sources.values())
-        logger.info(
-            "layerwise offload: max_host_memory %s: %d of %d streamed blocks (%s per pass) are read from %s at each "
-            "load instead of kept in host memory; staging ring %d × %s",
-            format_bytes(budget), len(sources), len(candidates), format_bytes(total),
-            ", ".join(sorted({str(f.parent) for f in files})), ring, format_bytes(state.stats.staging_bytes // ring),
-        )
+        state.shared = [[sources[id(c.key)] for c in group] for group in plan.shared]
+        ring = min(count, len(plan.disk))
+        stats = state.stats
+        stats.disk_blocks = len(plan.disk)
+        stats.disk_bytes_per_pass = sum(sources[id(c.key)].read_bytes for c in plan.disk)
+        stats.staging_bytes = ring * max((sources[id(c.key)].nbytes for c in plan.disk), default=0)
+        stats.shared_buffers = len(plan.shared)
+        stats.shared_blocks = sum(len(group) for group in plan.shared)
+        stats.shared_bytes = sum(max(s.nbytes for s in group) for group in state.shared)
+        where = ", ".join(sorted({str(f.parent) for f in files}))
+        if plan.disk:
+            logger.info(
+                "layerwise offload: max_host_memory %s: %d of %d streamed blocks (%s per pass) are read from %s at "
+                "each load instead of kept in host memory; staging ring %d × %s",
+                format_bytes(budget), len(plan.disk), len(candidates), format_bytes(stats.disk_bytes_per_pass), where,
+                ring, format_bytes(stats.staging_bytes // ring),
+            )
+        if plan.shared:
+            logger.info(
+                "layerwise offload: max_host_memory %s: %d blocks of the alternating DiTs %s share %d host buffers "
+                "(%s): a block is read from %s when its DiT runs after the other",
+                format_bytes(budget), stats.shared_blocks, [c.label for c in state.topology.alternating],
+                stats.shared_buffers, format_bytes(stats.shared_bytes), where,
+            )
 
     @staticmethod
     def _file_views(state: LayerwiseState) -> FileViews:
@@ -1045,22 +977,26 @@ class LayerwiseOffloadBackend(OffloadBackend):
         )
 
     def _start_staging(self, state: LayerwiseState, journal: Journal) -> StagingRing:
-        """The staging ring of the disk-backed blocks: page-locked buffers from the offload's ``HostMemory`` (so
-        they are unregistered with the rest, before they are freed) and the reader thread, stopped and joined by
-        ``disable``, by the rollback of a failed enable, or when this backend is garbage collected. Each disk-backed
-        block learns the disk-backed blocks that load after it (a DiT's wrap around to the next step)."""
-        count = min(self._staging_count(), len(state.disk))
-        size = state.stats.staging_bytes // count
+        """The staging ring of the disk-backed blocks and the buffers shared by the alternating DiTs' blocks:
+        page-locked buffers from the offload's ``HostMemory`` (so they are unregistered with the rest, before they
+        are freed) and the reader thread, stopped and joined by ``disable``, by the rollback of a failed enable, or
+        when this backend is garbage collected. Each disk-backed block learns the disk-backed blocks that load
+        after it (a DiT's wrap around to the next step)."""
+        ahead = self._staging_count()
+        shared = {id(source) for group in state.shared for source in group}
+        count = min(ahead, sum(1 for source in state.disk.values() if id(source) not in shared))
+        size = state.stats.staging_bytes // count if count else 0
         buffers = []
-        for _ in range(count):
-            buffer = state.host_memory.allocate(size, torch.uint8)
+        for nbytes in [size] * count + [max(s.nbytes for s in group) for group in state.shared]:
+            buffer = state.host_memory.allocate(nbytes, torch.uint8)
             state.host_memory.pin(buffer)
             buffers.append(buffer)
         events = [state.transfers.new_event() for _ in buffers]
         for index, source in enumerate(state.disk.values()):
             source.index = index
-        ring = StagingRing(state.disk_reader, buffers, events, state.stats, self.device, _source_loaded,
-                           len(state.disk))
+        ring = StagingRing(state.disk_reader, buffers[:count], events[:count], state.stats, self.device,
+                           _source_loaded, len(state.disk), ahead,
+                           shared=list(zip(buffers[count:], events[count:], state.shared)))
         state.staging = ring
         state.stop_reader = weakref.finalize(self, ring.close)
         journal.record("stop the disk reader", state.stop_reader)
@@ -1071,9 +1007,10 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     following = sources[position + 1:] + sources[:position]
                 else:  # an encoder runs once per call
                     following = sources[position + 1:]
-                source.next = tuple(following[:count])
-        logger.info("layerwise offload: staging ring of %d × %s (%s host memory) for %d disk-backed blocks",
-                    count, format_bytes(size), state.host_memory.mode, len(state.disk))
+                source.next = tuple(following[:ahead])
+        if count:
+            logger.info("layerwise offload: staging ring of %d × %s (%s host memory) for %d disk-backed blocks",
+                        count, format_bytes(size), state.host_memory.mode, len(state.disk) - len(shared))
         return ring
 
     def _forward_lock(self) -> ForwardLock:

@@ -338,6 +338,11 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
         notes.append(f"disk: {stats.disk_blocks} streamed blocks have no host copy and are read from their checkpoint "
                      f"files at each load, through a staging ring of {format_bytes(stats.staging_bytes)} of "
                      f"{_host_kind(mode)} host memory (not in the columns above: it holds no weight of its own)")
+    if getattr(stats, "shared_buffers", 0):
+        mode = getattr(getattr(backend._state, "host_memory", None), "mode", None)
+        notes.append(f"shared: {stats.shared_blocks} blocks of the alternating DiTs share {stats.shared_buffers} "
+                     f"buffers ({format_bytes(stats.shared_bytes)} of {_host_kind(mode)} host memory, not in the "
+                     "columns above); a block is read from its checkpoint when its DiT runs after the other")
     for label in dict.fromkeys(getattr(stats, "tiled_vaes", ())):
         notes.append(f"{label}: ran out of device memory untiled; it decodes and encodes in tiles now "
                      "(vae.enable_tiling(); disable_omni_offload() puts its own setting back)")

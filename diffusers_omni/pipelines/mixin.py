@@ -31,7 +31,9 @@ logger = logging.getLogger("diffusers_omni")
 
 @runtime_checkable
 class SupportsComponentDiscovery(Protocol):
-    """A pipeline that names its components for attention and offload strategies (dotted paths allowed)."""
+    """A pipeline that names its components for attention and offload strategies (dotted paths allowed).
+    Optional: ``_alternating_dits``, DiTs among ``_dit_modules`` of which one runs per denoising step (Wan 2.2's
+    experts); under ``max_host_memory`` their blocks may share host buffers."""
 
     _dit_modules: ClassVar[tuple[str, ...]]
     _encoder_modules: ClassVar[tuple[str, ...]]
@@ -195,6 +197,7 @@ class OmniPipelineMixin:
     _encoder_modules: ClassVar[tuple[str, ...]] = ()
     _vae_modules: ClassVar[tuple[str, ...]] = ()
     _resident_modules: ClassVar[tuple[str, ...]] = ()
+    _alternating_dits: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def from_pretrained(cls, *args: Any, omni_attention: Any = None, **kwargs: Any):

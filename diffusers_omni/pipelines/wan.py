@@ -10,6 +10,9 @@ from .mixin import OmniPipelineMixin
 class WanComponents:
     _omni_family = "wan"
     _dit_modules = ("transformer", "transformer_2")
+    # Wan 2.2 A14B: each denoising step runs one expert (high noise, then low noise past boundary_ratio), so under
+    # a host budget the experts' blocks may share host buffers.
+    _alternating_dits = ("transformer", "transformer_2")
     _encoder_modules = ("text_encoder",)
     _vae_modules = ("vae",)
     _resident_modules = ()

@@ -13,7 +13,7 @@ from diffusers import FluxTransformer2DModel
 
 from diffusers_omni import LayerwiseOffloadConfig, apply_offload
 from diffusers_omni.offload import disk, memory
-from diffusers_omni.offload.layerwise import HostCandidate, plan_host_memory
+from diffusers_omni.offload.host_plan import HostCandidate, plan_host_memory
 from diffusers_omni.pipelines.flux import OmniFluxPipeline
 from diffusers_omni.pipelines.wan import OmniWanPipeline
 
@@ -316,7 +316,7 @@ def test_plan_takes_encoder_blocks_first_then_spreads_dit_blocks_over_the_stacks
     candidates = encoder + first + second + [quantized]
 
     def chosen(budget: int) -> list[str]:
-        return [c.key for c in plan_host_memory(candidates, {"phase units": 5}, budget, 3)]
+        return [c.key for c in plan_host_memory(candidates, {"phase units": 5}, budget, 3).disk]
 
     # Host copies: 5 + 15 × 10 = 155. A ring of three 10-byte buffers only pays off from four blocks on disk.
     assert chosen(155) == []
@@ -503,3 +503,127 @@ def test_a_failed_enable_after_file_pages_were_given_back_leaves_the_model_exact
     assert sum(released) > 0  # pages of the mapped transformer were given back before the failure
     assert_same_snapshot(before, pipeline_snapshot(pipe))
     assert torch.equal(_image(pipe), reference)
+
+
+def test_plan_shares_buffers_between_alternating_dits_after_the_encoders_and_before_reading_every_load():
+    encoder = [HostCandidate(f"e{i}", f"e{i}", 10, 0, True) for i in range(4)]
+    high = [HostCandidate(f"a{i}", f"a{i}", 20, 1, False, group=0, position=i) for i in range(4)]
+    low = [HostCandidate(f"b{i}", f"b{i}", 20, 2, False, group=0, position=i) for i in range(4)]
+    candidates = encoder + high + low
+
+    def plan(budget: int):
+        found = plan_host_memory(candidates, {"phase units": 5}, budget, 2)
+        return [c.key for c in found.disk], [[c.key for c in group] for group in found.shared]
+
+    # Host copies: 5 + 4 × 10 + 8 × 20 = 205. The encoders go to disk first (ring of 2 × 10): 5 + 20 + 160 = 185.
+    assert plan(205) == ([], [])
+    assert plan(185) == (["e0", "e1", "e2", "e3"], [])
+    # Then positions of the two experts share one buffer each, evenly spread: each frees 20 bytes.
+    assert plan(165) == (["e0", "e1", "e2", "e3"], [["a2", "b2"]])
+    assert plan(105) == (["e0", "e1", "e2", "e3"], [["a0", "b0"], ["a1", "b1"], ["a2", "b2"], ["a3", "b3"]])
+    # Below that, shared positions are read at every load (both blocks; the ring grows to the largest, 20).
+    assert plan(104) == (["e0", "e1", "e2", "e3", "a1", "b1", "a3", "b3"], [["a0", "b0"], ["a2", "b2"]])
+    with pytest.raises(ValueError, match=r"at least 45 \(45 B\) = phase units 5 B \+ the staging ring, 2 × 20 B"):
+        plan(44)
+
+
+def _saved_wan22(folder) -> OmniWanPipeline:
+    wan22_pipe().save_pretrained(folder)
+    pipe = OmniWanPipeline.from_pretrained(folder)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    pipe.register_to_config(boundary_ratio=0.8)  # of 4 steps (999, 900, 750, 500): two per expert
+    return pipe
+
+
+WAN_CALL = {"prompt": "a red fox", "num_inference_steps": 4, "height": 32, "width": 32, "num_frames": 5,
+            "output_type": "pt", "max_sequence_length": 32}
+
+
+def _wan_budgets(pipe) -> tuple[int, int, int]:
+    """(host bytes without a budget, the encoders' streamed block bytes and the bytes of a ring of their largest,
+    the low-noise expert's streamed block bytes)."""
+    from diffusers_omni.offload.discovery import ENCODER
+
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    state = backend._state
+    encoder = [w.nbytes for row, kinds, resident in zip(state.weights, state.kinds, state.resident)
+               if kinds == ENCODER for w, r in zip(row, resident) if not r and not w.empty]
+    low = sum(b.weights.nbytes for stack, row in zip(state.stacks, state.streamed) if stack.owner is pipe.transformer_2
+              for b in row if b is not None)
+    total = backend.stats.host_bytes
+    pipe.disable_omni_offload()
+    ring = min(4, len(encoder)) * max(encoder)  # prefetch_depth 2 + 2 buffers
+    return total, sum(encoder) - ring, low
+
+
+def test_wan22_experts_share_host_buffers_read_once_per_switch_of_expert(tmp_path):
+    pipe = _saved_wan22(tmp_path)
+    reference = pipe(**WAN_CALL, generator=torch.Generator().manual_seed(0)).frames
+    total, encoder_saved, low = _wan_budgets(pipe)
+    budget = total - encoder_saved - low  # every encoder block on disk, every expert position shared
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    stats, state = backend.stats, backend._state
+    positions = sum(1 for b in state.streamed[[s.owner for s in state.stacks].index(pipe.transformer)] if b)
+    assert stats.shared_buffers == positions and stats.shared_blocks == 2 * positions
+    assert {s.component for s in state.disk.values() if s.home is None} == {"text_encoder"}
+    assert stats.host_bytes + stats.staging_bytes + stats.shared_bytes <= budget
+
+    order: list[str] = []
+    for name in ("transformer", "transformer_2"):
+        getattr(pipe, name).register_forward_pre_hook(lambda *_, n=name: order.append(n))
+    for _ in range(2):
+        assert torch.equal(pipe(**WAN_CALL, generator=torch.Generator().manual_seed(0)).frames, reference)
+    runs = 1 + sum(1 for a, b in zip(order, order[1:]) if a != b)  # stretches of one expert
+    assert set(order) == {"transformer", "transformer_2"} and runs == 4  # high, low; high, low
+    # A block is read into its shared buffer at the first forward of each stretch; every other load finds it there.
+    assert stats.shared_hits == positions * (len(order) - runs)
+    report = pipe.omni_offload_report()
+    assert any(note.startswith(f"shared: {2 * positions} blocks of the alternating DiTs share {positions} buffers")
+               for note in report.notes)
+    pipe.disable_omni_offload()
+    assert torch.equal(pipe(**WAN_CALL, generator=torch.Generator().manual_seed(0)).frames, reference)
+
+
+def test_wan22_experts_called_in_turn_read_their_blocks_back_each_time_and_stay_exact(tmp_path):
+    """The declaration says the experts alternate by step; calling them in turn (not how the pipeline runs them)
+    only costs reads: every output is the model's own."""
+    pipe = _saved_wan22(tmp_path)
+    captured = {}
+
+    def capture(module, args, kwargs):
+        captured.setdefault("call", (args, kwargs))
+
+    handle = pipe.transformer.register_forward_pre_hook(capture, with_kwargs=True)
+    pipe(**WAN_CALL, generator=torch.Generator().manual_seed(0))
+    handle.remove()
+    args, kwargs = captured["call"]
+    with torch.no_grad():
+        expected = {name: getattr(pipe, name)(*args, **kwargs)[0] for name in ("transformer", "transformer_2")}
+    total, encoder_saved, low = _wan_budgets(pipe)
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=total - encoder_saved - low)
+    assert backend.stats.shared_buffers > 0
+    reads = []
+    with torch.no_grad():
+        for name in ("transformer", "transformer_2") * 3:
+            assert torch.equal(getattr(pipe, name)(*args, **kwargs)[0], expected[name]), name
+            reads.append(backend.stats.disk_reads)
+    # Enabling loaded each expert's first blocks; from then on each call reads its blocks back into the buffers.
+    assert all(later > earlier for earlier, later in zip(reads[1:], reads[2:]))
+    pipe.disable_omni_offload()
+
+
+def test_alternating_dits_must_be_declared_dits():
+    from diffusers_omni.offload.discovery import discover_components
+
+    pipe = wan22_pipe()
+    assert [c.path for c in discover_components(pipe).alternating] == ["transformer", "transformer_2"]
+
+    class Wrong(OmniWanPipeline):
+        _alternating_dits = ("transformer", "unet")
+
+    pipe.__class__ = Wrong
+    with pytest.raises(ValueError, match=r"Wrong\._alternating_dits names \['unet'\], which are not among its "
+                                         r"_dit_modules \['transformer', 'transformer_2'\]"):
+        discover_components(pipe)

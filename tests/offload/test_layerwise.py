@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from diffusers_omni import OffloadConfig, apply_offload
-from diffusers_omni.offload.layerwise import _residency_order, plan_residency, spread_positions
+from diffusers_omni.offload.host_plan import spread_positions
+from diffusers_omni.offload.layerwise import _residency_order, plan_residency
 
 from offload_helpers import bare_flux, bare_wan, block_bytes, flux_inputs, flux_pipe, generate, wan22_pipe
 
