@@ -109,4 +109,8 @@ def test_host_budget_summary_compares_the_median_forward_with_omni():
               "host_budget": summary}
     text = bench.markdown(report)
     assert "## Host budget (omni-host against omni)" in text
-    assert "| 34.36 GB | 30.00 GiB | 38.00 GiB | 1.30 s / 1.10 s (1.18×) | 40 |" in text
+    assert summary["denoise_ratio"] == pytest.approx(4.0 / 3.3)
+    # One stretch of the transformer: its first forward, then the median of the others.
+    assert summary["switch_forward_s"] == 1.3 and summary["other_forward_s"] == pytest.approx(1.35)
+    assert ("| 34.36 GB | 30.00 GiB | 38.00 GiB | 1.30 s / 1.10 s (1.18×) | 4.00 s / 3.30 s (1.21×) | 1.30 s / 1.35 s "
+            "| 0, 0.00 GiB | 40 |") in text
