@@ -1274,7 +1274,7 @@ def readme_pipelines() -> str:
 
 def pipeline_host_budget() -> str:
     """``pipeline-offload-wan-host``: ``max_host_memory`` against every host copy pinned, with the disk's own read
-    bandwidth (``disk-read-probe``) beside it."""
+    bandwidth (``disk-read-probe``, the same machine's) beside it."""
     report = result("pipeline-offload-wan-host")
     summary = report["host_budget"]
     by = {r["strategy"]: r for r in report["strategies"]}
@@ -1282,41 +1282,52 @@ def pipeline_host_budget() -> str:
     probe = result("disk-read-probe")
     best = max(probe["rows"], key=lambda r: r["gib_per_s"])
     single = max((r for r in probe["rows"] if r["readers"] == 1), key=lambda r: r["gib_per_s"])
-    # A pass is a forward of every DiT; the plan spreads the disk-backed blocks over the experts by their sizes, and
-    # one forward runs one expert.
+    # A pass is a forward of every DiT; the plan spreads the blocks read at every load over the experts by their
+    # sizes, and one forward runs one expert.
     experts = [c for c in report["components"] if c.startswith("transformer")]
     per_forward = summary["disk_bytes_per_pass"] / len(experts)
     floor = per_forward / (best["gib_per_s"] * GiB)
     found = re.fullmatch(r"(\d+(?:\.\d+)?)GiB", report["args"]["omni_host_budget"])
     budget = float(found.group(1)) * GiB if found else None
+    first, other, pinned_forward = summary["switch_forward_s"], summary["other_forward_s"], summary["omni_forward_s"]
+    # A 40-step call runs 80 forwards (two per step), two of them the first of an expert: computed from this run.
+    forty = (2 * first + 78 * other) / (80 * pinned_forward)
     rows = [[f"`{report['args']['omni_host_budget']}`",
              f"{gib(summary['pinned_bytes'])} (≤ budget: {_verdict(budget is None or summary['pinned_bytes'] <= budget)})",
              f"{gib(host['rss']['call_peak'])} (≤ 40 GiB: {_verdict(host['rss']['call_peak'] <= 40 * GiB)})",
              gib(host["rss"]["enable_peak"]) + (
                  f" (sampled: own {gib(host['rss']['enable_anon_peak'])}, file pages "
                  f"{gib(host['rss']['enable_file_peak'])})" if host["rss"].get("enable_anon_peak") else ""),
-             f"{summary['forward_s']:.2f} s / {summary['omni_forward_s']:.2f} s = {summary['forward_ratio']:.2f}× "
+             f"{summary['forward_s']:.2f} s / {pinned_forward:.2f} s = {summary['forward_ratio']:.2f}× "
              f"(≤ 1.2: {_verdict(summary['forward_ratio'] <= 1.2)})",
+             f"{first:.1f} s / {other:.2f} s",
+             f"{summary['denoise_s']:.1f} s / {summary['omni_denoise_s']:.1f} s = {summary['denoise_ratio']:.2f}×",
+             f"{forty:.2f}×",
+             f"{summary['shared_buffers']}, {gib(summary['shared_bytes'])}",
              f"{summary['disk_blocks']}, {gib(summary['disk_bytes_per_pass'])}",
              f"{summary['disk_bandwidth'] / GiB:.2f} GiB/s",
-             f"{floor:.2f} s",
-             f"{per_forward / (1.2 * summary['omni_forward_s']) / GiB:.1f} GiB/s"]]
+             f"{floor:.2f} s"]]
     probe_rows = [[r["readers"], f"{r['chunk_bytes'] >> 20} MiB", f"{r['gib_per_s']:.2f} GiB/s"]
                   for r in probe["rows"]]
     return (table(["max_host_memory", "Pinned", "Host RSS during the call", "Host RSS peak while enabling",
-                   "Denoise forward (median): host budget / all pinned", "Blocks read from disk, bytes per pass",
-                   "Reader bandwidth (cold)", "Forward floor at the disk's best bandwidth",
-                   "Disk bandwidth the 1.2× target needs"], rows)
+                   "Denoise forward (median): host budget / all pinned",
+                   "First forward of each expert / the others (median)",
+                   f"Denoise phase, {report['steps']} steps: host budget / all pinned",
+                   "Denoise phase, 40 steps (computed from these forwards)",
+                   "Shared buffers", "Blocks read at every load, bytes per pass", "Reader bandwidth (cold)",
+                   "Floor of a forward at the disk's best bandwidth"], rows)
             + f"\nWan2.2-T2V-A14B, {report['steps']} steps, 24 GiB card, {report['environment']['device_name']}; "
-              f"both experts saved to the machine's disk and loaded with `load_transformer_mmap`, the files' page "
-              f"cache dropped before every transformer forward; the all-pinned run is the same process tree's "
-              f"`omni` strategy (end to end {pinned_all['end_to_end_s']:.1f} s against {host['end_to_end_s']:.1f} s). "
-              f"`{cite('pipeline-offload-wan-host')}`. The floor: one expert's disk-backed bytes "
-              f"({gib(per_forward)}) at the disk's best measured cold read bandwidth below.\n\n"
+              f"both experts saved to the machine's disk and loaded with `load_transformer_mmap` (the text encoder "
+              f"is built in memory: the disk has no room for its checkpoint beside the experts', so its blocks keep "
+              f"their host copies), the files' page cache dropped before every transformer forward; the all-pinned "
+              f"run is the same process tree's `omni` strategy (end to end {pinned_all['end_to_end_s']:.1f} s "
+              f"against {host['end_to_end_s']:.1f} s). `{cite('pipeline-offload-wan-host')}`. The floor: one "
+              f"expert's blocks read at every load ({gib(per_forward)}) at the disk's best measured cold read "
+              f"bandwidth below. The 40-step column: (2 × first + 78 × others) ÷ (80 × all pinned).\n\n"
             + table(["Readers", "Chunk", "Cold read bandwidth"], probe_rows)
             + f"\nThe same machine's disk, {probe['size_bytes'] / GiB:.0f} GiB file, page cache dropped before each "
               f"read (`{cite('disk-read-probe')}`): one reader reaches {single['gib_per_s']:.2f} GiB/s, the best "
-              f"setting {best['gib_per_s']:.2f} GiB/s; more readers do not raise it.\n")
+              f"setting {best['gib_per_s']:.2f} GiB/s.\n")
 
 
 def budget_never_slower() -> str:
