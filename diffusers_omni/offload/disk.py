@@ -264,6 +264,33 @@ def block_source(label: str, component: str, checkpoint: Checkpoint, files: list
     return BlockSource(label, component, numel, pieces)
 
 
+def view_source(label: str, component: str, views: FileViews, files: list[Path], slots: Iterable[Any],
+                numel: dict[torch.dtype, int]) -> BlockSource | None:
+    """The ``BlockSource`` of a block whose every tensor is an untouched view of a mapped file (``views.locate``),
+    whatever the weights' class (quantized wrappers' inner tensors included): each is read back from where it is
+    mapped from. ``None`` when one is not such a view or is not contiguous. ``files`` is extended as in
+    ``block_source``."""
+    offsets = {}
+    start = 0
+    for dtype, count in numel.items():
+        offsets[dtype] = start
+        start += count * dtype.itemsize
+    pieces = []
+    for slot in slots:
+        if slot.stride is not None:
+            return None
+        data = slot.leaf.data()
+        found = views.locate(data)
+        if found is None:
+            return None
+        path, offset = found
+        if path not in files:
+            files.append(path)
+        dest = offsets[slot.dtype] + slot.offset * slot.dtype.itemsize
+        pieces.append(Piece(files.index(path), offset, dest, slot.numel * slot.dtype.itemsize, slot.leaf.name, data))
+    return BlockSource(label, component, numel, pieces)
+
+
 class DiskReader:
     """The checkpoint files of every disk-backed block, opened once. ``read`` fills a block's layout at a host
     address; each read checks first that no file changed since it was opened (size, modification time)."""
@@ -414,6 +441,25 @@ class FileViews:
             if identity == (path, inode):
                 return index, offset + address - start
         return None
+
+    def locate(self, tensor: torch.Tensor) -> tuple[Path, int] | None:
+        """``(file, byte offset)`` of a plain contiguous host tensor that is an untouched view of a file's bytes
+        (the file still the one mapped: same inode), else ``None``. Quantized weights loaded from a mapped
+        checkpoint (torchao's inner tensors from a ``torch.load(mmap=True)`` of a Diffusers ``.bin``) are such
+        views: their bytes can be read back from that file whatever its format."""
+        if not self._maps or not self._plain(tensor) or not tensor.is_contiguous():
+            return None
+        address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        mapping = self._find(address, nbytes)
+        if mapping is None:
+            return None
+        start, _, offset, path, inode = mapping
+        try:
+            if os.stat(path).st_ino != inode:
+                return None
+        except OSError:
+            return None
+        return Path(path), offset + address - start
 
     def release(self, tensors: Iterable[torch.Tensor]) -> int:
         """Drop the whole pages of each untouched file view among ``tensors`` from the process; the bytes

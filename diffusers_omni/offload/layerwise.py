@@ -42,6 +42,7 @@ from .disk import (
     checkpoint_names,
     find_checkpoint,
     verify_block,
+    view_source,
 )
 from .discovery import (
     DIT,
@@ -772,6 +773,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
         candidates: list[HostCandidate] = []
         owners: dict[int, Any] = {}  # id(PackedWeights) → its component, for blocks that may be read from disk
         groups = {id(c.module): 0 for c in state.topology.alternating}
+        views = self._file_views(state)
+        mapped: set[int] = set()  # id(PackedWeights) of quantized blocks read back from the files they are views of
         positions: dict[int, int] = {}  # id(component module) → streamed blocks seen so far (load order)
         resident_bytes = 0
         for index, (stack, row, resident_row, kind) in enumerate(
@@ -789,8 +792,10 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 if component is None:
                     reason = "not part of a pipeline component (its checkpoint is unknown)"
                 else:
-                    reason = _disk_refusal(weights, components[id(component.module)][2])
+                    reason, from_views = _disk_refusal(weights, components[id(component.module)][2], views)
                     owners[id(weights)] = component
+                    if from_views:
+                        mapped.add(id(weights))
                 position = 0
                 if group >= 0:
                     position = positions.get(id(component.module), 0)
@@ -804,7 +809,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
             # Disk is needed: the blocks whose component was not loaded from local safetensors files keep theirs.
             for candidate in candidates:
                 component = owners.get(id(candidate.key))
-                if candidate.reason or component is None:
+                if candidate.reason or component is None or id(candidate.key) in mapped:
                     continue
                 if id(component.module) not in checkpoints:
                     checkpoints[id(component.module)] = find_checkpoint(component.module, component.path)
@@ -820,13 +825,19 @@ class LayerwiseOffloadBackend(OffloadBackend):
         for candidate in plan.blocks:
             weights = candidate.key
             component, names, _ = components[id(owners[id(weights)].module)]
+            if id(weights) in mapped:
+                source = view_source(weights.path, component.label, views, files, weights.slots, weights.numel)
+                if source is None:  # checked above: every tensor of the block was located
+                    raise RuntimeError(f"layerwise offload: block {weights.path!r} is no longer a view of its file")
+                sources[id(weights)] = source
+                continue
             checkpoint, _ = checkpoints[id(component.module)]
             sources[id(weights)] = block_source(weights.path, component.label, checkpoint, files, names,
                                                 weights.slots, weights.numel)
         reader = DiskReader(files)
         journal.record("close the checkpoint files", reader.close)
         total = sum(s.read_bytes for s in sources.values())
-        views = self._file_views(state)  # tensors that are views of these very files need no comparison
+        # views: tensors that are views of these very files need no comparison
         with byte_progress(total, "layerwise offload: checking disk-backed blocks against their files",
                            self.config.show_progress, state.target) as bar:
             for source in sources.values():
@@ -1262,22 +1273,35 @@ class LayerwiseOffloadBackend(OffloadBackend):
         logger.info("layerwise offload disabled: block weights are ordinary host tensors again")
 
 
-def _disk_refusal(weights: PackedWeights, transient: dict[int, str]) -> str:
-    """Why a block cannot be read from its checkpoint whatever its files hold (``""``: it can): quantized weights
-    (tensor subclasses: torchao, GGUF, bitsandbytes) are not stored as the files hold them, non-persistent buffers
-    are not in the files, and a permuted layout is not the files' order."""
+_QUANTIZED_KEEP = ("quantized weights are read from disk only while they are views of the file they were loaded "
+                   "from, as a torchao checkpoint that from_pretrained maps; these are copies, so they keep their "
+                   "host copy")
+
+
+def _disk_refusal(weights: PackedWeights, transient: dict[int, str], views: FileViews) -> tuple[str, bool]:
+    """Why a block cannot be read from disk (``""``: it can), and whether it is read from where its tensors are
+    mapped (``disk.view_source``) rather than by name from its checkpoint. Non-persistent buffers are not in any
+    file and a permuted layout is not a file's order. Quantized weights (tensor subclasses: torchao, GGUF,
+    bitsandbytes) are not stored as a safetensors checkpoint holds them (torchao's is pickled, GGUF is converted
+    while loading, bitsandbytes packs its quantization state): they can be read back only from the mapped file
+    their inner tensors still are views of."""
+    quantized = ""
     for wrapper in weights.tensors.wrappers:
-        return f"its weights are {type(wrapper.original).__name__} tensor subclasses (quantized weights keep " \
-               "their host copy)"
+        quantized = f"its weights are {type(wrapper.original).__name__} tensor subclasses ({_QUANTIZED_KEEP})"
+        break
     for leaf in weights.tensors.leaves:
         for target in leaf.targets:
-            if type(target) not in PLAIN_TENSOR_TYPES:
-                return f"its weights are {type(target).__name__} tensors (quantized weights keep their host copy)"
+            if type(target) not in PLAIN_TENSOR_TYPES and not quantized:
+                quantized = f"its weights are {type(target).__name__} tensors ({_QUANTIZED_KEEP})"
             if id(target) in transient:
-                return "it holds non-persistent buffers (not saved in checkpoints)"
+                return "it holds non-persistent buffers (not saved in checkpoints)", False
         if leaf.stride is not None:
-            return "it holds tensors in a permuted (non-contiguous) layout"
-    return ""
+            return "it holds tensors in a permuted (non-contiguous) layout", False
+    if not quantized:
+        return "", False
+    if all(views.locate(leaf.data()) is not None for leaf in weights.tensors.leaves):
+        return "", True
+    return quantized, False
 
 
 def _source_loaded(source: BlockSource) -> bool:

@@ -204,10 +204,35 @@ def test_quantized_like_weights_keep_their_host_copy_and_the_error_says_so(saved
     pipe = _load(saved)
     for block in pipe.transformer.transformer_blocks:
         linear = block.attn.to_q
-        linear.weight = Marked(linear.weight.data)
+        linear.weight = Marked(linear.weight.data.clone())  # a copy: not a view of the file any more
     with pytest.raises(ValueError, match="is too small") as info:
         pipe.enable_layerwise_offload(device="cpu", max_host_memory=1)
-    assert "3 blocks: its weights are Marked tensors (quantized weights keep their host copy)" in str(info.value)
+    assert ("3 blocks: its weights are Marked tensors (quantized weights are read from disk only while they are "
+            "views of the file they were loaded from, as a torchao checkpoint that from_pretrained maps; these are "
+            "copies, so they keep their host copy)") in str(info.value)
+
+
+def test_subclass_weights_that_are_views_of_their_file_are_read_back_from_it(saved):
+    """from_pretrained maps safetensors files: a subclass made around the mapped bytes (no copy) is still a view of
+    the file, so its block is read back from there (by address, not by name) like any other."""
+
+    class Marked(torch.nn.Parameter):
+        pass
+
+    pipe = _load(saved)
+    reference = _image(pipe)
+    for block in pipe.transformer.transformer_blocks:
+        linear = block.attn.to_q
+        linear.weight = Marked(linear.weight.data)
+    budget = _host_bytes(_load(saved)) * 3 // 4  # another pipeline: disabling leaves copies, not views of the file
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
+    dit = [s for s in backend._state.disk.values() if s.label.startswith("transformer.transformer_blocks.")]
+    assert dit and backend.stats.disk_blocks >= len(dit)
+    for _ in range(2):
+        assert torch.equal(_image(pipe), reference)
+    pipe.disable_omni_offload()
+    assert all(type(b.attn.to_q.weight) is Marked for b in pipe.transformer.transformer_blocks)
+    assert torch.equal(_image(pipe), reference)
 
 
 def test_reader_thread_stops_on_disable_and_when_the_pipeline_is_collected(saved, monkeypatch):
@@ -627,3 +652,42 @@ def test_alternating_dits_must_be_declared_dits():
     with pytest.raises(ValueError, match=r"Wrong\._alternating_dits names \['unet'\], which are not among its "
                                          r"_dit_modules \['transformer', 'transformer_2'\]"):
         discover_components(pipe)
+
+
+def test_torchao_checkpoint_loaded_by_from_pretrained_reads_its_quantized_blocks_back_from_the_bin(tmp_path):
+    """Diffusers saves torchao weights pickled (``diffusion_pytorch_model.bin``) and ``from_pretrained`` loads them
+    with ``torch.load(mmap=True)``: the quantized weights' inner tensors are views of the file, so under a host
+    budget their blocks are read back from it at their packed size, bitwise."""
+    import quant_helpers as qh
+    from diffusers import TorchAoConfig
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    config = TorchAoConfig(Int8WeightOnlyConfig())
+    plain = tmp_path / "plain"
+    qh.unquantized("flux").save_pretrained(plain)
+    FluxTransformer2DModel.from_pretrained(plain, quantization_config=config).save_pretrained(
+        tmp_path / "quantized", safe_serialization=False)
+    assert (tmp_path / "quantized" / "diffusion_pytorch_model.bin").is_file()
+
+    def load():  # the folder's config names its quantization
+        return FluxTransformer2DModel.from_pretrained(tmp_path / "quantized", use_safetensors=False).eval()
+
+    model = load()
+    kinds = {type(m.weight).__name__ for _, m in qh.quantized_linears(model)}
+    assert kinds == {"Int8Tensor"}
+    reference = qh.run(model, "flux")
+    with pytest.raises(ValueError, match="is too small") as info:
+        apply_offload(load(), LayerwiseOffloadConfig(device="cpu", max_host_memory=1))
+    assert "tensor subclasses" not in str(info.value)  # no block has to keep its host copy
+    backend = apply_offload(model, LayerwiseOffloadConfig(device="cpu", max_host_memory=_minimum(info.value)))
+    quantized_on_disk = [s for s in backend._state.disk.values()
+                         if any(p.name.endswith(("qdata", "scale")) for p in s.pieces)]
+    assert quantized_on_disk and all(p.length for s in quantized_on_disk for p in s.pieces)
+    assert {backend._state.disk_reader.files[p.file].name for s in quantized_on_disk for p in s.pieces} == {
+        "diffusion_pytorch_model.bin"}
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(qh.run(model, "flux"), reference))
+    assert backend.stats.disk_reads > 0
+    backend.disable()
+    assert {type(m.weight).__name__ for _, m in qh.quantized_linears(model)} == kinds
+    assert all(torch.equal(a, b) for a, b in zip(qh.run(model, "flux"), reference))
