@@ -184,6 +184,12 @@ SCENARIOS: tuple[Scenario, ...] = (
              "GiB budget) vs Diffusers' offloads vs mmgp", "gpu", (README, OFFLOAD),
              args=("--model", "qwen", "--card-gib", "24", "--steps", "20", "--strategies", _PIPELINE_QWEN,
                    "--omni-budget", "16GiB", "--time-budget", _PIPELINE_TIME)),
+    Scenario("pipeline-offload-qwen-diffusers", "pipeline_offload_bench",
+             "Qwen-Image pipeline, 20 steps, on an emulated 24 GiB card: Diffusers' sequential CPU offload (4 steps, "
+             "scaled) and model CPU offload against resident", "gpu", (README, OFFLOAD),
+             args=("--model", "qwen", "--card-gib", "24", "--steps", "20", "--strategies",
+                   "resident,diffusers-sequential,diffusers-model", "--sequential-steps", "4",
+                   "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-wan", "pipeline_offload_bench",
              "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card: omni "
              "(and with a 14 GiB budget) vs Diffusers' group offload", "gpu", (README, OFFLOAD),
