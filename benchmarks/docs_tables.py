@@ -692,6 +692,9 @@ def hopper_latents() -> str:
 
 
 def _short_error(error: str) -> str:
+    if "CUDA out of memory" in error:  # PyTorch's message: the allocator's whole state; keep the card's limit
+        allowed = re.search(r"(\d+(?:\.\d+)? GiB) allowed", error)
+        return "CUDA out of memory" + (f" ({allowed.group(1)} allowed)" if allowed else "")
     kind, _, message = error.partition(": ")
     for needle, short in (("is_pinned", "aten.is_pinned not implemented"),
                           ("set the storage", "cannot move the subclass's storage"),
