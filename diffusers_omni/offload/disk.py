@@ -177,11 +177,17 @@ class BlockSource:
     in one file, and the layout they are read into (``regions``: byte offset and element count per dtype, in the
     order of the block's ``PackedWeights.numel``; ``nbytes`` in all, padding included). ``index`` (its position
     among the disk-backed blocks), ``next`` (the disk-backed blocks that load after it) and ``owner`` (the streamed
-    block) are set by the offload; ``staged`` is the staging buffer holding or reading it; ``home`` the buffer it
+    block) are set by the offload; ``kept``: the few tensors no file holds as the model does (``view_source``),
+    as host bytes copied into the layout after each read; ``staged`` is the staging buffer holding or reading it; ``home`` the buffer it
     shares with the blocks of the other alternating DiTs at its position (``None``: it goes through the ring)."""
 
-    def __init__(self, label: str, component: str, numel: dict[torch.dtype, int], pieces: list[Piece]) -> None:
+    def __init__(self, label: str, component: str, numel: dict[torch.dtype, int], pieces: list[Piece],
+                 kept: list[tuple[int, torch.Tensor]] | None = None) -> None:
         self.label = label
+        # (dest, bytes): tensors that are in no file as the model holds them (a norm cast while loading), kept in
+        # host memory and copied into the layout after each read
+        self.kept = kept or []
+        self.kept_bytes = sum(data.numel() for _, data in self.kept)
         self.component = component
         self.regions: dict[torch.dtype, tuple[int, int]] = {}
         offset = 0
@@ -266,29 +272,38 @@ def block_source(label: str, component: str, checkpoint: Checkpoint, files: list
 
 def view_source(label: str, component: str, views: FileViews, files: list[Path], slots: Iterable[Any],
                 numel: dict[torch.dtype, int]) -> BlockSource | None:
-    """The ``BlockSource`` of a block whose every tensor is an untouched view of a mapped file (``views.locate``),
-    whatever the weights' class (quantized wrappers' inner tensors included): each is read back from where it is
-    mapped from. ``None`` when one is not such a view or is not contiguous. ``files`` is extended as in
-    ``block_source``."""
+    """The ``BlockSource`` of a block of quantized weights whose packed bytes are untouched views of a mapped file
+    (``views.locate``): each such tensor (a wrapper's inner tensors included) is read back from where it is mapped
+    from, whatever the file's format. Plain tensors that are not views (a norm or bias converted while loading:
+    a small part of a block) keep a host copy (``BlockSource.kept``). ``None`` when a quantized tensor is not such
+    a view or a tensor is not contiguous. ``files`` is extended as in ``block_source``."""
     offsets = {}
     start = 0
     for dtype, count in numel.items():
         offsets[dtype] = start
         start += count * dtype.itemsize
-    pieces = []
+    pieces, kept = [], []
     for slot in slots:
         if slot.stride is not None:
             return None
         data = slot.leaf.data()
+        dest = offsets[slot.dtype] + slot.offset * slot.dtype.itemsize
         found = views.locate(data)
         if found is None:
-            return None
+            if not plain_leaf(slot.leaf):
+                return None
+            kept.append((dest, data.detach().reshape(-1).view(torch.uint8).clone()))
+            continue
         path, offset = found
         if path not in files:
             files.append(path)
-        dest = offsets[slot.dtype] + slot.offset * slot.dtype.itemsize
         pieces.append(Piece(files.index(path), offset, dest, slot.numel * slot.dtype.itemsize, slot.leaf.name, data))
-    return BlockSource(label, component, numel, pieces)
+    return BlockSource(label, component, numel, pieces, kept)
+
+
+def plain_leaf(leaf: Any) -> bool:
+    """A leaf that is a plain tensor of its own (not a quantized subclass, nor a wrapper's inner tensor)."""
+    return not leaf.inner and all(type(t) in PLAIN_TENSOR_TYPES for t in leaf.targets)
 
 
 class DiskReader:
@@ -333,6 +348,8 @@ class DiskReader:
                         "every load. Allowed: disable and enable the offload again"
                     )
             read_pieces(fd, offset, [(address + dest, length) for dest, length in pieces])
+        for dest, data in source.kept:
+            ctypes.memmove(address + dest, data.data_ptr(), data.numel())
 
     def read_pageable(self, source: BlockSource) -> dict[torch.dtype, torch.Tensor]:
         """``source``'s bytes in a fresh ordinary (pageable) host buffer: its per-dtype regions."""

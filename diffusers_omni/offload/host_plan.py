@@ -45,6 +45,7 @@ class HostCandidate:
     reason: str = ""
     group: int = -1
     position: int = 0
+    kept: int = 0  # bytes it keeps on the host even without a host copy (tensors no file holds as the model does)
 
 
 @dataclass
@@ -68,7 +69,7 @@ class HostPlan:
         """The host bytes of ``candidates`` under this plan: own copies, shared buffers, and a staging ring of
         ``staging_count`` buffers (at most one per disk block) of the largest disk block."""
         gone = {id(c) for c in self.blocks}
-        own = sum(c.nbytes for c in candidates if id(c) not in gone)
+        own = sum(c.nbytes for c in candidates if id(c) not in gone) + sum(c.kept for c in self.blocks)
         shared = sum(max(c.nbytes for c in group) for group in self.shared)
         largest = max((c.nbytes for c in self.disk), default=0)
         return own + shared + min(staging_count, len(self.disk)) * largest
@@ -105,6 +106,10 @@ def _too_small(candidates: list[HostCandidate], fixed: dict[str, int], budget: i
     parts = [f"{name} {format_bytes(nbytes)}" for name, nbytes in fixed.items() if nbytes]
     if kept:
         parts.append(f"{len(kept)} streamed blocks that keep their host copy {format_bytes(sum(c.nbytes for c in kept))}")
+    held = sum(c.kept for c in best.blocks)
+    if held:
+        parts.append(f"the tensors that blocks read from disk keep (in no file as the model holds them) "
+                     f"{format_bytes(held)}")
     if best.shared:
         shared = sum(max(c.nbytes for c in group) for group in best.shared)
         parts.append(f"{len(best.shared)} buffers shared by the alternating DiTs {format_bytes(shared)}")

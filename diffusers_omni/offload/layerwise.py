@@ -41,6 +41,7 @@ from .disk import (
     block_source,
     checkpoint_names,
     find_checkpoint,
+    plain_leaf,
     verify_block,
     view_source,
 )
@@ -792,7 +793,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 if component is None:
                     reason = "not part of a pipeline component (its checkpoint is unknown)"
                 else:
-                    reason, from_views = _disk_refusal(weights, components[id(component.module)][2], views)
+                    reason, from_views, kept = _disk_refusal(weights, components[id(component.module)][2], views)
                     owners[id(weights)] = component
                     if from_views:
                         mapped.add(id(weights))
@@ -801,7 +802,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     position = positions.get(id(component.module), 0)
                     positions[id(component.module)] = position + 1
                 candidates.append(HostCandidate(weights, weights.path, weights.nbytes, index, kind == ENCODER, reason,
-                                                group, position))
+                                                group, position, kept if component is not None else 0))
         fixed = {"phase units": sum(u.weights.nbytes for u in state.units), "resident blocks": resident_bytes}
         count = self._staging_count()
         checkpoints: dict[int, tuple[Any, str]] = {}
@@ -1274,17 +1275,19 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
 
 _QUANTIZED_KEEP = ("quantized weights are read from disk only while they are views of the file they were loaded "
-                   "from, as a torchao checkpoint that from_pretrained maps; these are copies, so they keep their "
-                   "host copy")
+                   "from, as load_gguf_mmap loads a GGUF file and from_pretrained maps a torchao checkpoint; these are "
+                   "copies, so they keep their host copy")
 
 
-def _disk_refusal(weights: PackedWeights, transient: dict[int, str], views: FileViews) -> tuple[str, bool]:
-    """Why a block cannot be read from disk (``""``: it can), and whether it is read from where its tensors are
-    mapped (``disk.view_source``) rather than by name from its checkpoint. Non-persistent buffers are not in any
-    file and a permuted layout is not a file's order. Quantized weights (tensor subclasses: torchao, GGUF,
-    bitsandbytes) are not stored as a safetensors checkpoint holds them (torchao's is pickled, GGUF is converted
-    while loading, bitsandbytes packs its quantization state): they can be read back only from the mapped file
-    their inner tensors still are views of."""
+def _disk_refusal(weights: PackedWeights, transient: dict[int, str], views: FileViews) -> tuple[str, bool, int]:
+    """Why a block cannot be read from disk (``""``: it can), whether it is read from where its tensors are mapped
+    (``disk.view_source``) rather than by name from its checkpoint, and the bytes it then keeps on the host.
+    Non-persistent buffers are not in any file and a permuted layout is not a file's order. Quantized weights
+    (tensor subclasses: torchao, GGUF, bitsandbytes) are not stored as a safetensors checkpoint holds them (torchao's
+    is pickled, GGUF is converted while loading, bitsandbytes packs its quantization state): they can be read back
+    only from the mapped file their packed bytes still are views of (``load_gguf_mmap``, a torchao ``.bin`` that
+    ``from_pretrained`` maps); the block's plain tensors that are not views keep a host copy, if they are the
+    smaller part of it."""
     quantized = ""
     for wrapper in weights.tensors.wrappers:
         quantized = f"its weights are {type(wrapper.original).__name__} tensor subclasses ({_QUANTIZED_KEEP})"
@@ -1294,14 +1297,23 @@ def _disk_refusal(weights: PackedWeights, transient: dict[int, str], views: File
             if type(target) not in PLAIN_TENSOR_TYPES and not quantized:
                 quantized = f"its weights are {type(target).__name__} tensors ({_QUANTIZED_KEEP})"
             if id(target) in transient:
-                return "it holds non-persistent buffers (not saved in checkpoints)", False
+                return "it holds non-persistent buffers (not saved in checkpoints)", False, 0
         if leaf.stride is not None:
-            return "it holds tensors in a permuted (non-contiguous) layout", False
+            return "it holds tensors in a permuted (non-contiguous) layout", False, 0
     if not quantized:
-        return "", False
-    if all(views.locate(leaf.data()) is not None for leaf in weights.tensors.leaves):
-        return "", True
-    return quantized, False
+        return "", False, 0
+    kept = located = 0
+    for leaf in weights.tensors.leaves:
+        nbytes = leaf.shape.numel() * leaf.dtype.itemsize
+        if views.locate(leaf.data()) is not None:
+            located += nbytes
+        elif plain_leaf(leaf):
+            kept += nbytes
+        else:
+            return quantized, False, 0
+    if kept > located:
+        return quantized, False, 0
+    return "", True, kept
 
 
 def _source_loaded(source: BlockSource) -> bool:

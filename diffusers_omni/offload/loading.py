@@ -278,3 +278,54 @@ def _convert_buffers(model: nn.Module, torch_dtype: torch.dtype) -> None:
         wanted = _target_dtype(model, name, buffer.dtype, torch_dtype)
         if buffer.dtype != wanted:
             buffer.data = buffer.data.to(wanted)
+
+
+def load_gguf_mmap(
+    model_cls: type,
+    path: str | os.PathLike,
+    config: str | os.PathLike,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    torch_dtype: torch.dtype | None = None,
+    **kwargs,
+) -> nn.Module:
+    """A Diffusers model (``model_cls``) from a GGUF file whose weights are views of the file's mapping.
+
+    ``model_cls.from_single_file(path, quantization_config=GGUFQuantizationConfig(...))`` copies every tensor of the
+    file into private memory while it reads it. This maps the file instead (``gguf.GGUFReader``, private
+    copy-on-write mapping) and hands Diffusers those views as a state dict, so ``from_single_file`` converts names
+    and splits fused tensors without copying the quantized bytes: the weights stay views of the file, and under
+    ``max_host_memory`` their blocks are read back from it. Tensors that Diffusers converts (a float32 norm loaded
+    with ``torch_dtype=torch.bfloat16``) are private copies. ``config`` is the model's config folder (or a hub
+    name, as ``from_single_file`` takes it); other keyword arguments go to ``from_single_file``.
+
+    Example:
+    ```py
+    >>> transformer = load_gguf_mmap(FluxTransformer2DModel, "/models/flux1-dev-Q4_K_S.gguf",
+    ...                              config="/models/flux-dev", subfolder="transformer", torch_dtype=torch.bfloat16)
+    ```
+    """
+    import warnings
+
+    import gguf
+    from diffusers import GGUFQuantizationConfig
+    from diffusers.quantizers.gguf.utils import GGUFParameter
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such GGUF file")
+    try:
+        reader = gguf.GGUFReader(str(path), "c")
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({error})") from error
+    plain = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+    state_dict: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch.from_numpy of a mapping: shared, as intended
+        for tensor in reader.tensors:
+            data = torch.from_numpy(tensor.data)
+            state_dict[tensor.name] = (data if tensor.tensor_type in plain
+                                       else GGUFParameter(data, quant_type=tensor.tensor_type))
+    return model_cls.from_single_file(
+        state_dict, config=str(config), torch_dtype=torch_dtype,
+        quantization_config=GGUFQuantizationConfig(compute_dtype=compute_dtype), **kwargs,
+    )

@@ -150,6 +150,7 @@ class _Unit:
     on_device: bool
     mode: str  # STREAMED, SWAPPED or RESIDENT_PLACEMENT
     block: bool  # a block of a streamed stack (counted in streamed/resident blocks)
+    kept_bytes: int = 0  # a disk-backed block's tensors that are in no file as the model holds them: pageable
 
 
 def _host_kind(mode: str | None) -> str:
@@ -183,8 +184,11 @@ def _layerwise_units(state: Any) -> list[_Unit]:
                                    _host_kind(mode), entry.slot is not None and entry.slot.owner is entry, STREAMED,
                                    True))
             elif entry is not None:  # streamed: a host copy (or its checkpoint), and a device copy while in flight
-                kind = "disk" if getattr(entry, "disk", None) is not None else _host_kind(mode)
-                units.append(_Unit(weights.tensors.ids, nbytes, nbytes, kind, entry.slot is not None, STREAMED, True))
+                source = getattr(entry, "disk", None)
+                kind = "disk" if source is not None else _host_kind(mode)
+                kept = source.kept_bytes if source is not None else 0
+                units.append(_Unit(weights.tensors.ids, nbytes, nbytes - kept, kind, entry.slot is not None, STREAMED,
+                                   True, kept))
             else:  # resident: on the device, with its host copy when it was packed (AllGather moves residents)
                 packed = bool(weights.host)
                 units.append(_Unit(weights.tensors.ids, nbytes, nbytes if packed else 0,
@@ -306,6 +310,7 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
             modes.add(unit.mode)
             if unit.host_kind is not None:
                 counts[unit.host_kind] += unit.host_bytes
+            counts["pageable"] += unit.kept_bytes
             if unit.on_device:
                 counts["device"] += unit.leaf_bytes
             if unit.block:

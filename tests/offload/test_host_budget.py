@@ -208,8 +208,8 @@ def test_quantized_like_weights_keep_their_host_copy_and_the_error_says_so(saved
     with pytest.raises(ValueError, match="is too small") as info:
         pipe.enable_layerwise_offload(device="cpu", max_host_memory=1)
     assert ("3 blocks: its weights are Marked tensors (quantized weights are read from disk only while they are "
-            "views of the file they were loaded from, as a torchao checkpoint that from_pretrained maps; these are "
-            "copies, so they keep their host copy)") in str(info.value)
+            "views of the file they were loaded from, as load_gguf_mmap loads a GGUF file and from_pretrained maps a "
+            "torchao checkpoint; these are copies, so they keep their host copy)") in str(info.value)
 
 
 def test_subclass_weights_that_are_views_of_their_file_are_read_back_from_it(saved):
@@ -691,3 +691,46 @@ def test_torchao_checkpoint_loaded_by_from_pretrained_reads_its_quantized_blocks
     backend.disable()
     assert {type(m.weight).__name__ for _, m in qh.quantized_linears(model)} == kinds
     assert all(torch.equal(a, b) for a, b in zip(qh.run(model, "flux"), reference))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_loaded_with_load_gguf_mmap_reads_its_quantized_blocks_back_from_the_gguf_file(tmp_path, dtype):
+    """``from_single_file`` copies a GGUF file's tensors; ``load_gguf_mmap`` keeps them views of the file, so under
+    a host budget the quantized blocks are read back from the ``.gguf`` at their packed size. In bfloat16 the
+    file's float32 norms and biases are converted while loading (copies): each block keeps those on the host."""
+    import quant_helpers as qh
+    from diffusers_omni.offload.loading import load_gguf_mmap
+    from diffusers_omni.testing.quantized import write_gguf_checkpoint
+
+    plain = qh.unquantized("flux")
+    plain.save_config(tmp_path)
+    write_gguf_checkpoint(plain, tmp_path / "flux.gguf", prefer="Q4_K")
+
+    def load():
+        return load_gguf_mmap(type(plain), tmp_path / "flux.gguf", tmp_path, compute_dtype=dtype,
+                              torch_dtype=dtype).eval()
+
+    model = load()
+    assert {type(m.weight).__name__ for _, m in qh.quantized_linears(model)} == {"GGUFParameter"}
+    inputs = [{k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+               for k, v in qh.inputs("flux", seed).items()} for seed in (0, 1)]
+    with torch.no_grad():
+        reference = [model(**i)[0] for i in inputs]
+    with pytest.raises(ValueError, match="is too small") as info:
+        apply_offload(load(), LayerwiseOffloadConfig(device="cpu", max_host_memory=1))
+    assert "Blocks that cannot be read from disk" not in str(info.value)  # every block can
+    backend = apply_offload(model, LayerwiseOffloadConfig(device="cpu", max_host_memory=_minimum(info.value)))
+    sources = list(backend._state.disk.values())
+    assert sources and {backend._state.disk_reader.files[p.file].name for s in sources for p in s.pieces} == {
+        "flux.gguf"}
+    kept = sum(s.kept_bytes for s in sources)
+    assert (kept > 0) == (dtype == torch.bfloat16)
+    assert all(s.kept_bytes * 4 < s.read_bytes for s in sources)  # the quantized bytes come from the file
+    with torch.no_grad():
+        for _ in range(2):
+            assert all(torch.equal(model(**i)[0], r) for i, r in zip(inputs, reference))
+    assert backend.stats.disk_reads > 0
+    backend.disable()
+    assert {type(m.weight).__name__ for _, m in qh.quantized_linears(model)} == {"GGUFParameter"}
+    with torch.no_grad():
+        assert all(torch.equal(model(**i)[0], r) for i, r in zip(inputs, reference))
