@@ -1,4 +1,5 @@
-"""Build a Diffusers transformer whose weights are mmap views of its safetensors checkpoint.
+"""Build a Diffusers transformer whose weights are mmap views of its checkpoint (safetensors; GGUF with
+``load_gguf_mmap`` at the end of this module).
 
 Every rank of a distributed layerwise run maps the same files, so the checkpoint sits once in the OS page cache
 instead of once per rank in anonymous memory; the AllGather backend then copies only the rank's 1/N slice of each

@@ -214,3 +214,15 @@ def test_a_tensor_in_two_shards_is_a_checkpoint_error(sharded):
 def test_sharded_checkpoints_load_as_from_pretrained_does(sharded):
     cls, folder, _ = sharded
     assert_same_as_from_pretrained(cls, folder, torch.bfloat16)
+
+
+def test_load_gguf_mmap_refuses_a_missing_or_unreadable_file(tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    from diffusers_omni.offload.loading import load_gguf_mmap
+
+    with pytest.raises(CheckpointError, match=r"nothing\.gguf: no such GGUF file"):
+        load_gguf_mmap(FluxTransformer2DModel, tmp_path / "nothing.gguf", tmp_path)
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(CheckpointError, match=r"bad\.gguf: not a readable GGUF file"):
+        load_gguf_mmap(FluxTransformer2DModel, tmp_path / "bad.gguf", tmp_path)
