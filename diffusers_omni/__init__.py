@@ -50,6 +50,7 @@ _LAZY = {
     "apply_offload": "diffusers_omni.offload.api",
     "disable_offload": "diffusers_omni.offload.api",
     "load_transformer_mmap": "diffusers_omni.offload.loading",
+    "load_gguf_mmap": "diffusers_omni.offload.loading",
     "check_same_steps": "diffusers_omni.offload.dataparallel",
     # Every Omni<Name>Pipeline class; importing one imports only its family's module.
     **OMNI_CLASS_MODULES,
@@ -89,6 +90,7 @@ if TYPE_CHECKING:
                                  NoOffloadConfig)
     from .offload.api import apply_offload, disable_offload
     from .offload.factory import get_offload_backend
+    from .offload.loading import load_gguf_mmap, load_transformer_mmap
     from .pipelines.flux import OmniFluxPipeline
     from .pipelines.mixin import OmniPipelineMixin, SupportsComponentDiscovery
     from .alignment import check_alignment, compare_fingerprints, kernel_fingerprint, record_transformer_inputs
