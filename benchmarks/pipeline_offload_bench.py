@@ -825,6 +825,8 @@ def run_child(args: argparse.Namespace) -> int:
         steps = args.steps
         if strategy == "diffusers-sequential" and args.sequential_steps:
             steps = min(args.steps, args.sequential_steps)
+        if strategy == "omni-host" and args.host_steps:
+            steps = args.host_steps
         warmup_steps = min(args.warmup_steps, steps)
         result.update(steps=steps, warmup_steps=warmup_steps)
         if device.type == "cuda":
@@ -1178,7 +1180,7 @@ def markdown(report: dict[str, Any]) -> str:
     if summary:
         lines += ["", "## Host budget (omni-host against omni)", "",
                   "| max_host_memory | pinned | host RSS peak | denoise forward (median): omni-host / omni | "
-                  "denoise phase: omni-host / omni | first forward of each DiT / the others (median) | "
+                  "denoise step (mean): omni-host / omni | first forward of each DiT / the others (median) | "
                   "shared buffers | disk blocks | read from disk per pass | disk reads: bytes / seconds / bandwidth | "
                   "loads that waited | page cache |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         ratio = summary.get("forward_ratio")
@@ -1214,7 +1216,9 @@ def host_budget_summary(results: list[dict[str, Any]], args: argparse.Namespace)
         return statistics.median(times) if times else None
 
     def denoise(r: dict[str, Any] | None) -> float | None:
-        return ((r or {}).get("phases") or {}).get("denoise_s")
+        """The denoise phase per step (runs may differ in steps: omni-host's --host-steps)."""
+        total = ((r or {}).get("phases") or {}).get("denoise_s")
+        return total / r["steps"] if total is not None and r.get("steps") else None
 
     # The timed call runs each DiT in one stretch (Wan 2.2: the high-noise expert, then the low-noise one): the
     # first forward of each is the one that reads its shared buffers back from disk.
@@ -1227,7 +1231,8 @@ def host_budget_summary(results: list[dict[str, Any]], args: argparse.Namespace)
         "budget": _bytes(host["max_host_memory"]) if host.get("max_host_memory") else args.omni_host_budget,
         "pinned_bytes": host["pinned"]["pinned_total_bytes"],
         "rss_peak": host["rss"]["peak"], "forward_s": forward, "omni_forward_s": omni_forward,
-        "denoise_s": denoise(host), "omni_denoise_s": denoise(omni),
+        "denoise_s": denoise(host), "omni_denoise_s": denoise(omni),  # per step
+        "steps": host.get("steps"), "omni_steps": (omni or {}).get("steps"),
         "denoise_ratio": denoise(host) / denoise(omni) if denoise(host) and denoise(omni) else None,
         "switch_forward_s": statistics.mean(firsts) if firsts else None,
         "other_forward_s": statistics.median(rest) if rest else None,
@@ -1273,6 +1278,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-left", type=float, default=60.0, help="seconds of budget a strategy needs to start")
     parser.add_argument("--kill-grace", type=float, default=30.0)
     parser.add_argument("--bandwidth-bytes", type=int, default=GiB, help="pinned host→device copy for the bandwidth")
+    parser.add_argument("--host-steps", type=int, default=None,
+                        help="denoising steps of omni-host's timed call (default: --steps); its mean step is compared "
+                             "with omni's")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU (checks the script, not speed)")
     parser.add_argument("--out", required=True, help="output prefix: PREFIX.json and PREFIX.md (the runner, python "
                                                      "-m benchmarks run, chooses it)")
