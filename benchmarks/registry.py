@@ -201,7 +201,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              "forward; all 40 steps) against omni with every host copy pinned (4 steps: its steps are all alike)",
              "gpu", (OFFLOAD,),
              args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--host-steps", "40", "--strategies",
-                   "omni,omni-host", "--omni-host-budget", "32GiB", "--time-budget", _PIPELINE_TIME)),
+                   "omni,omni-host", "--omni-host-budget", "32GiB", "--time-budget", "540")),
     Scenario("pipeline-offload-wan-mmgp", "pipeline_offload_bench",
              "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card: mmgp's "
              "profiles 2 and 4 against resident", "gpu", (README, OFFLOAD),
