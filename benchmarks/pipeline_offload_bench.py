@@ -569,8 +569,10 @@ def disk_checkpoint(pipe: Any, spec: "ModelSpec", args: argparse.Namespace) -> d
     from diffusers_omni.offload.loading import load_transformer_mmap
 
     folder = Path(args.checkpoint_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     names = [t for t in spec.transformers if getattr(pipe, t, None) is not None]
+    for name in names:  # what a run killed before its end (which removes the folder) left behind
+        shutil.rmtree(folder / name, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
     need = sum(p.numel() * p.element_size() for t in names for p in getattr(pipe, t).parameters())
     free = shutil.disk_usage(folder).free
     if need * 1.02 + GiB > free:

@@ -196,12 +196,11 @@ SCENARIOS: tuple[Scenario, ...] = (
              args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--strategies", _PIPELINE_WAN,
                    "--omni-budget", "14GiB", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-wan-host", "pipeline_offload_bench",
-             "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, on an emulated 24 GiB card: omni with "
-             "max_host_memory=32GiB (the experts saved to disk and read back, page cache dropped before every "
-             "forward; 20 of its 40 steps, what one device call holds) against omni with every host copy pinned "
-             "(4 steps: its steps are all alike)", "gpu", (OFFLOAD,),
-             args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--host-steps", "20", "--strategies",
-                   "omni,omni-host", "--omni-host-budget", "32GiB", "--time-budget", "480")),
+             "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card: omni "
+             "with max_host_memory=32GiB (the experts saved to disk and read back, page cache dropped before every "
+             "forward) against omni with every host copy pinned", "gpu", (OFFLOAD,),
+             args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--strategies", "omni,omni-host",
+                   "--omni-host-budget", "32GiB", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-wan-mmgp", "pipeline_offload_bench",
              "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card: mmgp's "
              "profiles 2 and 4 against resident", "gpu", (README, OFFLOAD),
