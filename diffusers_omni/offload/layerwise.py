@@ -71,7 +71,7 @@ from .hooks import (
     refresh_registry_caches,
     refuse_pickling,
 )
-from .host_plan import HostCandidate, HostPlan, plan_host_memory, spread_positions
+from .host_plan import HostCandidate, plan_host_memory, spread_positions
 from .memory import (
     HostMemory, PackedWeights, Transfers, placeholder, release_freed_device_memory, release_freed_host_memory,
 )
