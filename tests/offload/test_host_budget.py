@@ -734,3 +734,41 @@ def test_gguf_loaded_with_load_gguf_mmap_reads_its_quantized_blocks_back_from_th
     assert {type(m.weight).__name__ for _, m in qh.quantized_linears(model)} == {"GGUFParameter"}
     with torch.no_grad():
         assert all(torch.equal(model(**i)[0], r) for i, r in zip(inputs, reference))
+
+
+def test_wan22_shared_buffers_are_pinned_with_the_rest_read_state_dict_from_files_and_survive_a_failed_read(
+        tmp_path, monkeypatch):
+    """Shared buffers are registered with the offload's other host memory and unregistered on disable;
+    ``state_dict()`` reads their blocks from the files; a read that fails into a shared buffer names the block and
+    the next call, once the disk is back, is exact again."""
+    runtime = FakeCudaRuntime()
+    monkeypatch.setattr(memory, "host_pinner", lambda device: runtime)
+    pipe = _saved_wan22(tmp_path)
+    reference = pipe(**WAN_CALL, generator=torch.Generator().manual_seed(0)).frames
+    expected = {k: v.clone() for k, v in pipe.transformer_2.state_dict().items()}
+    total, encoder_saved, low = _wan_budgets(pipe)
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=total - encoder_saved - low)
+    homes = backend._state.staging.homes
+    assert homes and {home.address for home in homes} <= set(runtime.registered)
+    tensors = pipe.transformer_2.state_dict()
+    assert tensors.keys() == expected.keys() and all(torch.equal(tensors[k], expected[k]) for k in tensors)
+
+    original = disk.read_pieces
+    reader = backend._state.disk_reader
+    experts = {fd for fd, file in zip(reader.fds, reader.files) if file.parent.name.startswith("transformer")}
+
+    def failing(fd, *args, **kwargs):  # the experts' files fail; the text encoder's read as before
+        if fd in experts:
+            raise OSError(5, "Input/output error (injected)")
+        return original(fd, *args, **kwargs)
+
+    monkeypatch.setattr(disk, "read_pieces", failing)
+    with pytest.raises(disk.DiskReadError, match=r"reading block 'transformer(_2)?\.blocks\.\d+' of "
+                                                 r"'transformer(_2)?' from .* failed"):
+        pipe(**WAN_CALL, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(disk, "read_pieces", original)
+    for _ in range(2):
+        assert torch.equal(pipe(**WAN_CALL, generator=torch.Generator().manual_seed(0)).frames, reference)
+    pipe.disable_omni_offload()
+    assert runtime.registered == {}
+    assert torch.equal(pipe(**WAN_CALL, generator=torch.Generator().manual_seed(0)).frames, reference)
