@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,11 +185,14 @@ def configure_logging(verbose: int | bool = 0, rank: int = 0) -> None:
         diffusers_logging.set_verbosity_debug()
 
 
-def load_pipeline(model: str, dtype: Any = None, mmap: bool = False):
+def load_pipeline(model: str, dtype: Any = None, mmap: bool = False, transformer_gguf: str | None = None):
     """A tiny local pipeline by name, or any supported Diffusers pipeline through ``from_pretrained``.
 
     With ``mmap``, every DiT the pipeline declares is loaded with ``load_transformer_mmap`` (weights stay views of
     the safetensors files, shared through the page cache, so ranks of a distributed run do not each hold a copy).
+    With ``transformer_gguf``, the pipeline's ``transformer`` comes from that GGUF file through ``load_gguf_mmap``
+    (quantized weights that stay views of the file, computing in ``dtype``; a host budget reads its blocks back
+    from it) and every other component from ``model``.
     """
     from ..utils.quiet import quiet_torchvision_fallback
 
@@ -196,6 +200,14 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False):
         from .. import testing
 
     check_model(model)
+    if transformer_gguf is not None:
+        if model in TINY_MODELS:
+            raise UsageError(f"--transformer-gguf needs a model directory or hub id (the transformer's config and "
+                             f"the other components); got {model!r} (built in memory, no files)")
+        if mmap:
+            raise UsageError("--transformer-gguf and --mmap both load the transformer; give one of them")
+        with quiet_torchvision_fallback():
+            return _load_with_gguf_transformer(model, dtype, transformer_gguf)
     if mmap:
         if model in TINY_MODELS:
             raise UsageError(f"--mmap needs a model directory or hub id; got {model!r} (built in memory, no files)")
@@ -215,14 +227,12 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False):
         return DiffusionPipeline.from_pretrained(model, **kwargs)
 
 
-def _load_with_mmap_dits(model: str, dtype: Any):
+def _pipeline_folder(model: str) -> tuple[Path, dict, Callable[[str], type | None]]:
+    """The local folder of ``model`` (downloaded with Diffusers' own filtering when it is a hub id), its
+    ``model_index.json``, and the class of a component by path (``None``: the pipeline has none)."""
     import importlib
 
-    import diffusers
     from diffusers import DiffusionPipeline
-
-    from ..offload.loading import load_transformer_mmap
-    from ..pipelines.registry import omni_pipeline_class
 
     root = Path(model)
     if not root.is_dir():
@@ -230,14 +240,46 @@ def _load_with_mmap_dits(model: str, dtype: Any):
         # checkpoints), as from_pretrained downloads; a bare snapshot_download would fetch the whole repository.
         root = Path(DiffusionPipeline.download(model))
     index = DiffusionPipeline.load_config(root)
+
+    def component_class(path: str) -> type | None:
+        entry = index.get(path)
+        if not isinstance(entry, (list, tuple)) or entry[1] is None:
+            return None
+        library, class_name = entry
+        return getattr(importlib.import_module(library), class_name)
+
+    return root, index, component_class
+
+
+def _load_with_mmap_dits(model: str, dtype: Any):
+    import diffusers
+    from diffusers import DiffusionPipeline
+
+    from ..offload.loading import load_transformer_mmap
+    from ..pipelines.registry import omni_pipeline_class
+
+    root, index, component_class = _pipeline_folder(model)
     pipeline_cls = getattr(diffusers, index["_class_name"])
     components = {}
     for path in omni_pipeline_class(pipeline_cls)._dit_modules:
-        entry = index.get(path)
-        if not isinstance(entry, (list, tuple)) or entry[1] is None:
-            continue
-        library, class_name = entry
-        model_cls = getattr(importlib.import_module(library), class_name)
-        components[path] = load_transformer_mmap(model_cls, root, subfolder=path, torch_dtype=dtype)
+        model_cls = component_class(path)
+        if model_cls is not None:
+            components[path] = load_transformer_mmap(model_cls, root, subfolder=path, torch_dtype=dtype)
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}
     return DiffusionPipeline.from_pretrained(root, **components, **kwargs)
+
+
+def _load_with_gguf_transformer(model: str, dtype: Any, gguf_file: str):
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from ..offload.loading import load_gguf_mmap
+
+    root, _, component_class = _pipeline_folder(model)
+    model_cls = component_class("transformer")
+    if model_cls is None:
+        raise UsageError(f"--transformer-gguf: {model!r} has no transformer component to load from {gguf_file}")
+    transformer = load_gguf_mmap(model_cls, gguf_file, config=root, subfolder="transformer",
+                                 compute_dtype=dtype or torch.float32, torch_dtype=dtype)
+    kwargs = {"torch_dtype": dtype} if dtype is not None else {}
+    return DiffusionPipeline.from_pretrained(root, transformer=transformer, **kwargs)

@@ -51,7 +51,7 @@ def run(args) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     try:
         started = time.perf_counter()
-        pipe = load_pipeline(args.model, dtype, mmap=args.mmap)
+        pipe = load_pipeline(args.model, dtype, mmap=args.mmap, transformer_gguf=args.transformer_gguf)
         if collective and device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
             config = dataclasses.replace(config, device=device)
@@ -124,6 +124,9 @@ def _check_flag_combinations(args) -> None:
         if value and not is_collective(args.offload):
             raise UsageError(f"{flag}={value} needs --offload {' or '.join(collective_names())} (got --offload "
                              f"{args.offload})")
+    gguf = args.transformer_gguf
+    if gguf is not None and not Path(gguf).is_file():
+        raise UsageError(f"--transformer-gguf={gguf!r}: no such file")
     if args.output is not None:
         suffix = Path(args.output).suffix.lower()
         if suffix not in _IMAGE_SUFFIXES + _VIDEO_SUFFIXES:

@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--rank-prompt", action="append", help="prompt for the next rank (repeat once per rank)")
     generate.add_argument("--mmap", action="store_true",
                           help="load the DiTs as mmap views of their safetensors files (local directory or hub id)")
+    generate.add_argument("--transformer-gguf", metavar="FILE",
+                          help="load the pipeline's transformer from this GGUF file (load_gguf_mmap: its quantized "
+                               "weights stay views of the file, so --max-host-memory reads their blocks back from "
+                               "it); the other components and the transformer's config come from --model")
     generate.add_argument("--per-rank-outputs", action="store_true",
                           help="every rank writes OUTPUT with .rankN before the suffix (default: only rank 0 writes)")
     from .align import add_parser as add_align_parser

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 
 from PIL import Image
@@ -102,3 +103,54 @@ def test_explain_a_saved_model_builds_dits_from_configs_without_weights(tmp_path
     rows = json.loads(capsys.readouterr().out)
     assert {row["backend"] for row in rows} == {"CUDNN_ATTN"}
     assert all("bfloat16" in row["call"] for row in rows)
+
+
+def test_generate_loads_the_transformer_from_a_gguf_file_as_views_and_reads_it_back_under_a_host_budget(tmp_path):
+    """``--transformer-gguf``: the transformer comes from a GGUF file through ``load_gguf_mmap`` (quantized weights
+    that stay views of the file), the rest from the model folder; with ``--max-host-memory`` its quantized blocks
+    are read back from the ``.gguf``; the image is the one the same pipeline gives without offload."""
+    import numpy as np
+    from PIL import Image
+
+    from diffusers_omni.cli.common import load_pipeline
+    from diffusers_omni.offload.disk import FileViews
+    from diffusers_omni.offload.tensors import TensorSet
+    from diffusers_omni.pipelines.registry import omnify
+    from diffusers_omni.testing import tiny_flux_pipeline
+    from diffusers_omni.testing.quantized import write_gguf_checkpoint
+
+    model_dir = tmp_path / "flux"
+    source = tiny_flux_pipeline()
+    source.save_pretrained(model_dir)
+    gguf_file = tmp_path / "transformer.gguf"
+    write_gguf_checkpoint(source.transformer, gguf_file, prefer="Q8_0")
+    pipe = load_pipeline(str(model_dir), transformer_gguf=str(gguf_file))
+    views = FileViews()
+    leaves = TensorSet(pipe.transformer).leaves
+    assert any(type(t).__name__ == "GGUFParameter" for leaf in leaves for t in leaf.targets)
+    assert all(views.locate(leaf.data()) is not None for leaf in leaves)  # float32: nothing was converted
+    omni = omnify(pipe)
+    with pytest.raises(ValueError, match="is too small") as info:
+        omni.enable_layerwise_offload(device="cpu", max_host_memory=1)
+    least = int(str(info.value).split("at least ")[1].split(" ")[0])
+    backend = omni.enable_layerwise_offload(device="cpu", max_host_memory=least)
+    reader = backend._state.disk_reader
+    dit = [s for s in backend._state.disk.values() if s.component == "transformer"]
+    assert dit and {reader.files[p.file].name for s in dit for p in s.pieces} == {"transformer.gguf"}
+    omni.disable_omni_offload()
+
+    common = ["generate", "--model", str(model_dir), "--transformer-gguf", str(gguf_file), "--steps", "2",
+              "--height", "32", "--width", "32", "--device", "cpu"]
+    plain, offloaded = tmp_path / "plain.png", tmp_path / "offloaded.png"
+    assert main([*common, "--output", str(plain)]) == 0
+    assert main([*common, "--offload", "layerwise", "--max-host-memory", str(least), "--output",
+                 str(offloaded)]) == 0
+    assert np.array_equal(np.asarray(Image.open(plain)), np.asarray(Image.open(offloaded)))
+
+
+def test_generate_transformer_gguf_refuses_what_it_cannot_use(tmp_path, capsys):
+    assert main(["generate", "--transformer-gguf", str(tmp_path / "missing.gguf")]) == 2
+    assert "--transformer-gguf=" in capsys.readouterr().err
+    (tmp_path / "t.gguf").write_bytes(b"x")
+    assert main(["generate", "--transformer-gguf", str(tmp_path / "t.gguf")]) == 2
+    assert "--transformer-gguf needs a model directory or hub id" in capsys.readouterr().err
