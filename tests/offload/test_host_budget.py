@@ -772,3 +772,35 @@ def test_wan22_shared_buffers_are_pinned_with_the_rest_read_state_dict_from_file
     pipe.disable_omni_offload()
     assert runtime.registered == {}
     assert torch.equal(pipe(**WAN_CALL, generator=torch.Generator().manual_seed(0)).frames, reference)
+
+
+def test_a_larger_host_budget_never_plans_more_disk_traffic():
+    """Across budgets, the plan's reads per call never grow with the budget: an encoder block read once per call,
+    a shared position twice (once per switch of expert), a block read at every load once per forward (ten here)."""
+    encoder = [HostCandidate(f"e{i}", f"e{i}", 7, 0, True) for i in range(6)]
+    high = [HostCandidate(f"a{i}", f"a{i}", 20 + i % 3, 1, False, group=0, position=i) for i in range(9)]
+    low = [HostCandidate(f"b{i}", f"b{i}", 20 + i % 2, 2, False, group=0, position=i) for i in range(9)]
+    lone = [HostCandidate(f"c{i}", f"c{i}", 12, 3, False) for i in range(5)]
+    stuck = [HostCandidate("q", "q", 9, 1, False, reason="quantized", group=0, position=9)]
+    candidates = encoder + high + low + lone + stuck
+    fixed = {"phase units": 11}
+
+    def reads(budget: int) -> int | None:
+        try:
+            plan = plan_host_memory(candidates, fixed, budget, 3)
+        except ValueError:
+            return None
+        on_disk = {c.key for c in plan.disk}
+        return (sum(1 for k in on_disk if k.startswith("e")) + 2 * len(plan.shared)
+                + 10 * sum(1 for k in on_disk if not k.startswith("e")))
+
+    everything = 11 + sum(c.nbytes for c in candidates)
+    costs = [reads(b) for b in range(0, everything + 2)]
+    feasible = [c for c in costs if c is not None]
+    assert costs[-1] == 0 and feasible[0] > 0
+    assert all(later <= earlier for earlier, later in zip(feasible, feasible[1:]))
+    assert all(c is not None for c in costs[costs.index(feasible[0]):])  # once it fits, every larger budget fits
+    plans = [plan_host_memory(candidates, fixed, b, 3) for b, c in enumerate(costs) if c is not None]
+    assert any(p.shared and not any(c.key[0] in "abc" for c in p.disk) for p in plans)  # shared, DiTs not on disk
+    assert any(p.shared and any(c.key[0] in "ab" for c in p.disk) for p in plans)  # some positions read every load
+    assert all("q" not in {c.key for c in p.blocks} for p in plans)  # a block that must keep its copy keeps it
