@@ -420,6 +420,7 @@ class FileViews:
         self._starts = [mapping[0] for mapping in self._maps]
         self._libc = None
         self._identities: dict[tuple[Path, ...], list[tuple[str, int] | None]] = {}
+        self._inodes: dict[str, int | None] = {}  # mapped path → the inode the path names now (``locate``)
 
     def _find(self, address: int, nbytes: int) -> tuple[int, int, int, str, int] | None:
         index = bisect.bisect_right(self._starts, address) - 1
@@ -444,9 +445,9 @@ class FileViews:
     def _plain(tensor: torch.Tensor) -> bool:
         return type(tensor) in PLAIN_TENSOR_TYPES and tensor.device.type == "cpu"
 
-    def offset_of(self, tensor: torch.Tensor, files: list[Path]) -> tuple[int, int] | None:
-        """``(index into files, byte offset)`` where ``tensor``'s bytes are, if it is an untouched view of one of
-        ``files`` (same path and inode), else ``None``."""
+    def _view(self, tensor: torch.Tensor) -> tuple[str, int, int] | None:
+        """``(mapped path, its inode, byte offset in the file)`` of a plain contiguous host tensor inside an
+        untouched mapping, else ``None``."""
         if not self._maps or not self._plain(tensor) or not tensor.is_contiguous():
             return None
         address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
@@ -454,9 +455,18 @@ class FileViews:
         if mapping is None:
             return None
         start, _, offset, path, inode = mapping
+        return path, inode, offset + address - start
+
+    def offset_of(self, tensor: torch.Tensor, files: list[Path]) -> tuple[int, int] | None:
+        """``(index into files, byte offset)`` where ``tensor``'s bytes are, if it is an untouched view of one of
+        ``files`` (same path and inode), else ``None``."""
+        view = self._view(tensor)
+        if view is None:
+            return None
+        path, inode, offset = view
         for index, identity in enumerate(self._identity(files)):
             if identity == (path, inode):
-                return index, offset + address - start
+                return index, offset
         return None
 
     def locate(self, tensor: torch.Tensor) -> tuple[Path, int] | None:
@@ -464,19 +474,16 @@ class FileViews:
         (the file still the one mapped: same inode), else ``None``. Quantized weights loaded from a mapped
         checkpoint (torchao's inner tensors from a ``torch.load(mmap=True)`` of a Diffusers ``.bin``) are such
         views: their bytes can be read back from that file whatever its format."""
-        if not self._maps or not self._plain(tensor) or not tensor.is_contiguous():
+        view = self._view(tensor)
+        if view is None:
             return None
-        address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        mapping = self._find(address, nbytes)
-        if mapping is None:
-            return None
-        start, _, offset, path, inode = mapping
-        try:
-            if os.stat(path).st_ino != inode:
-                return None
-        except OSError:
-            return None
-        return Path(path), offset + address - start
+        path, inode, offset = view
+        if path not in self._inodes:  # stat once per file, not once per tensor
+            try:
+                self._inodes[path] = os.stat(path).st_ino
+            except OSError:
+                self._inodes[path] = None
+        return (Path(path), offset) if self._inodes[path] == inode else None
 
     def release(self, tensors: Iterable[torch.Tensor]) -> int:
         """Drop the whole pages of each untouched file view among ``tensors`` from the process; the bytes
@@ -585,7 +592,6 @@ class StagingRing:
                  shared: Iterable[tuple[torch.Tensor, Any, list[BlockSource]]] = ()) -> None:
         self.reader = reader
         self.slots = [StagingBuffer(i, b, e, sources) for i, (b, e) in enumerate(zip(buffers, events))]
-        self.size = len(self.slots)
         self.ahead = ahead
         self.homes = []
         for buffer, event, members in shared:

@@ -102,10 +102,10 @@ def plan_host_memory(candidates: list[HostCandidate], fixed: dict[str, int], bud
 def _too_small(candidates: list[HostCandidate], fixed: dict[str, int], budget: int, staging_count: int,
                best: HostPlan, needed: int) -> str:
     taken = {id(c) for c in best.blocks}
-    kept = [c for c in candidates if id(c) not in taken]
+    own = [c for c in candidates if id(c) not in taken]  # blocks that keep their own host copy
     parts = [f"{name} {format_bytes(nbytes)}" for name, nbytes in fixed.items() if nbytes]
-    if kept:
-        parts.append(f"{len(kept)} streamed blocks that keep their host copy {format_bytes(sum(c.nbytes for c in kept))}")
+    if own:
+        parts.append(f"{len(own)} streamed blocks that keep their host copy {format_bytes(sum(c.nbytes for c in own))}")
     held = sum(c.kept for c in best.blocks)
     if held:
         parts.append(f"the tensors that blocks read from disk keep (in no file as the model holds them) "
@@ -117,11 +117,11 @@ def _too_small(candidates: list[HostCandidate], fixed: dict[str, int], budget: i
         largest = max(c.nbytes for c in best.disk)
         parts.append(f"the staging ring, {min(staging_count, len(best.disk))} × {format_bytes(largest)} (the largest "
                      f"of the {len(best.disk)} blocks read from disk)")
-    if any(not c.reason for c in kept):
-        parts[-1] += (f"; {sum(1 for c in kept if not c.reason)} more blocks read from disk would need a larger "
+    if any(not c.reason for c in own):
+        parts[-1] += (f"; {sum(1 for c in own if not c.reason)} more blocks read from disk would need a larger "
                       "staging ring than they free")
     reasons: dict[str, int] = {}
-    for c in kept:
+    for c in own:
         if c.reason:
             reasons[c.reason] = reasons.get(c.reason, 0) + 1
     why = "; ".join(f"{count} block{'s' if count > 1 else ''}: {reason}" for reason, count in reasons.items())
