@@ -199,3 +199,18 @@ def test_readme_costs_show_steady_host_memory_once_the_runs_record_it(monkeypatc
     costs = docs_tables.readme_costs()
     assert "| Host memory (process RSS) while steps run: layerwise / group offload | 30.00 GiB / 30.00 GiB |" in costs
     assert "(pinned or registered): layerwise / group offload | 22.00 GiB / 22.00 GiB |" in costs
+
+
+def test_a_cuda_out_of_memory_error_is_rendered_with_the_cards_limit_only():
+    message = ("CUDA out of memory. Tried to allocate 72.00 MiB. GPU 0 has a total capacity of 139.80 GiB of which "
+               "115.13 GiB is free. Including non-PyTorch memory, this process has 24.66 GiB memory in use. 24.00 GiB "
+               "allowed; Of the allocated memory 23.99 GiB is allocated by PyTorch")
+    assert _docs_tables._short_error(message) == "CUDA out of memory (24.00 GiB allowed)"
+    assert _docs_tables._short_error("CUDA out of memory.") == "CUDA out of memory"
+    assert _docs_tables._short_error("RuntimeError: something else") == "RuntimeError"
+
+
+def test_a_strategy_run_with_fewer_steps_is_compared_with_its_denoise_scaled():
+    row = {"steps": 4, "end_to_end_s": 28.9, "phases": {"encode_s": 2.0, "denoise_s": 26.0, "decode_s": 0.9}}
+    assert _docs_tables._end_to_end(row, 20) == 2.0 + 26.0 * 5 + 0.9
+    assert _docs_tables._end_to_end({**row, "steps": 20}, 20) == 28.9
