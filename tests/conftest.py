@@ -58,6 +58,7 @@ TIER_RULES: tuple[tuple[str, str], ...] = (
     ("*::test_delete_and_rebuild_cycles", "integration"),  # ten build/offload/generate/drop cycles
     # unit: the rest, folder by folder and file by file.
     ("alignment/*", "unit"),
+    ("architectures/*", "unit"),
     ("attention/*", "unit"),
     ("cli/*", "unit"),
     ("config/*", "unit"),
