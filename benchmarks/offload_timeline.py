@@ -207,13 +207,13 @@ class HostTimers:
 
 
 def host_timers() -> HostTimers:
-    from diffusers_omni.offload import layerwise, memory
+    from diffusers_omni.offload import memory, streamer
 
     timers = HostTimers()
-    timers.wrap(layerwise._Streamer, "_begin", "begin (total)")
-    timers.wrap(layerwise._Streamer, "end", "end (total)")
-    timers.wrap(layerwise._Streamer, "load", "load (total)")
-    timers.wrap(layerwise._StreamedBlock, "allocate", "load: allocate device buffers")
+    timers.wrap(streamer.Streamer, "_begin", "begin (total)")
+    timers.wrap(streamer.Streamer, "end", "end (total)")
+    timers.wrap(streamer.Streamer, "load", "load (total)")
+    timers.wrap(streamer.StreamedBlock, "allocate", "load: allocate device buffers")
     timers.wrap(memory.Transfers, "copy", "load: copy (stream switch, wait, copies, record)")
     timers.wrap(memory.Transfers, "record_on_compute", "load: event record on compute")
     timers.wrap(memory.Transfers, "compute_waits_for", "begin: compute waits for load")

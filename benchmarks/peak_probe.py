@@ -109,16 +109,16 @@ def diff_main(args) -> int:
     backend.disable()
     free_memory(device)
     # The same with the streamed blocks' device buffers in a private memory pool (kept apart from activations).
-    from diffusers_omni.offload import layerwise
+    from diffusers_omni.offload import streamer
 
     pool = torch.cuda.MemPool()
-    original = layerwise._StreamedBlock.allocate
+    original = streamer.StreamedBlock.allocate
 
     def allocate_in_pool(self):
         with torch.cuda.use_mem_pool(pool):
             return original(self)
 
-    layerwise._StreamedBlock.allocate = allocate_in_pool
+    streamer.StreamedBlock.allocate = allocate_in_pool
     try:
         backend = apply_offload(model, OffloadConfig("layerwise", device=device))
         with torch.inference_mode():
@@ -126,7 +126,7 @@ def diff_main(args) -> int:
         report["omni layerwise, private pool"] = peak_live_set(model, inputs, device)
         backend.disable()
     finally:
-        layerwise._StreamedBlock.allocate = original
+        streamer.StreamedBlock.allocate = original
     del pool
     free_memory(device)
     model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",

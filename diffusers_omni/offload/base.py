@@ -5,45 +5,19 @@ from __future__ import annotations
 import contextlib
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from ..config.offload import OffloadConfig
-from .guards import GuardInstaller, Guards, describe_owner, install_group_offloading_check
+from ..utils.journal import Journal
+from .guards import GuardInstaller, describe_owner, install_group_offloading_check
 
 logger = logging.getLogger("diffusers_omni")
 
-
-class Journal:
-    """Undo actions recorded while enabling; ``rollback`` runs them newest first."""
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[str, Callable[[], None]]] = []
-
-    def record(self, what: str, undo: Callable[[], None]) -> None:
-        self._undo.append((what, undo))
-
-    def rollback(self) -> None:
-        while self._undo:
-            what, undo = self._undo.pop()
-            try:
-                undo()
-            except Exception:  # noqa: BLE001 - keep undoing the rest, report each failure
-                logger.exception("offload: rollback step %r failed", what)
-
-    def move_tensor(self, tensor: torch.Tensor, device: torch.device) -> None:
-        """Rebind ``tensor`` to a copy on ``device``; rollback rebinds the original data."""
-        if tensor.device == device:
-            return
-        original = tensor.data
-        tensor.data = original.to(device)
-
-        def undo() -> None:
-            tensor.data = original
-
-        self.record("move tensor", undo)
+# One step of an enable: it changes the target and records on the journal how to undo that.
+EnableStep = Callable[[Any, Journal], None]
 
 
 def resolve_device(device: torch.device) -> torch.device:
@@ -65,21 +39,19 @@ def resolve_device(device: torch.device) -> torch.device:
 class OffloadBackend(ABC):
     """One offload strategy applied to one pipeline or bare model.
 
-    ``enable`` is transactional: if any stage fails, every hook it installed is removed and every tensor is
+    ``enable`` is transactional: if any step fails, every hook it installed is removed and every tensor is
     rebound to its original device and values. ``disable`` is idempotent.
     """
 
     # The registered name of the strategy served (an ``OffloadStrategy`` for the built-in ones).
     strategy: ClassVar[str]
-    # Names of the enable stages, in order; each is a method ``_stage_<name>(state, journal)``.
-    stages: ClassVar[tuple[str, ...]]
 
     def __init__(self, config: OffloadConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         self._enabled = False
         self._target: Any = None
-        self._guards = Guards()
+        self._guards = Journal("offload guards")
         self._members: list[tuple[str, torch.nn.Module, bool]] = []
 
     @classmethod
@@ -91,14 +63,14 @@ class OffloadBackend(ABC):
         """Apply this strategy to ``target`` (a pipeline or a bare ``nn.Module``)."""
         if self._enabled:
             raise RuntimeError(f"{type(self).__name__} is already enabled; call disable() first")
-        journal = Journal()
+        journal = Journal("offload")
         state = self._new_state(target)
-        self._guards = Guards()
+        self._guards = Journal("offload guards")
         # Buffers and views made here must be ordinary tensors even when called under inference_mode.
         with torch.inference_mode(False), torch.no_grad():
             try:
-                for stage in self.stages:
-                    getattr(self, f"_stage_{stage}")(state, journal)
+                for step in self._enable_steps():
+                    step(state, journal)
             except BaseException:
                 logger.info("offload: enabling %s failed; rolling back", self.strategy)
                 journal.rollback()
@@ -114,7 +86,7 @@ class OffloadBackend(ABC):
         placed on the device stay there. Safe to call repeatedly."""
         if not self._enabled:
             return
-        self._guards.remove_all()
+        self._guards.rollback()
         with torch.inference_mode(False), torch.no_grad():
             self._disable()
         self._forget()
@@ -147,9 +119,10 @@ class OffloadBackend(ABC):
 
     # Guards (see guards.py) ---------------------------------------------------------------------------------
 
-    def _stage_install_guards(self, state: Any, journal: Journal) -> None:
+    def _install_guards(self, state: Any, journal: Journal) -> None:
+        """The enable step that guards every component the offload placed (see guards.py)."""
         guards = self._guards
-        journal.record("remove guards", guards.remove_all)
+        journal.record("remove guards", guards.rollback)
         installer = self._guard_installer(state, guards)
         managed = self._managed_modules(state)
         managed_ids = {id(module) for _, module in managed}
@@ -179,7 +152,7 @@ class OffloadBackend(ABC):
         and ``decode``); ``None``: nothing."""
         return None
 
-    def _guard_installer(self, state: Any, guards: Guards) -> GuardInstaller:
+    def _guard_installer(self, state: Any, guards: Journal) -> GuardInstaller:
         pipeline = not isinstance(state.target, torch.nn.Module)
         way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
         return GuardInstaller(str(self.strategy), self.suspended, way_out, guards, device=self.device, backend=self)
@@ -213,6 +186,10 @@ class OffloadBackend(ABC):
     def execution_device(self) -> torch.device:
         """Where the offloaded modules compute (latents and embeddings belong here)."""
         return self.device
+
+    @abstractmethod
+    def _enable_steps(self) -> Sequence[EnableStep]:
+        """The steps of ``enable``, in order, each ``step(state, journal)``; a failing step rolls back the journal."""
 
     @abstractmethod
     def _new_state(self, target: Any) -> Any: ...

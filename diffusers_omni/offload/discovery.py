@@ -359,3 +359,16 @@ def named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return tensors
 
 
+
+
+def holds_any(module: nn.Module, ids: set[int]) -> bool:
+    """Whether ``module`` or one of its submodules has its ``id`` in ``ids``."""
+    return any(id(m) in ids for m in module.modules())
+
+
+def component_of(topology: Topology, owner: nn.Module) -> Component | None:
+    """The pipeline component holding ``owner`` (a stack's owner), or ``None``."""
+    for component in topology.components:
+        if component.module is owner or holds_any(component.module, {id(owner)}):
+            return component
+    return None

@@ -28,6 +28,7 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 from functools import partial
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,9 +36,10 @@ import torch.distributed as dist
 
 from ..config.offload import OffloadStrategy, format_bytes
 from ..utils.progress import byte_progress
-from .base import Journal, OffloadBackend
+from ..utils.journal import Journal
+from .base import EnableStep, OffloadBackend
 from .discovery import named_tensors
-from .guards import GuardInstaller, Guards, OffloadActiveError
+from .guards import GuardInstaller, OffloadActiveError
 from .hooks import (
     EAGER_ONLY,
     LAYERWISE_BLOCK_HOOK,
@@ -266,11 +268,6 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
     # of it ends with the DiT's forward).
     fold_tail = False
     manages_components = False  # encoders and VAEs stay on each rank's device
-    # Every rank runs the local stages between two agreements (``_agree``): discover ends with one, the local
-    # stages with ``agree_local`` (before prime, whose AllGather is a collective), prime with ``agree_primed``. A
-    # rank that fails in between joins the next agreement with its error (``enable``), so every rank rolls back.
-    stages = ("discover", "move_residents", "pack_blocks", "allocate_slots", "install_hooks", "install_step_check",
-              "install_guards", "agree_local", "prime", "agree_primed")
     use_allgather: bool = False
     # Whether prime runs a collective (AllGather: it gathers the first block): a rank failing inside it cannot
     # join the agreement after it, since the others may be inside the collective.
@@ -294,6 +291,13 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         backend = str(dist.get_backend(self.group)).lower()
         if self.device.type == "cpu" and backend == "nccl":
             raise ValueError("device='cpu' cannot use an NCCL process group; allowed: a gloo group for CPU runs")
+
+    def _enable_steps(self) -> Sequence[EnableStep]:
+        # Every rank runs the local steps between two agreements (``_agree``): discover ends with one, the local
+        # steps with ``agree_local`` (before prime, whose AllGather is a collective), prime with ``agree_primed``. A
+        # rank that fails in between joins the next agreement with its error (``enable``), so every rank rolls back.
+        return (self._discover, self._move_residents, self._pack_blocks, self._allocate_slots, self._install_hooks,
+                self._install_step_check, self._install_guards, self._agree_local, self._prime, self._agree_primed)
 
     @property
     def max_device_memory(self) -> None:
@@ -349,22 +353,22 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                 "rolled back, no rank enabled it"
             )
 
-    def _stage_agree_local(self, state: LayerwiseState, journal: Journal) -> None:
+    def _agree_local(self, state: LayerwiseState, journal: Journal) -> None:
         self._pending_agreement = None  # from here on this rank is in the agreement itself
         self._agree("agree_local")
         self._pending_agreement = None if self.prime_is_collective else "agree_primed"
 
-    def _stage_agree_primed(self, state: LayerwiseState, journal: Journal) -> None:
+    def _agree_primed(self, state: LayerwiseState, journal: Journal) -> None:
         self._pending_agreement = None
         self._agree("agree_primed")
 
     # Discover: local checks, then every rank agrees (so one rank's error never leaves the others in a collective).
 
-    def _stage_discover(self, state: LayerwiseState, journal: Journal) -> None:
+    def _discover(self, state: LayerwiseState, journal: Journal) -> None:
         error: BaseException | None = None
         digest = ""
         try:
-            super()._stage_discover(state, journal)
+            super()._discover(state, journal)
             self._check_and_place_residents(state)
             digest = _layout_digest(state)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard about it
@@ -404,8 +408,8 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         stats.resident_blocks = sum(1 for w, r in flat if r and not w.empty)
         stats.streamed_bytes_per_pass = sum(w.nbytes for w, r in flat if not r)
 
-    def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
-        super()._stage_pack_blocks(state, journal)
+    def _pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
+        super()._pack_blocks(state, journal)
         state.stats.host_bytes_per_dtype = {
             str(d): n * torch.empty(0, dtype=d).element_size()
             for d, n in _sum_numel(w for ws in state.weights for w in ws if not w.empty).items()
@@ -428,7 +432,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
     def _inference_only(self, state: LayerwiseState, label: str) -> str:
         return super()._inference_only(state, label).replace("() first", "() on every rank first")
 
-    def _stage_install_step_check(self, state: LayerwiseState, journal: Journal) -> None:
+    def _install_step_check(self, state: LayerwiseState, journal: Journal) -> None:
         from .dataparallel import install_step_check
 
         remove = install_step_check(state.target, self.group, lock=state.lock)
@@ -436,7 +440,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
             journal.record("remove step check", remove)
             self._remove_step_check = remove
 
-    def _guard_installer(self, state: LayerwiseState, guards: Guards) -> GuardInstaller:
+    def _guard_installer(self, state: LayerwiseState, guards: Journal) -> GuardInstaller:
         # Disabling and enabling are collective, so nothing may suspend the offload on one rank.
         installer = super()._guard_installer(state, guards)
         installer.suspend = None
@@ -473,7 +477,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
     use_allgather = True
     prime_is_collective = True
 
-    def _stage_pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
+    def _pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
@@ -506,7 +510,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
         logger.info("distributed offload rank %d/%d: host shards %s (of %s)", self.rank, self.world_size,
                     format_bytes(state.stats.host_bytes), format_bytes(total))
 
-    def _stage_allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:
+    def _allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:
         blocks = [b for row in state.streamed for b in row if b is not None]
         state.transfers = transfers = _GatherTransfers(self.device, self.group)
         shards: dict[torch.dtype, int] = {}
@@ -526,7 +530,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
                     format_bytes(state.stats.slot_bytes),
                     format_bytes(sum(n * torch.empty(0, dtype=d).element_size() for d, n in shards.items())))
 
-    def _stage_install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
+    def _install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         journal.record("remove hooks", state.hooks.remove_all)
         state.lock = self._forward_lock()
         streamer = state.streamer
@@ -549,8 +553,8 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
         refresh_registry_caches(roots)
         journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
 
-    def _stage_install_guards(self, state: LayerwiseState, journal: Journal) -> None:
-        OffloadBackend._stage_install_guards(self, state, journal)
+    def _install_guards(self, state: LayerwiseState, journal: Journal) -> None:
+        OffloadBackend._install_guards(self, state, journal)
         self._refuse_pickling(state)
         pipeline = not isinstance(state.target, torch.nn.Module)
         way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
@@ -563,7 +567,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
             for (path, module), block in zip(stack.blocks, row):
                 if block is not None:
                     handle = module.register_state_dict_post_hook(_refuse_state_dict(message, path))
-                    self._guards.on_remove(handle.remove)
+                    self._guards.record("remove a state_dict hook", handle.remove)
         owners = [(label, module) for label, module in self._managed_modules(state)]
         if pipeline:
             owners.append(("pipe", state.target))
@@ -572,7 +576,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
             if original is not None:
                 self._guards.set(owner, "save_pretrained", _refuse_call(message, f"{label}.save_pretrained", original))
 
-    def _stage_prime(self, state: LayerwiseState, journal: Journal) -> None:
+    def _prime(self, state: LayerwiseState, journal: Journal) -> None:
         for row in state.streamed:
             ring = [b for b in row if b is not None]
             if ring:

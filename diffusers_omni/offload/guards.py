@@ -43,12 +43,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..utils.journal import Journal
 from .discovery import OffloadConflictError
 from .hooks import ExecutionDeviceHint
 
 logger = logging.getLogger("diffusers_omni")
 
-_MISSING = object()
 
 # Instance attribute naming the offload a component belongs to.
 MEMBERSHIP_ATTR = "_omni_offload"
@@ -83,36 +83,6 @@ FOREIGN_OFFLOADERS: dict[str, str] = {
 
 class OffloadActiveError(RuntimeError):
     """The pipeline or model cannot do this while omni offload is enabled; nothing was changed."""
-
-
-class Guards:
-    """Instance attributes (and other reversible changes) installed while offload is on; ``remove_all`` restores
-    every ``__dict__`` exactly."""
-
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
-
-    def set(self, obj: Any, name: str, value: Any) -> None:
-        before = obj.__dict__.get(name, _MISSING)
-        obj.__dict__[name] = value
-
-        def undo() -> None:
-            if before is _MISSING:
-                obj.__dict__.pop(name, None)
-            else:
-                obj.__dict__[name] = before
-
-        self._undo.append(undo)
-
-    def on_remove(self, undo: Callable[[], None]) -> None:
-        self._undo.append(undo)
-
-    def remove_all(self) -> None:
-        while self._undo:
-            self._undo.pop()()
-
-    def __len__(self) -> int:
-        return len(self._undo)
 
 
 @dataclass(frozen=True)
@@ -363,7 +333,7 @@ class GuardInstaller:
         backend: the backend, recorded in each component's ``Membership``.
     """
 
-    def __init__(self, strategy: str, suspend: Callable[[str], Any] | None, way_out: str, guards: Guards,
+    def __init__(self, strategy: str, suspend: Callable[[str], Any] | None, way_out: str, guards: Journal,
                  suspend_refusal: str = "", device: torch.device | None = None, backend: Any = None) -> None:
         self.strategy = strategy
         self.suspend = suspend

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,7 +22,8 @@ import torch.nn as nn
 
 from ..config.offload import OffloadStrategy, format_bytes
 from ..utils.progress import byte_progress
-from .base import Journal, OffloadBackend
+from ..utils.journal import Journal
+from .base import EnableStep, OffloadBackend
 from .discovery import (
     DIT,
     ENCODER,
@@ -103,11 +105,13 @@ class ModelLevelOffloadBackend(OffloadBackend):
     """Mutual exclusion between DiTs and encoders; VAEs and declared resident modules stay on the device."""
 
     strategy = OffloadStrategy.MODEL_LEVEL
-    stages = ("discover", "move_residents", "pack_components", "install_hooks", "install_guards")
-
     def __init__(self, config) -> None:
         super().__init__(config)
         self._state: _State | None = None
+
+    def _enable_steps(self) -> Sequence[EnableStep]:
+        return (self._discover, self._move_residents, self._pack_components, self._install_hooks,
+                self._install_guards)
 
     @property
     def stats(self) -> ModelLevelStats:
@@ -150,14 +154,14 @@ class ModelLevelOffloadBackend(OffloadBackend):
     def _managed_modules(self, state: _State) -> list[tuple[str, nn.Module]]:
         return [(e.component.label, e.component.module) for e in state.exclusives]
 
-    def _stage_install_guards(self, state: _State, journal: Journal) -> None:
+    def _install_guards(self, state: _State, journal: Journal) -> None:
         # Parked weights are host tensors; pipelines must still put these modules' inputs on the device: the base
         # class gives every component an OffloadSlotHint, an ExecutionDeviceHint (guards.py).
-        super()._stage_install_guards(state, journal)
+        super()._install_guards(state, journal)
         # Pickling or deep-copying the pipeline or a component raises a clear TypeError (see hooks.NO_PICKLE).
         refuse_pickling([state.target] + [c.module for c in state.topology.components], self._guards.set)
 
-    def _stage_discover(self, state: _State, journal: Journal) -> None:
+    def _discover(self, state: _State, journal: Journal) -> None:
         state.topology = discover_components(state.target, self.config.plan)
         check_topology(state.topology, allow_residents_inside=())
         check_no_foreign_offload(state.topology, "model-level")
@@ -171,11 +175,11 @@ class ModelLevelOffloadBackend(OffloadBackend):
             [c.label for c in state.topology.vaes + state.topology.residents],
         )
 
-    def _stage_move_residents(self, state: _State, journal: Journal) -> None:
+    def _move_residents(self, state: _State, journal: Journal) -> None:
         for component in state.topology.vaes + state.topology.residents:
             journal.record(f"move {component.label}", move_tensors(component.module, self.device))
 
-    def _stage_pack_components(self, state: _State, journal: Journal) -> None:
+    def _pack_components(self, state: _State, journal: Journal) -> None:
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
@@ -192,7 +196,7 @@ class ModelLevelOffloadBackend(OffloadBackend):
                 logger.info("model-level offload: %s packed on host (%s)", exclusive.component.label, format_bytes(weights.nbytes))
         release_freed_host_memory()
 
-    def _stage_install_hooks(self, state: _State, journal: Journal) -> None:
+    def _install_hooks(self, state: _State, journal: Journal) -> None:
         journal.record("remove hooks", state.hooks.remove_all)
         for exclusive in state.exclusives:
             state.hooks.install(

@@ -232,3 +232,9 @@ def mapped_file(tensor: torch.Tensor, mappings=None) -> str | None:
         if start <= begin and end <= stop:
             return path
     return None
+
+
+def step_names(backend_cls: type) -> list[str]:
+    """The method names of a backend class's enable steps, in order (``_enable_steps`` only looks its bound
+    methods up, so an instance made without ``__init__`` answers)."""
+    return [step.__name__ for step in backend_cls._enable_steps(object.__new__(backend_cls))]

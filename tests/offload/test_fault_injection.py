@@ -13,8 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from diffusers_omni.offload import dataparallel, distributed, guards, hooks, layerwise, memory, model_level
-from diffusers_omni.offload.base import Journal
+from diffusers_omni.offload import (
+    dataparallel, distributed, guards, hooks, layerwise, memory, model_level, stream_hooks, streamer,
+)
+from diffusers_omni.utils.journal import Journal
 from diffusers_omni.offload.distributed import DistributedLayerwiseOffloadBackend
 from diffusers_omni.offload.layerwise import LayerwiseOffloadBackend
 from diffusers_omni.offload.model_level import ModelLevelOffloadBackend
@@ -26,6 +28,7 @@ from offload_helpers import (
     flux_pipe,
     generate,
     pipeline_snapshot,
+    step_names,
 )
 
 
@@ -63,7 +66,7 @@ INNER_STEPS: list[tuple[object, str]] = [
     (memory.PackedWeights, "views_into"),
     (Journal, "move_tensor"),
     (hooks.InstalledHooks, "install"),
-    (guards.Guards, "set"),
+    (Journal, "set"),
     (guards.GuardInstaller, "guard_module"),
     (guards.GuardInstaller, "guard_pipeline"),
     (nn.Module, "register_state_dict_post_hook"),
@@ -71,12 +74,12 @@ INNER_STEPS: list[tuple[object, str]] = [
     (layerwise, "check_no_foreign_offload"),
     (layerwise, "resolve_stacks"),
     (layerwise, "plan_residency"),
-    (layerwise, "refresh_registry_caches"),
+    (stream_hooks, "refresh_registry_caches"),
     (layerwise, "release_freed_host_memory"),
     (layerwise, "Transfers"),
-    (layerwise, "_StreamedBlock"),
-    (layerwise._Streamer, "load"),
-    (layerwise._Streamer, "enter_stack"),
+    (layerwise, "StreamedBlock"),
+    (streamer.Streamer, "load"),
+    (streamer.Streamer, "enter_stack"),
     (model_level, "discover_components"),
     (model_level, "check_no_foreign_offload"),
     (model_level, "refresh_registry_caches"),
@@ -155,8 +158,8 @@ def _run_failures(strategy, points, monkeypatch, fake_cuda) -> int:
 @pytest.mark.parametrize("strategy", ["layerwise", "model_level"])
 def test_every_stage_before_and_after(strategy, monkeypatch, fake_cuda):
     backend = BACKENDS[strategy]
-    points = [(backend, f"_stage_{stage}", after) for stage in backend.stages for after in (False, True)]
-    assert _run_failures(strategy, points, monkeypatch, fake_cuda) == 2 * len(backend.stages)
+    points = [(backend, step, after) for step in step_names(backend) for after in (False, True)]
+    assert _run_failures(strategy, points, monkeypatch, fake_cuda) == 2 * len(step_names(backend))
 
 
 @pytest.mark.parametrize("strategy", ["layerwise", "model_level"])
@@ -168,9 +171,9 @@ def test_every_inner_step(strategy, monkeypatch, fake_cuda):
 @pytest.mark.parametrize("strategy", ["distributed_allgather", "distributed_no_allgather"])
 def test_distributed_every_stage_and_inner_step(strategy, monkeypatch, fake_cuda, one_rank_group):
     backend = BACKENDS[strategy]
-    points = [(backend, f"_stage_{stage}", after) for stage in backend.stages for after in (False, True)]
+    points = [(backend, step, after) for step in step_names(backend) for after in (False, True)]
     points += [(owner, name, False) for owner, name in INNER_STEPS]
-    assert _run_failures(strategy, points, monkeypatch, fake_cuda) >= 2 * len(backend.stages) + 10
+    assert _run_failures(strategy, points, monkeypatch, fake_cuda) >= 2 * len(step_names(backend)) + 10
 
 
 @pytest.mark.parametrize("strategy", ["layerwise", "model_level"])

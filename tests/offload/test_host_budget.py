@@ -90,7 +90,7 @@ def test_blocks_read_from_disk_bitwise_report_state_dict_and_disable(saved):
     backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
     stats = backend.stats
     state = backend._state
-    disk_paths = [b.weights.path for row in state.streamed for b in row if b is not None and b.disk is not None]
+    disk_paths = [b.weights.path for row in state.streamed for b in row if b is not None and b.store.name == "disk"]
     # Encoder blocks first, then DiT blocks; some DiT blocks keep their host copy.
     dit = [p for p in disk_paths if p.startswith("transformer.")]
     assert len(disk_paths) - len(dit) == 4 and 0 < len(dit) < 7
@@ -138,7 +138,8 @@ def test_budget_that_fits_reads_nothing_and_starts_no_thread(saved):
     backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=_host_bytes(pipe))
     assert backend.stats.disk_blocks == 0 and backend.stats.staging_bytes == 0
     assert backend._state.staging is None and backend._state.disk_reader is None
-    assert type(backend._state.streamer).__name__ == "_Streamer"
+    assert backend._state.streamer.before_stack is None  # no reads to request: every block has a host copy
+    assert backend.stats.store_blocks == {"pinned": backend.stats.streamed_blocks}
     assert _reader_threads() == threads
     pipe.disable_omni_offload()
 
@@ -284,7 +285,7 @@ def test_a_failing_read_names_the_block_and_leaves_no_hung_thread(saved, monkeyp
     threads = _reader_threads()
     monkeypatch.setattr(disk, "read_pieces", failing)
     monkeypatch.setattr(disk, "verify_block", lambda source, reader, views=None: source.drop_tensors())
-    monkeypatch.setattr("diffusers_omni.offload.layerwise.verify_block", disk.verify_block)
+    monkeypatch.setattr("diffusers_omni.offload.stores.file.verify_block", disk.verify_block)
     with pytest.raises(disk.DiskReadError, match="reading block 'transformer"):
         pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget)
     assert_same_snapshot(before, pipeline_snapshot(pipe))
@@ -381,16 +382,16 @@ def test_a_transformer_loaded_as_mmap_views_reads_its_blocks_from_its_files(save
 
 def _spy_verify(monkeypatch) -> list[tuple[str, int]]:
     """``(component, bytes compared)`` for every block ``verify_block`` checks."""
-    from diffusers_omni.offload import layerwise
+    from diffusers_omni.offload.stores import file as file_store
 
     compared = []
-    original = layerwise.verify_block
+    original = file_store.verify_block
 
     def spy(source, reader, views=None):
         compared.append((source.component, original(source, reader, views)))
         return compared[-1][1]
 
-    monkeypatch.setattr(layerwise, "verify_block", spy)
+    monkeypatch.setattr(file_store, "verify_block", spy)
     return compared
 
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from diffusers_omni import OffloadConfig, apply_offload
 from diffusers_omni.offload.host_plan import spread_positions
-from diffusers_omni.offload.layerwise import _residency_order, plan_residency
+from diffusers_omni.offload.residency import _residency_order, plan_residency
 
 from offload_helpers import bare_flux, bare_wan, block_bytes, flux_inputs, flux_pipe, generate, wan22_pipe
 
@@ -441,13 +441,16 @@ class _RecordingTransfers:
 
 
 def _streamed_block(seed: int):
-    from diffusers_omni.offload.layerwise import _StreamedBlock
     from diffusers_omni.offload.memory import HostMemory, PackedWeights
+    from diffusers_omni.offload.stores import PinnedStore, StoreContext
+    from diffusers_omni.offload.streamer import StreamedBlock
 
     torch.manual_seed(seed)
     weights = PackedWeights(f"block{seed}", nn.Linear(8, 8))
-    weights.pack(HostMemory(torch.device("cpu"), pin_memory=False))
-    block = _StreamedBlock(weights, torch.device("cpu"))
+    host_memory = HostMemory(torch.device("cpu"), pin_memory=False)
+    weights.pack(host_memory)
+    store = PinnedStore(weights, StoreContext(torch.device("cpu"), host_memory))
+    block = StreamedBlock(weights, torch.device("cpu"), store)
     weights.park(block.placeholders)
     return block
 
@@ -456,11 +459,12 @@ def test_device_buffers_are_made_once_and_freed_between_loads_and_an_evicted_unr
     """Each load allocates the block's own buffers again (same objects and views, memory freed when it ends);
     the compute stream waits for a copy once before the block runs, and before freeing a prefetched block that
     never ran (nothing else orders the compute stream's next use of that memory after the copy)."""
-    from diffusers_omni.offload.layerwise import LayerwiseStats, _Streamer
+    from diffusers_omni.offload.stats import LayerwiseStats
+    from diffusers_omni.offload.streamer import Streamer
 
     a, b = _streamed_block(0), _streamed_block(1)
     transfers = _RecordingTransfers()
-    streamer = _Streamer(a.weights.nbytes, transfers, LayerwiseStats(), max_blocks=1)
+    streamer = Streamer(a.weights.nbytes, transfers, LayerwiseStats(), max_blocks=1)
     assert streamer.load(a)
     views = a.views
     ready = a.slot.ready

@@ -18,6 +18,7 @@ from offload_helpers import (
     generate,
     pipeline_modules,
     snapshot,
+    step_names,
     wan22_pipe,
 )
 
@@ -27,16 +28,16 @@ class InjectedFailure(Exception):
 
 
 def _fail_after(backend_cls, stage, monkeypatch):
-    original = getattr(backend_cls, f"_stage_{stage}")
+    original = getattr(backend_cls, stage)
 
     def failing(self, state, journal):
         original(self, state, journal)
         raise InjectedFailure(stage)
 
-    monkeypatch.setattr(backend_cls, f"_stage_{stage}", failing)
+    monkeypatch.setattr(backend_cls, stage, failing)
 
 
-@pytest.mark.parametrize("stage", LayerwiseOffloadBackend.stages)
+@pytest.mark.parametrize("stage", step_names(LayerwiseOffloadBackend))
 def test_layerwise_failure_at_each_stage_leaves_pipeline_untouched(stage, monkeypatch):
     pipe = flux_pipe()
     reference = generate(pipe, steps=2)
@@ -52,7 +53,7 @@ def test_layerwise_failure_at_each_stage_leaves_pipeline_untouched(stage, monkey
     pipe.disable_omni_offload()
 
 
-@pytest.mark.parametrize("stage", ModelLevelOffloadBackend.stages)
+@pytest.mark.parametrize("stage", step_names(ModelLevelOffloadBackend))
 def test_model_level_failure_at_each_stage_leaves_pipeline_untouched(stage, monkeypatch):
     pipe = flux_pipe()
     before = snapshot(*pipeline_modules(pipe))
@@ -65,7 +66,7 @@ def test_model_level_failure_at_each_stage_leaves_pipeline_untouched(stage, monk
 def test_bare_model_failure_leaves_model_untouched(monkeypatch):
     model = bare_flux()
     before = snapshot(model)
-    _fail_after(LayerwiseOffloadBackend, "install_hooks", monkeypatch)
+    _fail_after(LayerwiseOffloadBackend, "_install_hooks", monkeypatch)
     with pytest.raises(InjectedFailure):
         apply_offload(model, OffloadConfig("layerwise", device="cpu"))
     assert_same_snapshot(before, snapshot(model))

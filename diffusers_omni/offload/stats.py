@@ -1,0 +1,47 @@
+"""The counters of a streaming offload: what it planned, what it moved, where the bytes are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LayerwiseStats:
+    streamed_blocks: int = 0
+    resident_blocks: int = 0
+    slot_count: int = 0  # largest blocks that fit in the in-flight window (prefetch depth + 1)
+    slot_bytes: int = 0  # the largest streamed block
+    in_flight_capacity: int = 0  # bytes of streamed blocks on the device at once, at most
+    in_flight_blocks: int | None = None  # streamed blocks on the device at once, at most (None: bytes only)
+    max_in_flight_bytes: int = 0  # the most bytes of streamed blocks that were on the device at once
+    hook_seconds: float = 0.0  # host time spent in the block hooks (loads, rebinding, releasing)
+    streamed_bytes_per_pass: int = 0
+    resident_device_bytes: int = 0
+    host_bytes: int = 0
+    host_memory_mode: str = ""
+    loads: int = 0
+    on_demand_loads: int = 0
+    copied_bytes: int = 0
+    phase_units: int = 0  # encoders' non-block weights and VAEs, on the device for their phase only
+    phase_bytes: int = 0  # the largest of them
+    phase_onloads: int = 0
+    phase_onloaded_bytes: int = 0
+    # max_host_memory: blocks with no host copy, read from their checkpoint files at each load
+    disk_blocks: int = 0
+    disk_bytes_per_pass: int = 0  # file bytes those blocks read per pass
+    staging_bytes: int = 0  # the page-locked staging ring they are read into
+    disk_reads: int = 0
+    disk_read_bytes: int = 0
+    disk_read_seconds: float = 0.0  # the reader thread's time in reads (overlapping compute)
+    disk_waits: int = 0  # loads that waited for their block's read
+    disk_wait_seconds: float = 0.0
+    # max_host_memory, alternating DiTs: blocks at one position share one host buffer, read when their DiT is back
+    shared_buffers: int = 0
+    shared_blocks: int = 0
+    shared_bytes: int = 0
+    shared_hits: int = 0  # loads that found their block in its shared buffer (nothing read)
+    # per block store (``stores``, by name): how many streamed blocks it holds and their bytes
+    store_blocks: dict[str, int] = field(default_factory=dict)
+    store_bytes: dict[str, int] = field(default_factory=dict)
+    tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
+

@@ -1,0 +1,140 @@
+"""Block stores: where a streamed block's bytes live between its uses.
+
+A store holds one block's bytes from enable to disable and answers four things: it takes the bytes from the
+block's tensors (``take``, journaled so a failed enable gives them back), puts them into the block's device buffers
+when the block loads (``fill``, queued on the transfer's copy stream), shows them as host tensors for
+``state_dict()`` (``host_views``), and gives the model its tensors back on disable (``give_back``). The streamer,
+the hooks and the planner never ask how: a new way of holding bytes (compressed, in another process, …) is one
+file with a ``BlockStore`` subclass and its ``register_store``.
+
+The planner chooses a store per streamed block: the registered stores are asked in priority order (highest
+first) whether they ``claims`` the block; the pinned host copy (lowest priority) claims every block.
+
+Example:
+```py
+>>> @register_store
+... class MyStore(BlockStore):
+...     name = "mine"
+...     priority = 10
+...     @classmethod
+...     def claims(cls, weights, context): return weights.path.startswith("transformer.")
+...     ...
+```
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ...utils.journal import Journal
+from ..memory import HostMemory, PackedWeights, Transfers
+
+
+@dataclass
+class StoreContext:
+    """What stores share within one enable: the device, the offload's host memory (pinned pages are released with
+    it), the release of checkpoint pages once copied, and, under a host budget, the disk-backed blocks' sources,
+    their reader and the staging ring (set once the ring starts)."""
+
+    device: torch.device
+    host_memory: HostMemory
+    release: Callable[[list[torch.Tensor]], Any] | None = None
+    sources: dict[int, Any] = field(default_factory=dict)  # id(PackedWeights) → disk.BlockSource
+    reader: Any = None  # disk.DiskReader
+    ring: Any = None  # disk.StagingRing
+
+    @property
+    def clone_on_release(self) -> bool:
+        """Whether host copies must be cloned when given back (their pages are released with the host memory)."""
+        return self.host_memory.needs_clone_on_release
+
+
+class BlockStore(ABC):
+    """Where one streamed block's bytes live between its uses. Subclasses set ``name`` (the report counts bytes
+    under it) and ``priority`` and implement the five methods below."""
+
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0
+    # Whether the bytes stay in this process's memory (the report's host bytes; a file-backed store's do not).
+    in_host_memory: ClassVar[bool] = True
+
+    def __init__(self, weights: PackedWeights, context: StoreContext) -> None:
+        self.weights = weights
+        self.context = context
+
+    @classmethod
+    @abstractmethod
+    def claims(cls, weights: PackedWeights, context: StoreContext) -> bool:
+        """Whether this store holds ``weights`` (asked in priority order; the first store that claims it does)."""
+
+    @abstractmethod
+    def take(self, journal: Journal) -> None:
+        """Hold the block's bytes, read from its tensors as they are now. Record on ``journal`` how to give the
+        tensors their own data back (a failed enable rolls back). The caller then parks the tensors on
+        placeholders."""
+
+    @abstractmethod
+    def fill(self, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for: Any,
+             done: Any) -> None:
+        """Queue the block's bytes into ``buffers`` (one flat device tensor per dtype, allocated on the compute
+        stream): the copy waits for ``wait_for`` and records ``done`` once the bytes are there (events are ``None``
+        on the CPU, where copies are synchronous). Raising leaves nothing queued that writes ``buffers`` later."""
+
+    @abstractmethod
+    def host_views(self) -> list[torch.Tensor]:
+        """The block's tensors as host tensors, in ``weights.slots`` order (``state_dict()`` reads them)."""
+
+    @abstractmethod
+    def give_back(self) -> None:
+        """Disable: the block's tensors become ordinary host tensors holding their values (final)."""
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes this store holds in host memory for the block."""
+        return self.weights.nbytes if self.in_host_memory else 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.weights.path!r})"
+
+
+_STORES: list[type[BlockStore]] = []
+
+
+def register_store(cls: type[BlockStore]) -> type[BlockStore]:
+    """Make ``cls`` one of the stores the planner may choose (usable as a class decorator). Raises for a name
+    that is registered already."""
+    if not (isinstance(cls, type) and issubclass(cls, BlockStore)):
+        raise TypeError(f"register_store takes a BlockStore subclass, got {cls!r}")
+    taken = [other for other in _STORES if other.name == cls.name and other is not cls]
+    if taken:
+        raise ValueError(f"a block store named {cls.name!r} is registered already ({taken[0].__qualname__}); "
+                         "allowed: a name no other store has")
+    if cls not in _STORES:
+        _STORES.append(cls)
+        _STORES.sort(key=lambda store: -store.priority)
+    return cls
+
+
+def unregister_store(cls: type[BlockStore]) -> None:
+    """Stop offering ``cls`` to the planner (enabled offloads keep the stores they hold)."""
+    if cls in _STORES:
+        _STORES.remove(cls)
+
+
+def registered_stores() -> tuple[type[BlockStore], ...]:
+    """The stores the planner asks, in the order it asks them."""
+    return tuple(_STORES)
+
+
+def store_for(weights: PackedWeights, context: StoreContext) -> BlockStore:
+    """The store of the highest priority that claims ``weights``."""
+    for cls in _STORES:
+        if cls.claims(weights, context):
+            return cls(weights, context)
+    raise RuntimeError(f"no registered block store claims {weights.path!r} (registered: "
+                       f"{[cls.name for cls in _STORES]})")
