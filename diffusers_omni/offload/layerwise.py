@@ -91,7 +91,9 @@ class LayerwiseState:
     shared: list[list[Any]] = field(default_factory=list)  # disk.BlockSource groups
     staging: Any = None  # disk.StagingRing
     stop_reader: Any = None  # weakref.finalize: stops and joins the reader thread (disable, rollback, or GC)
-    file_views: Any = None  # disk.FileViews  # the process's file mappings, read once while enabling
+    file_views: Any = None  # disk.FileViews: the process's file mappings, read once while enabling
+    # blocks computing on the CPU keep each tensor's alignment (``memory.RESIDUE_BYTES``): bitwise the model's results
+    keep_residues: bool = False
     phases: Phases | None = None  # moves the phase units (made with the hooks)
     stores: StoreContext | None = None  # what the blocks' stores share
 
@@ -124,7 +126,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         return self._state.stats
 
     def _new_state(self, target: Any) -> LayerwiseState:
-        self._state = LayerwiseState(target)
+        self._state = LayerwiseState(target, keep_residues=self.device.type == "cpu")
         return self._state
 
     def _forget(self) -> None:

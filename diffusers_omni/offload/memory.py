@@ -37,6 +37,26 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+# With ``keep_residues``, a host tensor keeps its address modulo this in the flat buffers (whose bases are aligned to
+# it): a model computing on the CPU then computes on views as aligned as its own tensors, so vectorised kernels take
+# the same paths and round alike. Loaders hand out tensors at any 8-byte boundary (safetensors 0.8 views of one
+# read buffer, say); a copy at a fresh alignment can round differently in the last bit.
+RESIDUE_BYTES = 64
+
+
+def _with_residue(offset: int, leaf: Leaf) -> int:
+    """The first offset (in elements) at or after ``offset`` whose address keeps ``leaf``'s own residue modulo
+    ``RESIDUE_BYTES``; ``offset`` when the leaf is not on the CPU or its residue is not a whole element."""
+    data = leaf.data()
+    if data.device.type != "cpu":
+        return offset
+    size = leaf.dtype.itemsize
+    residue = data.data_ptr() % RESIDUE_BYTES
+    if residue % size:
+        return offset
+    return offset + ((residue - offset * size) % RESIDUE_BYTES) // size
+
+
 def _aligned(numel: int, dtype: torch.dtype) -> int:
     step = max(ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size(), 1)
     return (numel + step - 1) // step * step
@@ -75,15 +95,19 @@ class PackedWeights:
     subclasses back to their original objects. Raises ``UnsupportedTensorError`` for weights that cannot stream.
     """
 
-    def __init__(self, path: str, module: nn.Module, select: set[int] | None = None, label: str | None = None) -> None:
+    def __init__(self, path: str, module: nn.Module, select: set[int] | None = None, label: str | None = None,
+                 keep_residues: bool = False) -> None:
         """``path`` names the unit; ``module``'s tensors (those in ``select``, when given) are its weights, named
-        under ``label`` (default ``path``) in errors."""
+        under ``label`` (default ``path``) in errors. ``keep_residues``: each host tensor keeps its address modulo
+        ``RESIDUE_BYTES`` in the buffers (an offload that computes on the CPU: bitwise the model's own results)."""
         self.path = path
         self.tensors = TensorSet(module, path if label is None else label, select)
         self.slots: list[TensorSlot] = []
         self.numel: dict[torch.dtype, int] = {}
         for leaf in self.tensors.leaves:
             offset = self.numel.get(leaf.dtype, 0)
+            if keep_residues:
+                offset = _with_residue(offset, leaf)
             self.slots.append(
                 TensorSlot(leaf.targets[0], leaf.dtype, offset, leaf.shape, leaf.device, leaf.stride, leaf)
             )

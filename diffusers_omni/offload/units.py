@@ -38,13 +38,15 @@ def component_units(state: Any) -> None:
             state.kinds.append(ENCODER)
             if rest:
                 unit = PhaseUnit(component.label, component.module,
-                                  PackedWeights(component.label, component.module, select=rest), per_call=True)
+                                  PackedWeights(component.label, component.module, select=rest,
+                                                keep_residues=state.keep_residues), per_call=True)
                 state.units.append(unit)
                 state.stack_units[len(state.stacks) - 1] = unit
             state.managed[component.label] = f"{len(stack.blocks)} blocks streamed ({source})"
         elif named_tensors(component.module):
             state.units.append(PhaseUnit(component.label, component.module,
-                                          PackedWeights(component.label, component.module),
+                                          PackedWeights(component.label, component.module,
+                                                        keep_residues=state.keep_residues),
                                           per_call=component.role == ENCODER))
             state.managed[component.label] = "on the device for its phase"
 
@@ -53,13 +55,13 @@ def stack_weights(stack: Stack, state: Any, kind: str = DIT, fold_tail: bool = T
     """One unit per block. The DiT's output layers (final norm, output projection: called once, after the last
     block) join the last block's unit, so they are on the device only from the last block to the end of the
     forward instead of throughout, as every non-block weight is (Diffusers' group offload keeps them, too)."""
-    weights = [PackedWeights(path, block) for path, block in stack.blocks]
+    weights = [PackedWeights(path, block, keep_residues=state.keep_residues) for path, block in stack.blocks]
     tail = tail_modules(stack) if fold_tail and kind == DIT else []
     if tail and weights:
         path, last = stack.blocks[-1]
         owner_path = _owner_path(stack.owner, path, last)
         ids = {id(t) for _, t in named_tensors(last)} | {id(t) for _, m in tail for _, t in named_tensors(m)}
-        weights[-1] = PackedWeights(path, stack.owner, select=ids, label=owner_path)
+        weights[-1] = PackedWeights(path, stack.owner, select=ids, label=owner_path, keep_residues=state.keep_residues)
         state.tails[path] = tail
     return weights
 
