@@ -86,6 +86,8 @@ class OffloadBackend(ABC):
         placed on the device stay there. Safe to call repeatedly."""
         if not self._enabled:
             return
+        with torch.inference_mode(False), torch.no_grad():
+            self._prepare_disable()  # may refuse: then nothing changed and the offload stays enabled
         self._guards.rollback()
         with torch.inference_mode(False), torch.no_grad():
             self._disable()
@@ -193,6 +195,10 @@ class OffloadBackend(ABC):
 
     @abstractmethod
     def _new_state(self, target: Any) -> Any: ...
+
+    def _prepare_disable(self) -> None:
+        """Get what ``disable`` needs that may fail (a block read back from its files, say) before anything is
+        undone; raising refuses the disable and leaves the offload enabled and consistent. Nothing by default."""
 
     @abstractmethod
     def _disable(self) -> None: ...

@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import weakref
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -51,6 +52,15 @@ logger = logging.getLogger("diffusers_omni")
 _IOV_MAX = 1024
 # Verification reads a file through a buffer of this size.
 _VERIFY_CHUNK = 64 << 20
+
+# Every read of a disk-backed block is checked against a checksum taken when the offload was enabled (after the
+# block's bytes were compared with the model's): a CRC-32 of sampled windows of each tensor, its first and last
+# ``_SAMPLE_BYTES`` and one window every ``_SAMPLE_EVERY`` bytes between. A rewrite of a file (same size, same
+# modification time put back) changes the sampled bytes and is refused, naming the block and the file; a change
+# confined to bytes between the windows of one large tensor is not seen. The sampled share (1/16) keeps the check
+# at a small fraction of the reader's time.
+_SAMPLE_BYTES = 4 << 10
+_SAMPLE_EVERY = 64 << 10
 
 WAY_OUT = ("raise max_host_memory so this block keeps its host copy, or save the model with save_pretrained in the "
            "dtype it runs and load it from that folder")
@@ -210,6 +220,7 @@ class BlockSource:
         self.home: StagingBuffer | None = None  # the buffer it shares with other alternating DiTs' blocks
         self.wanted = 0  # the staging ring's mark (``StagingRing._want``)
         self.owner: Any = None
+        self.checksum: int | None = None  # of the sampled windows (``sample_checksum``), set once verified
 
     def drop_tensors(self) -> None:
         """Forget the model's tensors (kept only to verify them)."""
@@ -333,21 +344,27 @@ class DiskReader:
             finalizer.detach()
 
     def read(self, source: BlockSource, address: int) -> None:
-        """Read ``source``'s runs into host memory at ``address`` (``source.nbytes`` bytes of it)."""
+        """Read ``source``'s runs into host memory at ``address`` (``source.nbytes`` bytes of it). A file whose
+        identity (inode, size, modification time) changed since it was opened is read all the same; the block's
+        checksum decides whether its bytes are still the ones checked at enable (a file put back is accepted)."""
         if not self.fds:
             raise RuntimeError("the checkpoint files are closed (offload disabled)")
-        checked: set[int] = set()
+        changed = []
         for file, offset, pieces in source.runs:
             fd = self.fds[file]
-            if file not in checked:
-                checked.add(file)
+            if file not in changed:
                 status = os.fstat(fd)
                 if (status.st_ino, status.st_size, status.st_mtime_ns) != self._signatures[file]:
-                    raise CheckpointError(
-                        f"{self.files[file]} changed since the offload was enabled; its blocks are read from it at "
-                        "every load. Allowed: disable and enable the offload again"
-                    )
+                    changed.append(file)
             read_pieces(fd, offset, [(address + dest, length) for dest, length in pieces])
+        if source.checksum is not None and sample_checksum(source, address) != source.checksum:
+            files = ", ".join(sorted({str(self.files[f]) for f, _, _ in source.runs}))
+            raise CheckpointError(
+                f"block {source.label!r} of {source.component!r}: the bytes read from {files} are not the ones "
+                "checked when the offload was enabled (the file was changed after enabling; its blocks are read from "
+                "it at every load). Allowed: put the file's original bytes back (they are checked at every read), or "
+                "disable the offload (it refuses while a block cannot be read back) and load the model again"
+            )
         for dest, data in source.kept:
             ctypes.memmove(address + dest, data.data_ptr(), data.numel())
 
@@ -512,6 +529,36 @@ class FileViews:
         return released
 
 
+def _windows(length: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of the sampled windows of a tensor of ``length`` bytes."""
+    if length <= 2 * _SAMPLE_BYTES:
+        return [(0, length)] if length else []
+    windows = [(start, _SAMPLE_BYTES) for start in range(0, length - _SAMPLE_BYTES, _SAMPLE_EVERY)]
+    windows.append((length - _SAMPLE_BYTES, _SAMPLE_BYTES))
+    return windows
+
+
+def sample_checksum(source: BlockSource, address: int) -> int:
+    """CRC-32 of the sampled windows of every piece of ``source``, in layout order, as laid out at ``address``."""
+    crc = 0
+    for piece in sorted(source.pieces, key=lambda p: p.dest):
+        for start, size in _windows(piece.length):
+            crc = zlib.crc32((ctypes.c_char * size).from_address(address + piece.dest + start), crc)
+    return crc
+
+
+def _tensor_checksum(source: BlockSource) -> int:
+    """``sample_checksum`` of the model's own tensors (checked equal to the files' bytes just before)."""
+    crc = 0
+    for piece in sorted(source.pieces, key=lambda p: p.dest):
+        data = piece.tensor.detach().reshape(-1).view(torch.uint8)
+        if data.device.type != "cpu":
+            data = data.cpu()
+        for start, size in _windows(piece.length):
+            crc = zlib.crc32((ctypes.c_char * size).from_address(data.data_ptr() + start), crc)
+    return crc
+
+
 def verify_block(source: BlockSource, reader: DiskReader, views: FileViews | None = None) -> int:
     """Compare every tensor of ``source`` with its bytes in the files, in chunks; raises ``CheckpointError`` naming
     the block, the tensor, the file and the way out at the first difference. A tensor that ``views`` shows is an
@@ -539,6 +586,7 @@ def verify_block(source: BlockSource, reader: DiskReader, views: FileViews | Non
                     f"allowed: {WAY_OUT}"
                 )
             done += size
+    source.checksum = _tensor_checksum(source)
     source.drop_tensors()
     return compared
 

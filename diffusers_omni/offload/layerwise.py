@@ -21,6 +21,7 @@ freed), so the compute stream's later uses of that memory come after the copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -59,6 +60,7 @@ from .tensors import TensorSet, tensor_nbytes
 from .units import component_units, non_block_tensors, stack_weights, state_dict_hooks
 
 logger = logging.getLogger("diffusers_omni")
+_NO_LOCK = contextlib.nullcontext()
 
 __all__ = ["LayerwiseOffloadBackend", "LayerwiseState", "LayerwiseStats", "plan_residency", "stack_modules"]
 
@@ -393,6 +395,34 @@ class LayerwiseOffloadBackend(OffloadBackend):
         else:
             self._disable_locked(state)
 
+    def _prepare_disable(self) -> None:
+        """Every store gets what giving its tensors back needs (a file-backed block reads itself back) before the
+        disable changes anything; if one cannot, the disable is refused and the offload stays enabled, every call
+        working as before."""
+        state = self._state
+        if state is None:
+            return
+        with state.lock if state.lock is not None else _NO_LOCK:
+            # (AllGather's sharded blocks have no store: they are gathered back by its own disable)
+            stores = [store for row in state.streamed for block in row
+                      if (store := getattr(block, "store", None)) is not None]
+            unread: list[str] = []
+            for store in stores:
+                try:
+                    store.prepare_give_back()
+                except Exception as error:  # noqa: BLE001 - every block is tried, then the disable is refused
+                    unread.append(f"{store.weights.path!r} ({type(error).__name__}: {error})")
+            if unread:
+                for store in stores:
+                    store.cancel_give_back()
+                raise DiskReadError(
+                    f"layerwise offload stays enabled: {len(unread)} disk-backed blocks could not be read back from "
+                    f"their checkpoint files, and disabling would leave their tensors empty: {'; '.join(unread[:3])}"
+                    + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
+                    + ". Allowed: put the files' original bytes back (every read is checked against them) and "
+                    "disable again, or drop the pipeline and load the model again from its files"
+                )
+
     def _disable_locked(self, state: LayerwiseState) -> None:
         if state.transfers is not None:
             state.transfers.synchronize()
@@ -403,18 +433,14 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.hooks.remove_all()
         refresh_registry_caches([stack.owner for stack in state.stacks])
         clone = state.host_memory.needs_clone_on_release
-        unread: list[str] = []
         for row_weights, row in zip(state.weights, state.streamed):
             for weights, block in zip(row_weights, row):
                 if weights.empty:
                     continue
                 if block is None:  # resident: its packed host copy
                     weights.restore(clone=clone, to_original_device=False)
-                    continue
-                try:
-                    block.store.give_back()
-                except Exception as error:  # noqa: BLE001 - the rest is restored first, then this is raised
-                    unread.append(f"{weights.path!r} ({type(error).__name__}: {error})")
+                else:
+                    block.store.give_back()  # what could fail was done by _prepare_disable
         if state.phases is not None:
             state.phases.park_all()
         for unit in state.units:
@@ -424,13 +450,6 @@ class LayerwiseOffloadBackend(OffloadBackend):
         if state.disk_reader is not None:
             state.disk_reader.close()
         state.host_memory.release(self.device)
-        if unread:
-            raise DiskReadError(
-                f"layerwise offload disabled, but {len(unread)} disk-backed blocks could not be read back from their "
-                f"checkpoint files, so their tensors are empty: {'; '.join(unread[:3])}"
-                + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
-                + "; load the model again from its files"
-            )
         logger.info("layerwise offload disabled: block weights are ordinary host tensors again")
 
 

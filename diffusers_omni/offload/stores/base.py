@@ -91,7 +91,15 @@ class BlockStore(ABC):
 
     @abstractmethod
     def give_back(self) -> None:
-        """Disable: the block's tensors become ordinary host tensors holding their values (final)."""
+        """Disable: the block's tensors become ordinary host tensors holding their values (final). Must not fail
+        once ``prepare_give_back`` succeeded."""
+
+    def prepare_give_back(self) -> None:
+        """Before disable changes anything: get what ``give_back`` needs that may fail (a file-backed block reads
+        itself back). Raising refuses the disable. Nothing by default."""
+
+    def cancel_give_back(self) -> None:
+        """The disable was refused: drop what ``prepare_give_back`` got."""
 
     @property
     def host_nbytes(self) -> int:

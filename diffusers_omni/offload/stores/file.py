@@ -44,6 +44,7 @@ class FileStore(BlockStore):
     def __init__(self, weights: PackedWeights, context: StoreContext) -> None:
         super().__init__(weights, context)
         self.source: BlockSource = context.sources[id(weights)]
+        self._given: list[torch.Tensor] | None = None  # read back by prepare_give_back, bound by give_back
 
     @classmethod
     def claims(cls, weights: PackedWeights, context: StoreContext) -> bool:
@@ -74,8 +75,17 @@ class FileStore(BlockStore):
     def host_views(self) -> list[torch.Tensor]:
         return self.weights.views_into(self.context.reader.read_pageable(self.source))
 
+    def prepare_give_back(self) -> None:
+        # Read (and checked against the checksum taken at enable) before disable changes anything: a block that
+        # cannot be read back refuses the disable instead of being left empty.
+        self._given = self.host_views()
+
+    def cancel_give_back(self) -> None:
+        self._given = None
+
     def give_back(self) -> None:
-        self.weights.park(self.host_views(), final=True)
+        views, self._given = self._given, None
+        self.weights.park(views if views is not None else self.host_views(), final=True)
 
 
 def request_reads(ring: StagingRing, blocks: list[Any]) -> None:
