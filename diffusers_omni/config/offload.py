@@ -67,6 +67,19 @@ class ModelLevelOffloadConfig(OffloadConfig):
     strategy: ClassVar[str] = OffloadStrategy.MODEL_LEVEL
 
 
+AUTO = "auto"
+
+
+def _bytes_or_auto(value: Any, field_name: str) -> int | str:
+    """A byte size (``parse_bytes``) or ``"auto"`` (any case, surrounding spaces ignored)."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return parse_bytes(value, field_name)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f'{error}; or "auto" (read from the machine when enabling)') from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerwiseOffloadConfig(OffloadConfig):
     """Strategy ``"layerwise"``: the DiTs' blocks stream from host memory, the next ones copied while the current
@@ -76,7 +89,9 @@ class LayerwiseOffloadConfig(OffloadConfig):
         max_device_memory (`int | str`, *optional*): bytes of weights allowed on the device at once, every
             component counted: the DiTs' non-block weights and resident blocks, the streaming slots, and the largest
             weights one phase brings in (an encoder's non-block weights, or the VAE); activations are not counted.
-            E.g. ``"12GiB"``. DiT blocks that fit stay resident; ``None`` streams every block.
+            E.g. ``"12GiB"``. DiT blocks that fit stay resident; ``None`` streams every block. ``"auto"``: what this
+            process may use on the device when enabling (free memory, the per-process memory fraction) less a
+            headroom for activations (``offload.budget``; on ``device="cpu"``, host memory).
         prefetch_depth (`int`, defaults to `1`): blocks copied ahead of the running one; each costs one device slot
             the size of the largest streamed block.
         dits_only (`bool`, defaults to `False`): stream the DiTs' blocks only and keep the text/image encoders and
@@ -86,6 +101,8 @@ class LayerwiseOffloadConfig(OffloadConfig):
             Streamed blocks that do not fit (encoder blocks first, then DiT blocks spread through each stack) keep
             no host copy: each load reads them from the safetensors files their component was loaded from, through
             a small pinned staging ring (counted in the budget). ``None`` keeps a host copy of every block.
+            ``"auto"``: the RAM available when enabling (``MemAvailable``, the cgroup limit), plus what the model's
+            weights already take, less a margin.
 
     Example:
     ```py
@@ -97,22 +114,22 @@ class LayerwiseOffloadConfig(OffloadConfig):
 
     max_device_memory: int | str | None = offload_option(
         None, kind="bytes", help="weight bytes allowed on the device, every component counted, e.g. 12GiB (DiT "
-        "blocks that fit stay)")
+        "blocks that fit stay), or auto (what this process may use, less a headroom)")
     prefetch_depth: int = _prefetch_depth()
     dits_only: bool = offload_option(
         False, help="stream the DiTs only; text/image encoders and VAEs stay on the device")
     max_host_memory: int | str | None = offload_option(
         None, kind="bytes", help="bytes of pinned host copies allowed, e.g. 32GiB (streamed blocks that do not fit are "
-        "read from the checkpoint's safetensors files at each load)")
+        "read from the checkpoint's safetensors files at each load), or auto (the RAM available)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.max_device_memory is not None:
-            object.__setattr__(self, "max_device_memory", parse_bytes(self.max_device_memory, "max_device_memory"))
+            object.__setattr__(self, "max_device_memory", _bytes_or_auto(self.max_device_memory, "max_device_memory"))
         check_count(self.prefetch_depth, "prefetch_depth", 1)
         check_bool(self.dits_only, "dits_only")
         if self.max_host_memory is not None:
-            object.__setattr__(self, "max_host_memory", parse_bytes(self.max_host_memory, "max_host_memory"))
+            object.__setattr__(self, "max_host_memory", _bytes_or_auto(self.max_host_memory, "max_host_memory"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,8 +32,10 @@ import torch.nn as nn
 from ..config.offload import OffloadStrategy, format_bytes
 from ..utils.journal import Journal
 from ..utils.progress import byte_progress
+from . import budget as machine
 from . import vae_tiling
 from .base import EnableStep, OffloadBackend
+from .budget import AUTO, weights_in_ram
 from .disk import DiskReadError
 from .discovery import (
     DIT,
@@ -96,6 +98,7 @@ class LayerwiseState:
     file_views: Any = None  # disk.FileViews: the process's file mappings, read once while enabling
     # blocks computing on the CPU keep each tensor's alignment (``memory.RESIDUE_BYTES``): bitwise the model's results
     keep_residues: bool = False
+    device_budget: int | None = None  # max_device_memory as planned ("auto" resolved)
     phases: Phases | None = None  # moves the phase units (made with the hooks)
     stores: StoreContext | None = None  # what the blocks' stores share
 
@@ -116,8 +119,10 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
     @property
     def max_device_memory(self) -> int | None:
-        """The byte budget of DiT weights on the device (``config.max_device_memory``); ``None`` streams every
-        block that is not forced resident."""
+        """The byte budget of weights on the device (``config.max_device_memory``, with ``"auto"`` resolved when
+        enabling); ``None`` streams every block that is not forced resident."""
+        if self._state is not None and self._state.device_budget is not None:
+            return self._state.device_budget
         return self.config.max_device_memory
 
     @property
@@ -171,7 +176,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         forced = [w.path in forced_paths or w.empty for w in flat]
         dit_bytes = sum(tensor_nbytes(t) for t in non_block_tensors(state))
         unit_bytes = max((u.weights.nbytes for u in state.units), default=0)
-        budget = self.max_device_memory
+        budget = state.device_budget = self._resolve(state, self.config.max_device_memory)
         everything = dit_bytes + sum(w.nbytes for w in flat) + sum(u.weights.nbytes for u in state.units)
         units_resident = budget is not None and everything <= budget
         largest_unit = max(state.units, key=lambda u: u.weights.nbytes).label if state.units else ""
@@ -215,8 +220,26 @@ class LayerwiseOffloadBackend(OffloadBackend):
     def _plan_host(self, state: LayerwiseState, journal: Journal) -> None:
         """With ``max_host_memory``: which streamed blocks keep no host copy (read from their files, see
         ``stores.file.plan_disk_blocks``), checked against their files before anything changes."""
-        plan_disk_blocks(state, getattr(self.config, "max_host_memory", None), self._staging_count(),
-                         self.config.show_progress, journal)
+        budget = getattr(self.config, "max_host_memory", None)
+        if budget == AUTO:
+            views = file_views(state)
+            tensors = [slot.leaf.data() for row in state.weights for w in row for slot in w.slots]
+            tensors += [slot.leaf.data() for unit in state.units for slot in unit.weights.slots]
+            budget = self._resolve(state, AUTO, weights_in_ram(tensors, lambda t: views.locate(t) is not None))
+        plan_disk_blocks(state, budget, self._staging_count(), self.config.show_progress, journal)
+
+    def _resolve(self, state: LayerwiseState, value: int | str | None, in_ram: int | None = None) -> int | None:
+        """A budget as given, or ``"auto"`` read from the machine (``budget.read_machine``): the device budget, or
+        with ``in_ram`` (the weights' bytes already in RAM) the host budget. What was read and chosen goes to the
+        stats (``auto``) and the log."""
+        if value != AUTO:
+            return value
+        reading = machine.read_machine(self.device)
+        chosen = machine.device_budget(reading) if in_ram is None else machine.host_budget(reading, in_ram)
+        state.stats.auto.append(chosen.explain())
+        state.stats.auto_readings = reading.describe()
+        logger.info("layerwise offload: %s", chosen.explain())
+        return chosen.nbytes
 
     def _move_residents(self, state: LayerwiseState, journal: Journal) -> None:
         non_block = {id(t) for t in non_block_tensors(state)}

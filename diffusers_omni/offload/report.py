@@ -348,6 +348,14 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
         notes.append(f"shared: {stats.shared_blocks} blocks of the alternating DiTs share {stats.shared_buffers} "
                      f"buffers ({format_bytes(stats.shared_bytes)} of {_host_kind(mode)} host memory, not in the "
                      "columns above); a block is read from its checkpoint when its DiT runs after the other")
+    for chosen in getattr(stats, "auto", ()):
+        notes.append(f"auto: {chosen}")
+    if getattr(stats, "auto_readings", None):
+        notes.append("auto read: " + ", ".join(f"{k} {v}" for k, v in stats.auto_readings.items()))
+    store_bytes = getattr(stats, "store_bytes", None)
+    if store_bytes and set(store_bytes) != {"pinned"}:
+        notes.append("streamed blocks by store: " + ", ".join(
+            f"{name} {stats.store_blocks[name]} blocks ({format_bytes(nbytes)})" for name, nbytes in store_bytes.items()))
     for label in dict.fromkeys(getattr(stats, "tiled_vaes", ())):
         notes.append(f"{label}: ran out of device memory untiled; it decodes and encodes in tiles now "
                      "(vae.enable_tiling(); disable_omni_offload() puts its own setting back)")

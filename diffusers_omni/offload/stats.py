@@ -40,6 +40,9 @@ class LayerwiseStats:
     shared_blocks: int = 0
     shared_bytes: int = 0
     shared_hits: int = 0  # loads that found their block in its shared buffer (nothing read)
+    # "auto" budgets: what each chose and how (budget.AutoBudget.explain), and what the machine said
+    auto: list[str] = field(default_factory=list)
+    auto_readings: dict[str, str] = field(default_factory=dict)
     # per block store (``stores``, by name): how many streamed blocks it holds and their bytes
     store_blocks: dict[str, int] = field(default_factory=dict)
     store_bytes: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,199 @@
+"""``"auto"`` budgets: what this process may use on the device and in RAM, read from the machine.
+
+Everything the machine tells is read by one function, ``read_machine`` (tests replace it: a 12 GiB card, 32 GiB of
+RAM, a cgroup cap). ``device_budget`` and ``host_budget`` turn a reading into a byte budget and say how, so the
+report and ``explain`` can show what auto read and what it chose.
+
+Device (``max_device_memory="auto"``): the memory this process may still take on the device — the card's free
+memory plus what PyTorch's allocator holds cached but unused, capped by the per-process memory fraction less what
+it has allocated — minus the headroom the call needs for activations: ``HEADROOM_SHARE`` of it, at least
+``HEADROOM_MIN``. On the CPU (the testing mode) the "device" is host memory, read as for the host budget.
+
+Host (``max_host_memory="auto"``): RAM the kernel says is available (``MemAvailable``), capped by the cgroup's
+limit less its usage, plus the bytes of the model's weights that are already in this process's RAM as ordinary
+(not file-mapped) tensors — packing moves them into the host copies rather than adding to them — minus
+``HOST_MARGIN_SHARE`` of that, at least ``HOST_MARGIN_MIN``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config.offload import format_bytes
+
+AUTO = "auto"
+HEADROOM_SHARE = 0.2
+HEADROOM_MIN = 1 << 30
+HOST_MARGIN_SHARE = 0.1
+HOST_MARGIN_MIN = 1 << 30
+
+
+@dataclass(frozen=True)
+class MachineReading:
+    """What the machine said, each ``None`` where it could not be read."""
+
+    device: str
+    device_free: int | None = None  # bytes free on the card (cudaMemGetInfo)
+    device_total: int | None = None
+    device_fraction: float | None = None  # the per-process memory fraction set on the allocator (None: not set)
+    device_allocated: int = 0  # bytes this process's allocator has handed out
+    device_cached: int = 0  # bytes it holds reserved but not handed out (free for our use)
+    mem_available: int | None = None  # /proc/meminfo MemAvailable
+    cgroup_limit: int | None = None  # memory.max (cgroup v2) or memory.limit_in_bytes (v1); None: no limit
+    cgroup_usage: int | None = None
+
+    def describe(self) -> dict[str, str]:
+        """The readings, rendered for the report and ``explain``."""
+        shown = {"device": self.device}
+        for name in ("device_free", "device_total", "device_allocated", "device_cached", "mem_available",
+                     "cgroup_limit", "cgroup_usage"):
+            value = getattr(self, name)
+            if value is not None and not (name.startswith("device_") and self.device == "cpu"):
+                shown[name] = format_bytes(value)
+        if self.device_fraction is not None:
+            shown["device_fraction"] = f"{self.device_fraction:g}"
+        return shown
+
+
+@dataclass(frozen=True)
+class AutoBudget:
+    """A budget ``"auto"`` chose, with what it read and how it got there."""
+
+    field: str
+    nbytes: int
+    reading: MachineReading
+    steps: list[str] = field(default_factory=list)
+
+    def explain(self) -> str:
+        return f"{self.field}=auto: {format_bytes(self.nbytes)} ({'; '.join(self.steps)})"
+
+
+def _meminfo(path: str = "/proc/meminfo") -> int | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max" or not text.isdigit():
+        return None
+    value = int(text)
+    return None if value >= 1 << 60 else value  # cgroup v1 writes a huge number for "no limit"
+
+
+def _cgroup() -> tuple[int | None, int | None]:
+    """(limit, usage) of this process's memory cgroup (v2, else v1); ``(None, None)`` where none limits it."""
+    v2 = Path("/sys/fs/cgroup")
+    try:
+        relative = next((line.split(":", 2)[2].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
+                         if line.startswith("0::")), "/")
+    except OSError:
+        relative = "/"
+    own = v2 / relative.lstrip("/")
+    for folder in (own, v2):
+        limit = _read_int(folder / "memory.max")
+        if limit is not None:
+            return limit, _read_int(folder / "memory.current")
+    v1 = Path("/sys/fs/cgroup/memory")
+    limit = _read_int(v1 / "memory.limit_in_bytes")
+    return limit, (_read_int(v1 / "memory.usage_in_bytes") if limit is not None else None)
+
+
+def read_machine(device: torch.device) -> MachineReading:
+    """Read device memory (for an accelerator), available RAM and the cgroup limit. The one place the machine is
+    read: tests replace it."""
+    limit, usage = _cgroup()
+    host = {"mem_available": _meminfo(), "cgroup_limit": limit, "cgroup_usage": usage}
+    if device.type == "cpu":
+        return MachineReading("cpu", **host)
+    module = torch.get_device_module(device)
+    free, total = module.mem_get_info(device)
+    get_fraction = getattr(module, "get_per_process_memory_fraction", None)
+    fraction = get_fraction(device) if get_fraction is not None else None
+    allocated = module.memory_allocated(device)
+    cached = module.memory_reserved(device) - allocated
+    return MachineReading(str(device), free, total, None if fraction is None or fraction >= 1 else fraction,
+                          allocated, cached, **host)
+
+
+def _host_available(reading: MachineReading, steps: list[str]) -> int:
+    if reading.mem_available is None and reading.cgroup_limit is None:
+        raise ValueError("\"auto\" could not read how much RAM is available (no /proc/meminfo MemAvailable, no "
+                         "cgroup limit); allowed: a size such as \"32GiB\"")
+    candidates = []
+    if reading.mem_available is not None:
+        candidates.append(reading.mem_available)
+        steps.append(f"MemAvailable {format_bytes(reading.mem_available)}")
+    if reading.cgroup_limit is not None:
+        room = max(reading.cgroup_limit - (reading.cgroup_usage or 0), 0)
+        candidates.append(room)
+        steps.append(f"cgroup limit {format_bytes(reading.cgroup_limit)} less its usage "
+                     f"{format_bytes(reading.cgroup_usage or 0)} = {format_bytes(room)}")
+    return min(candidates)
+
+
+def device_budget(reading: MachineReading) -> AutoBudget:
+    """``max_device_memory="auto"``: the bytes of weights allowed on the device."""
+    steps: list[str] = []
+    if reading.device == "cpu":
+        usable = _host_available(reading, steps)
+        steps.append("the device is the CPU: host memory")
+    else:
+        if reading.device_free is None or reading.device_total is None:
+            raise ValueError(f"max_device_memory=\"auto\" could not read the memory of {reading.device}; allowed: a "
+                             "size such as \"12GiB\"")
+        usable = reading.device_free + reading.device_cached
+        steps.append(f"free {format_bytes(reading.device_free)} + cached by this process "
+                     f"{format_bytes(reading.device_cached)}")
+        if reading.device_fraction is not None:
+            cap = int(reading.device_total * reading.device_fraction) - reading.device_allocated
+            steps.append(f"per-process fraction {reading.device_fraction:g} of {format_bytes(reading.device_total)} "
+                         f"less {format_bytes(reading.device_allocated)} allocated = {format_bytes(cap)}")
+            usable = min(usable, cap)
+    headroom = max(int(usable * HEADROOM_SHARE), HEADROOM_MIN)
+    nbytes = max(usable - headroom, 0)
+    steps.append(f"less {format_bytes(headroom)} headroom for activations ({HEADROOM_SHARE:.0%}, at least "
+                 f"{format_bytes(HEADROOM_MIN)})")
+    return AutoBudget("max_device_memory", nbytes, reading, steps)
+
+
+def host_budget(reading: MachineReading, weights_in_ram: int) -> AutoBudget:
+    """``max_host_memory="auto"``: the bytes of host copies allowed; ``weights_in_ram`` is what the model's weights
+    already take in this process's RAM (packing reuses it)."""
+    steps: list[str] = []
+    available = _host_available(reading, steps) + weights_in_ram
+    steps.append(f"+ the weights already in RAM {format_bytes(weights_in_ram)}")
+    margin = max(int(available * HOST_MARGIN_SHARE), HOST_MARGIN_MIN)
+    nbytes = max(available - margin, 0)
+    steps.append(f"less a margin of {format_bytes(margin)} ({HOST_MARGIN_SHARE:.0%}, at least "
+                 f"{format_bytes(HOST_MARGIN_MIN)})")
+    return AutoBudget("max_host_memory", nbytes, reading, steps)
+
+
+def weights_in_ram(tensors: list[torch.Tensor], is_file_view) -> int:
+    """Bytes of ``tensors`` held in this process's RAM as ordinary host tensors (not views of a mapped file)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or is_file_view(tensor):
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+__all__ = ["AUTO", "AutoBudget", "MachineReading", "device_budget", "host_budget", "read_machine", "weights_in_ram"]

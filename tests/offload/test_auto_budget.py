@@ -1,0 +1,90 @@
+"""``"auto"`` budgets (#40, the CPU part): read through ``budget.read_machine`` (replaced here by a 12 GiB card,
+32 GiB of RAM, a cgroup cap), resolved when enabling, shown in the stats and the report; the same planner as an
+explicit size, bitwise the same output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusers_omni.config.offload import LayerwiseOffloadConfig
+from diffusers_omni.offload import budget
+from diffusers_omni.offload.budget import MachineReading, device_budget, host_budget
+from offload_helpers import flux_pipe, generate
+
+GiB = 1 << 30
+
+
+def test_config_takes_auto_in_any_case_and_names_auto_in_the_refusal():
+    config = LayerwiseOffloadConfig(device="cpu", max_device_memory=" AUTO", max_host_memory="auto")
+    assert config.max_device_memory == "auto" and config.max_host_memory == "auto"
+    with pytest.raises(ValueError, match=r"max_host_memory='plenty' is not a byte size; allowed: .*or \"auto\""):
+        LayerwiseOffloadConfig(device="cpu", max_host_memory="plenty")
+    with pytest.raises(TypeError, match=r"max_device_memory must be .*or \"auto\""):
+        LayerwiseOffloadConfig(device="cpu", max_device_memory=1.5)
+
+
+def test_device_budget_on_a_12_gib_card_under_a_process_fraction():
+    card = MachineReading("cuda:0", device_free=20 * GiB, device_total=24 * GiB, device_fraction=0.5,
+                          device_allocated=1 * GiB, device_cached=1 * GiB)
+    chosen = device_budget(card)
+    usable = 12 * GiB - 1 * GiB  # the fraction's 12 GiB less what is allocated (below free + cached = 21 GiB)
+    assert chosen.nbytes == usable - int(usable * budget.HEADROOM_SHARE)
+    assert "per-process fraction 0.5" in chosen.explain() and "headroom" in chosen.explain()
+    small = device_budget(MachineReading("cuda:0", device_free=2 * GiB, device_total=4 * GiB))
+    assert small.nbytes == 1 * GiB  # the headroom's floor (1 GiB) applies
+    with pytest.raises(ValueError, match='could not read the memory of cuda:0; allowed: a size such as "12GiB"'):
+        device_budget(MachineReading("cuda:0"))
+
+
+def test_host_budget_takes_the_smaller_of_memavailable_and_the_cgroup_room_plus_the_weights_in_ram():
+    reading = MachineReading("cpu", mem_available=32 * GiB, cgroup_limit=20 * GiB, cgroup_usage=8 * GiB)
+    chosen = host_budget(reading, weights_in_ram=2 * GiB)
+    available = 12 * GiB + 2 * GiB
+    assert chosen.nbytes == available - int(available * budget.HOST_MARGIN_SHARE)
+    assert "cgroup limit 20.00 GiB" in chosen.explain()
+    with pytest.raises(ValueError, match="could not read how much RAM is available"):
+        host_budget(MachineReading("cpu"), 0)
+
+
+def test_read_machine_reads_this_machine():
+    reading = budget.read_machine(torch.device("cpu"))
+    assert reading.device == "cpu" and reading.mem_available and reading.mem_available > 0
+
+
+def _tiny_reading(available: int):
+    return lambda device: MachineReading(str(device), mem_available=available)
+
+
+def test_auto_on_the_cpu_plans_like_the_size_it_resolves_to_and_the_report_says_so(monkeypatch):
+    pipe = flux_pipe()
+    reference = generate(pipe, steps=2)
+    everything = pipe.enable_layerwise_offload(device="cpu").stats.host_bytes
+    pipe.disable_omni_offload()
+    # RAM plenty: everything fits the device budget (the CPU is the device): nothing streams.
+    monkeypatch.setattr(budget, "read_machine", _tiny_reading(64 * GiB))
+    backend = pipe.enable_layerwise_offload(device="cpu", max_device_memory="auto")
+    assert backend.stats.streamed_blocks == 0 and backend.max_device_memory > everything
+    assert backend.stats.auto[0].startswith("max_device_memory=auto: ")
+    assert torch.equal(generate(pipe, steps=2), reference)
+    report = str(pipe.omni_offload_report())
+    assert "auto: max_device_memory=auto" in report and "auto read: device cpu, mem_available 64.00 GiB" in report
+    pipe.disable_omni_offload()
+
+
+def test_auto_that_resolves_to_too_little_refuses_before_anything_changes(monkeypatch):
+    pipe = flux_pipe()
+    monkeypatch.setattr(budget, "read_machine", _tiny_reading(1 * GiB))  # all of it is headroom
+    with pytest.raises(ValueError, match=r"max_device_memory=0 \(0 B\) is too small"):
+        pipe.enable_layerwise_offload(device="cpu", max_device_memory="auto")
+    assert pipe.omni_offload_backend is None
+
+
+def test_host_auto_keeps_every_host_copy_when_ram_allows(monkeypatch):
+    pipe = flux_pipe()
+    reference = generate(pipe, steps=2)
+    monkeypatch.setattr(budget, "read_machine", _tiny_reading(64 * GiB))
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory="auto")
+    assert backend.stats.disk_blocks == 0 and backend.stats.auto[0].startswith("max_host_memory=auto: ")
+    assert torch.equal(generate(pipe, steps=2), reference)
+    pipe.disable_omni_offload()
