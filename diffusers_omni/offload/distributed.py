@@ -310,6 +310,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
 
     def _new_state(self, target: Any) -> LayerwiseState:
         state = super()._new_state(target)
+        state.keep_residues = False  # every rank must lay blocks out alike (the layout digest, the shards)
         state.stats = DistributedStats(rank=self.rank, world_size=self.world_size, use_allgather=self.use_allgather)
         return state
 

@@ -176,7 +176,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         forced = [w.path in forced_paths or w.empty for w in flat]
         dit_bytes = sum(tensor_nbytes(t) for t in non_block_tensors(state))
         unit_bytes = max((u.weights.nbytes for u in state.units), default=0)
-        budget = state.device_budget = self._resolve(state, self.config.max_device_memory)
+        budget = state.device_budget = self._resolve(state, self.max_device_memory)
         everything = dit_bytes + sum(w.nbytes for w in flat) + sum(u.weights.nbytes for u in state.units)
         units_resident = budget is not None and everything <= budget
         largest_unit = max(state.units, key=lambda u: u.weights.nbytes).label if state.units else ""

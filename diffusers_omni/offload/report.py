@@ -184,8 +184,12 @@ def _layerwise_units(state: Any) -> list[_Unit]:
                                    _host_kind(mode), entry.slot is not None and entry.slot.owner is entry, STREAMED,
                                    True))
             elif entry is not None:  # streamed: a host copy (or its checkpoint), and a device copy while in flight
-                source = getattr(entry, "disk", None)
-                kind = "disk" if source is not None else _host_kind(mode)
+                store = entry.store
+                source = getattr(store, "source", None)  # a file-backed store's checkpoint pieces
+                if not store.in_host_memory:
+                    kind = "disk"
+                else:  # the pinned store's memory is the offload's; another store's is ordinary host memory
+                    kind = _host_kind(mode) if store.name == "pinned" else "pageable"
                 kept = source.kept_bytes if source is not None else 0
                 units.append(_Unit(weights.tensors.ids, nbytes, nbytes - kept, kind, entry.slot is not None, STREAMED,
                                    True, kept))

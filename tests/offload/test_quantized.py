@@ -10,7 +10,7 @@ import torch
 from diffusers_omni import OffloadConfig, apply_offload
 from diffusers_omni.models.base import tail_attrs_for
 from diffusers_omni.offload.hooks import hook_names
-from diffusers_omni.offload.memory import ALIGN_BYTES, PackedWeights
+from diffusers_omni.offload.memory import ALIGN_BYTES, RESIDUE_BYTES, PackedWeights
 from diffusers_omni.offload.tensors import TensorSet, UnsupportedTensorError, storage_nbytes, tensor_nbytes
 
 import quant_helpers as qh
@@ -41,7 +41,7 @@ def _logical_numel(weight) -> int:
 def _config(strategy: str, model) -> OffloadConfig:
     if strategy != "layerwise_budget":
         return OffloadConfig(strategy, device="cpu")
-    sizes = [PackedWeights(p, b).nbytes for p, b in _blocks(model)]
+    sizes = [PackedWeights(p, b, keep_residues=True).nbytes for p, b in _blocks(model)]
     # The output layers (norm_out, proj_out) stream with the last block.
     tail = [t for attr in tail_attrs_for(model) for t in list(getattr(model, attr).parameters())
             + list(getattr(model, attr).buffers())]
@@ -49,8 +49,11 @@ def _config(strategy: str, model) -> OffloadConfig:
     block_ids = {id(t) for _, b in _blocks(model) for t in list(b.parameters()) + list(b.buffers())}
     block_ids |= {id(t) for t in tail}
     fixed = sum(tensor_nbytes(t) for t in list(model.parameters()) + list(model.buffers()) if id(t) not in block_ids)
-    # Room for the two streaming slots and one more block: some blocks stay resident, the others stream.
-    return OffloadConfig("layerwise", device="cpu", max_device_memory=fixed + 3 * max(sizes) + 4096)
+    # Room for the two streaming slots and one more block: some blocks stay resident, the others stream. The slack
+    # covers the layout's padding: on the CPU each tensor keeps its address residue (up to RESIDUE_BYTES more each).
+    leaves = max(len(PackedWeights(p, b).slots) for p, b in _blocks(model)) + len(tail)
+    slack = 4096 + 3 * RESIDUE_BYTES * leaves
+    return OffloadConfig("layerwise", device="cpu", max_device_memory=fixed + 3 * max(sizes) + slack)
 
 
 @pytest.fixture(scope="module")
