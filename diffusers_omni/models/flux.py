@@ -16,8 +16,9 @@ SINGLE = AttentionRole("flux.single", SELF)
 IP_ADAPTER = AttentionRole("flux.ip_adapter", CROSS)
 
 
-# Diffusers' processors run as they are; their attention calls go to the module's roles in call order (the joint
-# call, then one call per IP-adapter). Re-instantiated with no arguments (Diffusers does ``type(processor)()`` in
+# Diffusers' processors run as they are; their attention calls go to the module's roles by call site: each
+# IP-adapter's image attention (Diffusers names its result ``current_ip_hidden_states``) to ``flux.ip_adapter``,
+# the joint (or single-stream) call to the module's own role. Re-instantiated with no arguments (Diffusers does ``type(processor)()`` in
 # ``load_ip_adapter`` and ``unload_ip_adapter``), a routed class is an unbound placeholder until the next forward.
 OmniFluxAttnProcessor = routed_processor_class(FluxAttnProcessor)
 OmniFluxIPAdapterAttnProcessor = routed_processor_class(FluxIPAdapterAttnProcessor)
@@ -45,7 +46,9 @@ def flux_attention_sites(
     return find_sites
 
 
-make_flux_processor = routed_processors(FluxAttnProcessor, FluxIPAdapterAttnProcessor)
+make_flux_processor = routed_processors(
+    FluxAttnProcessor, FluxIPAdapterAttnProcessor, calls={"current_ip_hidden_states": IP_ADAPTER}
+)
 
 
 FLUX = register_transformer(
