@@ -34,8 +34,8 @@ from .attention.selector import (
     Resolution,
     check_per_role_keys,
     clear_resolution_cache,
-    deterministic_requested,
-    resolve,
+    require_plan,
+    resolve_role,
 )
 from .attention.tuning import CallShape, build_table, measure, near_ties, save_table, use_tuned_table
 from .config.attention import AttentionConfig
@@ -80,25 +80,21 @@ def _declaration(model: nn.Module):
     return declaration
 
 
-def plan_attention(
-    model: nn.Module, config: Any = None, platform: Platform | None = None, *, check_roles: bool = True
-):
-    """Resolve every attention role of ``model`` without changing it.
+def plan_attention(model: nn.Module, plan: AttentionPlan, *, check_roles: bool = True):
+    """Resolve every attention role of ``model`` from ``plan`` without changing it.
 
-    ``config``: an ``AttentionPlan`` (``apply_attention_all`` builds one per call and passes it to every model), or
-    anything ``AttentionConfig.parse`` accepts (checked into a plan here, once).
+    ``plan``: the ``AttentionPlan`` the entry point built (``apply_attention_all``, ``enable_omni_attention``, the
+    CLI parse the user's config once into one and pass it down); anything else raises ``TypeError``.
 
     Returns ``(declaration, [(site, {role: Resolution})])``: per role the backend, its options, its shape routes and
     the selection trace. Raises when an explicit backend cannot run a role, and (with ``check_roles``) when a
     ``per_role`` key names no role or category of the model.
     """
+    require_plan(plan, "plan_attention")
     declaration = _declaration(model)
-    given = isinstance(config, AttentionPlan) and platform in (None, config.platform)
-    plan = config if given else AttentionPlan.build(config, platform)
-    platform = plan.platform
-    device_type = _call_device_type(model, platform)
+    device_type = _call_device_type(model, plan.platform)
     dtype = model_dtype(model)
-    deterministic, _ = deterministic_requested(plan)
+    deterministic = plan.deterministic
     sites = []
     for site in declaration.find_sites(model):
         site = dataclasses.replace(site, model_name=declaration.name)
@@ -113,23 +109,23 @@ def plan_attention(
                 mask_free_path=declaration.mask_free,
                 deterministic=deterministic,
             )
-            resolutions[role.role] = resolve(plan, role.role, role.category, call, platform)
+            resolutions[role.role] = resolve_role(plan, role.role, role.category, call)
         sites.append((site, resolutions))
     if check_roles:
         check_roles_of_plans(plan, [(model, declaration, sites)])
     return declaration, sites
 
 
-def check_roles_of_plans(config: Any, planned: list[tuple[nn.Module, Any, list]], seen_roles=()) -> None:
-    """Check the ``per_role`` keys of ``config`` against the roles and categories of the planned models together
-    (declared by their architectures, or met in their plans or in ``seen_roles``: ``(role, category)`` pairs a
+def check_roles_of_plans(plan: AttentionPlan, planned: list[tuple[nn.Module, Any, list]], seen_roles=()) -> None:
+    """Check the ``per_role`` keys of ``plan``'s config against the roles and categories of the planned models
+    together (declared by their architectures, or met in their plans or in ``seen_roles``: ``(role, category)`` pairs a
     pipeline plans beyond the installed processors, e.g. PAG's)."""
     declared, present = set(), set(seen_roles)
-    for _model, declaration, plan in planned:
+    for _model, declaration, sites in planned:
         declared.update((role.role, role.category) for role in declaration.roles)
-        present.update((r.role, r.category) for _site, resolutions in plan for r in resolutions.values())
+        present.update((r.role, r.category) for _site, resolutions in sites for r in resolutions.values())
     owner = " and ".join(dict.fromkeys(type(model).__name__ for model, _, _ in planned))
-    check_per_role_keys(config, declared, present, owner)
+    check_per_role_keys(plan, declared, present, owner)
 
 
 def _transaction(journal: Journal, steps):

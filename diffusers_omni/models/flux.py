@@ -46,9 +46,11 @@ def flux_attention_sites(
     return find_sites
 
 
-make_flux_processor = routed_processors(
-    FluxAttnProcessor, FluxIPAdapterAttnProcessor, calls={"current_ip_hidden_states": IP_ADAPTER}
-)
+def flux_processors(ip_adapter: AttentionRole):
+    """``make_processor`` for ``FluxAttention`` modules (FLUX.1, Chroma), the IP-adapters' calls to ``ip_adapter``."""
+    return routed_processors(
+        FluxAttnProcessor, FluxIPAdapterAttnProcessor, calls={"current_ip_hidden_states": ip_adapter}
+    )
 
 
 FLUX = register_transformer(
@@ -58,7 +60,7 @@ FLUX = register_transformer(
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
         tail_attrs=NORM_PROJ_OUT,
         find_sites=flux_attention_sites(JOINT, SINGLE, IP_ADAPTER),
-        make_processor=make_flux_processor,
+        make_processor=flux_processors(IP_ADAPTER),
         mask_free=True,
         display_name="FLUX.1",
         example_checkpoint="black-forest-labs/FLUX.1-dev",

@@ -226,3 +226,22 @@ def test_every_sd3_pipeline_has_its_omni_class():
         omni = omni_pipeline_class(stock)
         assert omni is getattr(sd3, f"OmniStableDiffusion3{name}Pipeline")
         assert omni._omni_family == "sd3" and omni._dit_modules == ("transformer",)
+
+
+def test_pag_pipeline_parses_the_attention_config_once_for_planning_and_install(monkeypatch):
+    from diffusers_omni.attention.plan import AttentionPlan
+
+    parses = []
+    build = AttentionPlan.build.__func__
+
+    def counting(cls, config=None, platform=None):
+        if not isinstance(config, AttentionPlan):
+            parses.append(config)
+        return build(cls, config, platform)
+
+    pipe = omnify(pag_pipeline(), "TORCH_SDPA")
+    monkeypatch.setattr(AttentionPlan, "build", classmethod(counting))
+    report = pipe.enable_omni_attention({"default": "TORCH_SDPA", "per_role": {"sd3.pag_identity": "TORCH_SDPA"}})
+    # One parse: PAG's roles are planned (twice: with and without guidance) and installed from the same plan.
+    assert parses == [{"default": "TORCH_SDPA", "per_role": {"sd3.pag_identity": "TORCH_SDPA"}}]
+    assert {e["role"] for e in report} == {"sd3.joint", "sd3.image_self"}
