@@ -5,8 +5,8 @@ where a model's attention sites and roles are): see docs/design/layers.md.
 
 Installing is all or nothing across every model of one call (the DiTs of a pipeline): every role is resolved and
 every backend, site binding and processor built before any processor changes; each module is snapshotted in one
-``utils.journal.Journal`` before its
-first change, and any failure restores all of them exactly (processors, hooks, attributes).
+``utils.journal.Journal`` before its first change, and any failure restores all of them exactly (processors, hooks,
+attributes), newest first.
 """
 
 from __future__ import annotations
