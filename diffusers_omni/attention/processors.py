@@ -22,7 +22,6 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.nn as nn
 
 from . import callsites
 from .backends.base import AttentionBackend
@@ -159,38 +158,6 @@ class OmniAttnProcessor:
     def __repr__(self) -> str:
         roles = ", ".join(f"{role}={ra.resolution.backend}" for role, ra in self.attend.items())
         return f"{type(self).__name__}({roles})"
-
-
-class OmniModuleAttnProcessor(OmniAttnProcessor, nn.Module):
-    """An ``OmniAttnProcessor`` that is an ``nn.Module`` holding the weights of the processor it replaced (the
-    IP-Adapter processors).
-
-    ``original`` and ``attend`` are plain attributes (the original must not become a submodule: its weights would
-    appear twice); the original's weight modules are registered under their own names by the subclass, so
-    ``state_dict`` keys, ``.to()`` and ``parameters()`` see the same tensors as with the stock processor. ``scale``
-    reads and writes the original's, so Diffusers' ``set_ip_adapter_scale`` keeps working.
-    """
-
-    def __init__(self, original: Any, attend: dict[str, RoleAttention]) -> None:
-        nn.Module.__init__(self)
-        object.__setattr__(self, "original", original)
-        object.__setattr__(self, "attend", attend)
-
-    def _split_ip_roles(self, suffix: str) -> None:
-        """Binds ``_attention`` to the role not named ``*<suffix>`` and ``_ip_attention`` to the one that is (each
-        ``None`` when absent: an unbound placeholder)."""
-        self._attention = next((ra for role, ra in self.attend.items() if not role.endswith(suffix)), None)
-        self._ip_attention = next((ra for role, ra in self.attend.items() if role.endswith(suffix)), None)
-
-    @property
-    def scale(self) -> Any:
-        return self.original.scale
-
-    @scale.setter
-    def scale(self, value: Any) -> None:
-        self.original.scale = value
-
-    __repr__ = OmniAttnProcessor.__repr__
 
 
 def is_omni_processor(processor: Any) -> bool:

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from ..attention.processors import OmniAttnProcessor, RoleAttention, RoutedProcessor, bind_routed
+from ..attention.processors import OmniAttnProcessor, RoleAttention, bind_routed
 
 SELF = "self"
 CROSS = "cross"
