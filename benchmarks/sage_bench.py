@@ -194,6 +194,7 @@ def _counting_sage_kernel(counts: dict, fake: bool):
 def simulated_control_rows() -> list[dict]:
     """CPU dry run only: the unmodified tiny transformers of ``diffusers_omni.testing`` (head_dim 16 and 12) must be
     refused under the same simulation, which shows the simulated sageattention 1.0.6 head_dim rule is in force."""
+    from diffusers_omni.attention.plan import AttentionPlan
     from diffusers_omni.installer import plan_attention
     from diffusers_omni.attention.platform import Platform
     from diffusers_omni.attention.selector import clear_resolution_cache
@@ -208,7 +209,7 @@ def simulated_control_rows() -> list[dict]:
         clear_resolution_cache()
         with _counting_sage_kernel({}, fake=True):
             try:
-                plan_attention(transformer, "SAGE_ATTN", Platform(*SIMULATED_PLATFORM))
+                plan_attention(transformer, AttentionPlan.build("SAGE_ATTN", Platform(*SIMULATED_PLATFORM)))
                 row["error"] = "unexpectedly accepted"
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc} (expected: the control)"

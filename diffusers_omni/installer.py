@@ -4,13 +4,13 @@ This sits above both the attention layer (which resolves a backend per role) and
 where a model's attention sites and roles are): see docs/design/layers.md.
 
 Installing is all or nothing across every model of one call (the DiTs of a pipeline): every role is resolved and
-every backend, site binding and processor built before any processor changes; each module is journaled before its
-first change, and any failure restores all of them exactly (processors, hooks, attributes).
+every backend, site binding and processor built before any processor changes; each module is snapshotted in one
+``utils.journal.Journal`` before its first change, and any failure restores all of them exactly (processors, hooks,
+attributes), newest first.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -34,12 +34,13 @@ from .attention.selector import (
     Resolution,
     check_per_role_keys,
     clear_resolution_cache,
-    deterministic_requested,
-    resolve,
+    require_plan,
+    resolve_role,
 )
 from .attention.tuning import CallShape, build_table, measure, near_ties, save_table, use_tuned_table
 from .config.attention import AttentionConfig
 from .models.base import declaration_for, supported_transformers
+from .utils.journal import Journal
 from .utils.modules import model_dtype
 
 logger = logging.getLogger("diffusers_omni.attention")
@@ -79,25 +80,21 @@ def _declaration(model: nn.Module):
     return declaration
 
 
-def plan_attention(
-    model: nn.Module, config: Any = None, platform: Platform | None = None, *, check_roles: bool = True
-):
-    """Resolve every attention role of ``model`` without changing it.
+def plan_attention(model: nn.Module, plan: AttentionPlan, *, check_roles: bool = True):
+    """Resolve every attention role of ``model`` from ``plan`` without changing it.
 
-    ``config``: an ``AttentionPlan`` (``apply_attention_all`` builds one per call and passes it to every model), or
-    anything ``AttentionConfig.parse`` accepts (checked into a plan here, once).
+    ``plan``: the ``AttentionPlan`` the entry point built (``apply_attention_all``, ``enable_omni_attention``, the
+    CLI parse the user's config once into one and pass it down); anything else raises ``TypeError``.
 
     Returns ``(declaration, [(site, {role: Resolution})])``: per role the backend, its options, its shape routes and
     the selection trace. Raises when an explicit backend cannot run a role, and (with ``check_roles``) when a
     ``per_role`` key names no role or category of the model.
     """
+    require_plan(plan, "plan_attention")
     declaration = _declaration(model)
-    given = isinstance(config, AttentionPlan) and platform in (None, config.platform)
-    plan = config if given else AttentionPlan.build(config, platform)
-    platform = plan.platform
-    device_type = _call_device_type(model, platform)
+    device_type = _call_device_type(model, plan.platform)
     dtype = model_dtype(model)
-    deterministic, _ = deterministic_requested(plan)
+    deterministic = plan.deterministic
     sites = []
     for site in declaration.find_sites(model):
         site = dataclasses.replace(site, model_name=declaration.name)
@@ -112,68 +109,26 @@ def plan_attention(
                 mask_free_path=declaration.mask_free,
                 deterministic=deterministic,
             )
-            resolutions[role.role] = resolve(plan, role.role, role.category, call, platform)
+            resolutions[role.role] = resolve_role(plan, role.role, role.category, call)
         sites.append((site, resolutions))
     if check_roles:
         check_roles_of_plans(plan, [(model, declaration, sites)])
     return declaration, sites
 
 
-def check_roles_of_plans(config: Any, planned: list[tuple[nn.Module, Any, list]], seen_roles=()) -> None:
-    """Check the ``per_role`` keys of ``config`` against the roles and categories of the planned models together
-    (declared by their architectures, or met in their plans or in ``seen_roles``: ``(role, category)`` pairs a
+def check_roles_of_plans(plan: AttentionPlan, planned: list[tuple[nn.Module, Any, list]], seen_roles=()) -> None:
+    """Check the ``per_role`` keys of ``plan``'s config against the roles and categories of the planned models
+    together (declared by their architectures, or met in their plans or in ``seen_roles``: ``(role, category)`` pairs a
     pipeline plans beyond the installed processors, e.g. PAG's)."""
     declared, present = set(), set(seen_roles)
-    for _model, declaration, plan in planned:
+    for _model, declaration, sites in planned:
         declared.update((role.role, role.category) for role in declaration.roles)
-        present.update((r.role, r.category) for _site, resolutions in plan for r in resolutions.values())
+        present.update((r.role, r.category) for _site, resolutions in sites for r in resolutions.values())
     owner = " and ".join(dict.fromkeys(type(model).__name__ for model, _, _ in planned))
-    check_per_role_keys(config, declared, present, owner)
+    check_per_role_keys(plan, declared, present, owner)
 
 
-class _Journal:
-    """Each module as it was before its first change by an install or removal; ``rollback`` restores them exactly.
-
-    A module's state is its ``__dict__``: attributes, ``_modules`` (where an ``nn.Module`` processor lives) and its
-    hook dicts. The dict is copied, and one level of the containers in it (dicts, sets, lists), so hooks registered
-    and attributes set or removed after the record are undone in place; containers keep their identity, which hook
-    handles rely on.
-    """
-
-    def __init__(self) -> None:
-        self._records: dict[int, tuple[nn.Module, dict, dict]] = {}
-
-    def record(self, module: nn.Module) -> None:
-        if id(module) in self._records:
-            return
-        attrs = dict(module.__dict__)
-        contents = {key: _copy(value) for key, value in attrs.items() if type(value) in _CONTAINERS}
-        self._records[id(module)] = (module, attrs, contents)
-
-    def rollback(self) -> None:
-        for module, attrs, contents in reversed(list(self._records.values())):
-            for key, saved in contents.items():
-                container = attrs[key]
-                container.clear()
-                if isinstance(container, list):
-                    container.extend(saved)
-                else:
-                    container.update(saved)
-            module.__dict__.clear()
-            module.__dict__.update(attrs)
-        self._records.clear()
-
-
-# Exact types only: subclasses such as Diffusers' FrozenDict (a model's config) refuse clear()/update() and are
-# replaced, never mutated, by anything an install does.
-_CONTAINERS = (dict, collections.OrderedDict, set, list)
-
-
-def _copy(container):
-    return list(container) if isinstance(container, list) else type(container).copy(container)
-
-
-def _transaction(journal: _Journal, steps):
+def _transaction(journal: Journal, steps):
     """Run ``steps()``; on any failure (KeyboardInterrupt included) restore every journaled module and re-raise."""
     try:
         return steps()
@@ -220,7 +175,7 @@ def apply_attention_all(models, config: Any = None, *, seen_roles=(), check_role
     planned = [(model, *plan_attention(model, plan, check_roles=False)) for model in unique]
     if check_roles:
         check_roles_of_plans(plan, planned, seen_roles)
-    journal = _Journal()
+    journal = Journal()
 
     def steps() -> dict[int, list[dict]]:
         # Stage every model (backends, bind_site, make_processor) before installing on any.
@@ -258,16 +213,16 @@ def _warn_lossy(entries: list[dict]) -> None:
         )
 
 
-def _stage(model: nn.Module, declaration, plan, journal: _Journal, platform: Platform) -> dict[str, tuple]:
+def _stage(model: nn.Module, declaration, plan, journal: Journal, platform: Platform) -> dict[str, tuple]:
     """Build the processors of ``model`` without installing them, for ``platform`` (the plan's: shape routes pick
     among its family's kernels). ``bind_site`` may attach state to the model (attributes, forward pre-hooks): the
     model and each site module are journaled before it runs."""
-    journal.record(model)
+    journal.snapshot(model)
     backends: dict[tuple, AttentionBackend] = {}
     mask_policy = MaskPolicy()
     processors = {}
     for site, resolutions in plan:
-        journal.record(site.module)
+        journal.snapshot(site.module)
         attend = {}
         for role, resolution in resolutions.items():
             backend = _instance(backends, resolution.backend, resolution.spec, resolution.call.deterministic)
@@ -293,18 +248,18 @@ def _stage(model: nn.Module, declaration, plan, journal: _Journal, platform: Pla
     return processors
 
 
-def _commit(model: nn.Module, config: AttentionConfig, processors: dict[str, tuple], journal: _Journal) -> list[dict]:
+def _commit(model: nn.Module, config: AttentionConfig, processors: dict[str, tuple], journal: Journal) -> list[dict]:
     previous = getattr(model, _STATE_ATTR, None)
     report, installed, originals = [], [], {}
     for name, (site, processor, original) in processors.items():
-        journal.record(site.module)
+        journal.snapshot(site.module)
         originals[name] = original
         site.module.set_processor(processor)
         installed.append((site.module, processor))
         for role in site.roles:
             attend = processor.attend[role.role]
             report.append(_report_entry(name, role, attend.resolution, attend.backend))
-    journal.record(model)
+    journal.snapshot(model)
     if previous is not None and previous.guard is not None:
         previous.guard.remove()
     state = _InstalledAttention(config, originals, report, installed)
@@ -407,15 +362,15 @@ def remove_attention(model: nn.Module) -> bool:
 
 def remove_attention_all(models) -> list[bool]:
     """``remove_attention`` for several models as one step: if removal fails on any, all stay as they were."""
-    journal = _Journal()
+    journal = Journal()
     return _transaction(journal, lambda: [_remove(model, journal) for model in models])
 
 
-def _remove(model: nn.Module, journal: _Journal) -> bool:
+def _remove(model: nn.Module, journal: Journal) -> bool:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         return False
-    journal.record(model)
+    journal.snapshot(model)
     if state.guard is not None:
         state.guard.remove()
     model.__dict__.pop("set_default_attn_processor", None)
@@ -424,7 +379,7 @@ def _remove(model: nn.Module, journal: _Journal) -> bool:
     for name, original in state.originals.items():
         module = modules.get(name)
         if module is not None and is_omni_processor(getattr(module, "processor", None)):
-            journal.record(module)
+            journal.snapshot(module)
             module.set_processor(original)
     delattr(model, _STATE_ATTR)
     return True

@@ -186,7 +186,7 @@ def test_testing_imports_only_diffusers_transformers_and_torch():
 def private_reach_ins() -> list[str]:
     """Private names (``_x``) taken from another module of the package, by import or as ``module._x``.
 
-    ``testing/`` shares its private builders among its own files, and a private module (``models/_classic.py``)
+    ``testing/`` shares its private builders among its own files, and a private module (``models/_x.py``)
     serves its package: both stay inside their folder.
     """
     modules = _package_modules()

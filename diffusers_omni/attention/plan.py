@@ -1,7 +1,9 @@
 """``AttentionPlan``: a user's attention config, checked once against the registered kernel families.
 
-The public entries (``apply_attention``, ``enable_omni_attention``, ``resolve``, ``explain``) accept anything
-``AttentionConfig.parse`` does; each parses it once and builds one plan, which everything below them receives:
+The public entries (``apply_attention``, ``enable_omni_attention``, ``resolve``, ``explain`` and the CLI) accept
+anything ``AttentionConfig.parse`` does; each parses it once and builds one plan, which everything below them
+receives, and takes only a plan (``selector.require_plan``: ``plan_attention``, ``check_roles_of_plans``,
+``check_per_role_keys``, ``resolve_role``, ``select_spec``):
 
 ```
 AttentionConfig.parse(x)       config/attention.py     typed value, checked for shape
@@ -10,7 +12,7 @@ AttentionConfig.parse(x)       config/attention.py     typed value, checked for 
 AttentionPlan.build(config)    attention/plan.py       names and aliases resolved, each family's option checks,
         │                                              the environment and deterministic mode read: frozen
         ▼
-resolve(plan, role, ...)       attention/selector.py   per role: backend, options, shape routes, trace
+resolve_role(plan, role, ...)  attention/selector.py   per role: backend, options, shape routes, trace
 ```
 
 A plan is immutable and holds no state of a model; the per-role ``Resolution`` values the selector derives from it
@@ -79,14 +81,13 @@ def environment_backend() -> tuple[AttentionSpec | None, str]:
     return AttentionSpec(backend=entry.omni), f"environment variable {ENV_DIFFUSERS_BACKEND}"
 
 
-def deterministic_requested(config: "AttentionConfig | AttentionPlan | None") -> tuple[bool, str]:
-    """Whether deterministic mode is on, and where that came from (``config`` / ``env ...`` / ``""``).
+def deterministic_requested(config: Any = None) -> tuple[bool, str]:
+    """Whether deterministic mode is on for ``config`` (anything ``AttentionConfig.parse`` accepts), and where that
+    came from (``config`` / ``env ...`` / ``""``).
 
     ``AttentionConfig.deterministic`` wins when set; otherwise ``DIFFUSERS_OMNI_DETERMINISTIC`` (1/true/yes/on or
-    0/false/no/off) decides. A plan answers with what it read when it was built.
+    0/false/no/off) decides. A plan holds what it read when it was built (``AttentionPlan.deterministic``).
     """
-    if isinstance(config, AttentionPlan):
-        return config.deterministic, config.deterministic_source
     return _deterministic(AttentionConfig.parse(config))
 
 
@@ -122,8 +123,8 @@ class AttentionPlan:
             ask for, read when the config has no ``default`` (roles without a ``per_role`` entry fall to it).
         generation (`int`): the registry generation the names were checked against.
 
-    Build one with ``AttentionPlan.build``; the selector resolves each role from it (``resolve(plan, role, category,
-    call)``: backend, options, shape routes and the selection trace).
+    Build one with ``AttentionPlan.build``; the selector resolves each role from it (``resolve_role(plan, role,
+    category, call)``: backend, options, shape routes and the selection trace).
     """
 
     config: AttentionConfig

@@ -1,11 +1,11 @@
 """Omni attention processors: how a module's attention calls reach the backend resolved for their role.
 
-Diffusers' processors of the DiT families call ``dispatch_attention_fn`` from their own modules. A *routed*
-processor (``routed_processor_class`` / ``bind_routed``) runs Diffusers' own processor code unchanged and sends
-those calls to the module's ``RoleAttention`` objects instead: nothing of Diffusers' processor bodies is copied,
-so a Diffusers release that changes a processor changes ours with it. Processors that call
-``F.scaled_dot_product_attention`` directly (the classic ``AttnProcessor2_0`` family) have no such seam; their
-omni versions are copies, kept in ``diffusers_omni.models._classic``.
+Diffusers' processors attend through ``dispatch_attention_fn`` (the DiT families) or
+``F.scaled_dot_product_attention`` (the classic ``attention_processor`` family: SDXL's UNet, SD3, PAG,
+IP-Adapters), both read as globals of their module. A *routed* processor (``routed_processor_class`` /
+``bind_routed``) runs Diffusers' own processor code unchanged, re-created over a namespace in which each of those
+calls (``callsites``) goes to the ``RoleAttention`` of the role declared for it: nothing of Diffusers' processor
+bodies is copied, so a Diffusers release that changes a processor changes ours with it.
 
 A processor keeps the one it replaced (restored by ``remove_attention``) and holds one ``RoleAttention`` per role
 of its module, each bound to the backend resolved for that role.
@@ -22,15 +22,14 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.nn as nn
 
+from . import callsites
 from .backends.base import AttentionBackend
 from .selector import Resolution
 
 logger = logging.getLogger("diffusers_omni.attention")
 
-# The name Diffusers' model modules call their attention through (diffusers.models.attention_dispatch).
-DISPATCH_NAME = "dispatch_attention_fn"
+DISPATCH_NAME = callsites.DISPATCH_NAME
 
 
 class MaskPolicy:
@@ -161,38 +160,6 @@ class OmniAttnProcessor:
         return f"{type(self).__name__}({roles})"
 
 
-class OmniModuleAttnProcessor(OmniAttnProcessor, nn.Module):
-    """An ``OmniAttnProcessor`` that is an ``nn.Module`` holding the weights of the processor it replaced (the
-    IP-Adapter processors).
-
-    ``original`` and ``attend`` are plain attributes (the original must not become a submodule: its weights would
-    appear twice); the original's weight modules are registered under their own names by the subclass, so
-    ``state_dict`` keys, ``.to()`` and ``parameters()`` see the same tensors as with the stock processor. ``scale``
-    reads and writes the original's, so Diffusers' ``set_ip_adapter_scale`` keeps working.
-    """
-
-    def __init__(self, original: Any, attend: dict[str, RoleAttention]) -> None:
-        nn.Module.__init__(self)
-        object.__setattr__(self, "original", original)
-        object.__setattr__(self, "attend", attend)
-
-    def _split_ip_roles(self, suffix: str) -> None:
-        """Binds ``_attention`` to the role not named ``*<suffix>`` and ``_ip_attention`` to the one that is (each
-        ``None`` when absent: an unbound placeholder)."""
-        self._attention = next((ra for role, ra in self.attend.items() if not role.endswith(suffix)), None)
-        self._ip_attention = next((ra for role, ra in self.attend.items() if role.endswith(suffix)), None)
-
-    @property
-    def scale(self) -> Any:
-        return self.original.scale
-
-    @scale.setter
-    def scale(self, value: Any) -> None:
-        self.original.scale = value
-
-    __repr__ = OmniAttnProcessor.__repr__
-
-
 def is_omni_processor(processor: Any) -> bool:
     return isinstance(processor, OmniAttnProcessor)
 
@@ -208,9 +175,9 @@ def unbound_error(processor: Any) -> RuntimeError:
     )
 
 
-def _rebind(function: types.FunctionType, namespace: dict) -> types.FunctionType:
+def _rebind(function: types.FunctionType, namespace: dict, code: types.CodeType | None = None) -> types.FunctionType:
     rebound = types.FunctionType(
-        function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__
+        code or function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__
     )
     rebound.__kwdefaults__ = function.__kwdefaults__
     rebound.__qualname__ = function.__qualname__
@@ -219,15 +186,39 @@ def _rebind(function: types.FunctionType, namespace: dict) -> types.FunctionType
     return rebound
 
 
-def _calls_dispatch(function: types.FunctionType, names: set[str]) -> bool:
-    """Whether ``function`` (or a function nested in it) reads one of ``names`` as a global."""
-    stack = [function.__code__]
+def _reads(code: types.CodeType, names: set[str]) -> bool:
+    """Whether ``code`` (or code nested in it) reads one of ``names`` as a global."""
+    stack = [code]
     while stack:
         code = stack.pop()
         if names & set(code.co_names):
             return True
         stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
     return False
+
+
+_HELPERS: dict[str, dict[str, types.FunctionType]] = {}
+
+
+def _attention_helpers(module: types.ModuleType) -> dict[str, types.FunctionType]:
+    """The module-level functions of ``module`` that attend: those holding an attention call and, transitively,
+    those calling one of them (FLUX.2's KV-cache attention). Computed once per module."""
+    helpers = _HELPERS.get(module.__name__)
+    if helpers is None:
+        functions = {
+            name: value for name, value in vars(module).items()
+            if isinstance(value, types.FunctionType) and value.__module__ == module.__name__
+        }
+        helpers = {name: f for name, f in functions.items() if callsites.has_calls(f)}
+        changed = True
+        while changed:
+            changed = False
+            for name, function in functions.items():
+                if name not in helpers and _reads(function.__code__, set(helpers)):
+                    helpers[name] = function
+                    changed = True
+        _HELPERS[module.__name__] = helpers
+    return helpers
 
 
 _ROUTE_COUNT = 0
@@ -251,39 +242,70 @@ def _shared_mask(policy: MaskPolicy, source: torch.Tensor, mask: torch.Tensor) -
     return policy.derived(source, ("routed", tuple(mask.shape), mask.dtype, mask.device), lambda: mask)
 
 
+def _sliced(
+    attention: RoleAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    slice_size: int,
+) -> torch.Tensor:
+    """Attention over ``[B, H, S, D]`` tensors in slices of ``slice_size`` of the ``B × H`` rows (how Diffusers'
+    ``SlicedAttnProcessor`` slices), one backend call per slice with one head; returns ``[B, H, S, D]``."""
+    batch_size, heads, query_len, head_dim = query.shape
+    rows = batch_size * heads
+    query = query.reshape(rows, query_len, 1, head_dim)
+    key = key.reshape(rows, key.shape[2], 1, head_dim)
+    value = value.reshape(rows, value.shape[2], 1, head_dim)
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(batch_size, heads, -1, -1).reshape(rows, 1, *attn_mask.shape[2:])
+    out = torch.empty((rows, query_len, 1, head_dim), device=query.device, dtype=query.dtype)
+    for start in range(0, rows, slice_size):
+        end = start + slice_size
+        mask = None if attn_mask is None else attn_mask[start:end]
+        out[start:end] = attention(query[start:end], key[start:end], value[start:end], attn_mask=mask)
+    return out.view(batch_size, heads, query_len, head_dim)
+
+
 class _Route:
     """What a bound routed processor runs: the stock ``__call__`` re-created over a copy of its module's namespace
-    in which ``dispatch_attention_fn`` is this route's ``dispatch``, and the roles its calls go to, in call order
-    (call ``i`` of one processor call goes to ``roles[min(i, len(roles) - 1)]``).
+    in which each attention call written in it (``callsites``) reads a global of its own, bound to the role
+    declared for that call.
+
+    ``calls`` maps a call's result name (``callsites.CallSite.result``) to the role it goes to; every other call
+    goes to the module's one role that ``calls`` does not name (an error when there is none or several). A call
+    whose role the module does not have raises when it runs, naming the call and the role.
 
     ``mask_source`` names the stock ``__call__``'s argument holding the key-padding mask that every module of a
     forward receives as the same tensor and derives its attention mask from: the masks of the calls are then
     shared across modules (``_shared_mask``). The declaration that names it vouches that the derived mask depends
-    only on that tensor and the mask's shape."""
+    only on that tensor and the mask's shape. ``slice_size`` runs each ``F.scaled_dot_product_attention`` call in
+    slices of that many ``batch × heads`` rows (Diffusers' attention slicing). ``refuse`` names arguments the stock
+    ``__call__`` accepts but ignores: a value for one raises rather than being dropped."""
 
-    __slots__ = ("original", "attend", "roles", "call", "calls", "real_dispatch", "module_name", "_cp_warned",
-                 "mask_source", "mask_index", "source")
+    __slots__ = ("original", "attend", "call", "real_dispatch", "module_name", "_cp_warned", "mask_source",
+                 "mask_index", "source", "slice_size", "refuse", "sites", "where")
 
     def __init__(self, original: Any, attend: dict[str, RoleAttention], stock_call: types.FunctionType,
-                 mask_source: str | None = None) -> None:
+                 mask_source: str | None = None, calls: dict[str, str] | None = None, slice_size: int | None = None,
+                 refuse: tuple[str, ...] = (), where: str = "") -> None:
         self.original = original
         self.attend = attend
-        self.roles = tuple(attend.values())
-        self.calls = 0
         self._cp_warned = False
         self.mask_source = mask_source
         self.mask_index = -1
         self.source = None
+        self.slice_size = slice_size
+        self.where = where or type(original).__name__
+        parameters = list(inspect.signature(stock_call).parameters)
+        for name in (mask_source, *refuse):
+            if name is not None and name not in parameters[2:]:
+                raise TypeError(f"{name!r} is not an argument of {stock_call.__qualname__}; allowed: {parameters[2:]}")
         if mask_source is not None:
-            parameters = list(inspect.signature(stock_call).parameters)
-            if mask_source not in parameters[2:]:
-                raise TypeError(
-                    f"mask_source={mask_source!r} is not an argument of {stock_call.__qualname__}; allowed: "
-                    f"{parameters[2:]}"
-                )
             self.mask_index = parameters.index(mask_source) - 2  # its position after (self, attn)
+        self.refuse = tuple((name, parameters.index(name) - 2) for name in refuse)
         module = sys.modules[stock_call.__module__]
-        self.real_dispatch = getattr(module, DISPATCH_NAME)
+        self.real_dispatch = getattr(module, callsites.DISPATCH_NAME, None)
         # The namespace is a module of its own in sys.modules (torch.compile finds a function's globals through
         # their module's name); ``bind_routed`` removes it when the processor is garbage-collected.
         global _ROUTE_COUNT
@@ -292,57 +314,102 @@ class _Route:
         route_module = types.ModuleType(self.module_name)
         namespace = route_module.__dict__
         namespace.update({k: v for k, v in module.__dict__.items() if k not in ("__name__", "__spec__", "__loader__")})
-        namespace[DISPATCH_NAME] = self.dispatch
         sys.modules[self.module_name] = route_module
-        # Module-level helpers the processor calls that call attention themselves (FLUX.2's KV-cache attention)
-        # are re-created over the same namespace, transitively.
-        rebound = {DISPATCH_NAME}
-        changed = True
-        while changed:
-            changed = False
-            for name, value in module.__dict__.items():
-                if (name not in rebound and isinstance(value, types.FunctionType)
-                        and value.__module__ == module.__name__ and _calls_dispatch(value, rebound)):
-                    namespace[name] = _rebind(value, namespace)
-                    rebound.add(name)
-                    changed = True
-        self.call = _rebind(stock_call, namespace)
+        # Module-level helpers the processor calls that attend themselves (FLUX.2's KV-cache attention) are
+        # re-created over the same namespace, their calls routed too.
+        sites: list[callsites.CallSite] = []
+        for name, helper in _attention_helpers(module).items():
+            patched = callsites.patched(helper)
+            sites.extend(patched.sites)
+            namespace[name] = _rebind(helper, namespace, patched.code)
+        patched = callsites.patched(stock_call)
+        sites.extend(patched.sites)
+        self.call = _rebind(stock_call, namespace, patched.code)
+        self.sites = tuple(sites)
+        calls = calls or {}
+        unnamed = [role for role in attend if role not in calls.values()]
+        for site in self.sites:
+            role = calls.get(site.result, unnamed[0] if len(unnamed) == 1 else None)
+            attention = attend.get(role) if role is not None else None
+            if attention is None:
+                function = self._missing(site, role)
+            elif site.kind == callsites.DISPATCH:
+                function = self._dispatch(attention)
+            else:
+                function = types.SimpleNamespace(**{callsites.SDPA_NAME: self._sdpa(attention)})
+            namespace[site.name] = function
 
-    def dispatch(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                 enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
-        roles = self.roles
-        if len(roles) == 1:
-            attention = roles[0]
+    def _missing(self, site: callsites.CallSite, role: str | None):
+        if role is None:
+            problem = f"has no declared role (the module's roles: {sorted(self.attend)})"
         else:
-            # Sites with several roles count their calls (reset by each processor call). Two threads running the
-            # same module at once would share the count: such a model is not thread-safe in Diffusers either.
-            index = self.calls
-            self.calls = index + 1
-            attention = roles[min(index, len(roles) - 1)]
-        if parallel_config is not None:
-            # Context parallelism lives inside Diffusers' dispatch (ring / Ulysses exchanges around its kernels);
-            # an omni backend has no such path, so these calls keep Diffusers' own, said once per processor.
-            if not self._cp_warned:
-                self._cp_warned = True
-                logger.warning(
-                    "context parallelism is enabled: attention role %r runs through Diffusers' dispatch (backend "
-                    "%s), not omni backend %s, which has no context-parallel path",
-                    attention.role, backend or "Diffusers' active backend", attention.resolution.backend,
+            problem = f"goes to role {role!r}, which this module does not have (its roles: {sorted(self.attend)})"
+        message = (f"{self.where}: the attention call {site.result!r} of {site.function} (line {site.line}) "
+                   f"{problem}")
+
+        def missing(*args, **kwargs):
+            if not self.attend:
+                raise unbound_error(self.original)
+            raise RuntimeError(message)
+
+        if site.kind == callsites.DISPATCH:
+            return missing
+        return types.SimpleNamespace(**{callsites.SDPA_NAME: missing})
+
+    def _dispatch(self, attention: RoleAttention):
+        route = self
+
+        def dispatch(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False, attention_kwargs=None, *, backend=None, parallel_config=None):
+            if parallel_config is not None:
+                # Context parallelism lives inside Diffusers' dispatch (ring / Ulysses exchanges around its
+                # kernels); an omni backend has no such path, so these calls keep Diffusers' own, said once.
+                if not route._cp_warned:
+                    route._cp_warned = True
+                    logger.warning(
+                        "context parallelism is enabled: attention role %r runs through Diffusers' dispatch "
+                        "(backend %s), not omni backend %s, which has no context-parallel path",
+                        attention.role, backend or "Diffusers' active backend", attention.resolution.backend,
+                    )
+                return route.real_dispatch(
+                    query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
+                    parallel_config=parallel_config,
                 )
-            return self.real_dispatch(
-                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
-                parallel_config=parallel_config,
-            )
-        if attn_mask is not None and self.source is not None:
-            attn_mask = _shared_mask(attention.mask_policy, self.source, attn_mask)
-        if attention_kwargs:
-            raise ValueError(
-                f"attention role {attention.role!r}: Diffusers' processor passed attention_kwargs="
-                f"{sorted(attention_kwargs)}, which omni backends do not take; use TORCH_SDPA through Diffusers' "
-                "own dispatch (disable_omni_attention()) for this model"
-            )
-        return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            if attn_mask is not None and route.source is not None:
+                attn_mask = _shared_mask(attention.mask_policy, route.source, attn_mask)
+            if attention_kwargs:
+                raise ValueError(
+                    f"attention role {attention.role!r}: Diffusers' processor passed attention_kwargs="
+                    f"{sorted(attention_kwargs)}, which omni backends do not take; use TORCH_SDPA through "
+                    "Diffusers' own dispatch (disable_omni_attention()) for this model"
+                )
+            return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+        return dispatch
+
+    def _sdpa(self, attention: RoleAttention):
+        slice_size = self.slice_size
+
+        def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                         scale=None, enable_gqa=False):
+            # [B, H, S, D] in and out; the backend gets the [B, S, H, D] views of the very tensors SDPA would get.
+            if slice_size:
+                return _sliced(attention, query, key, value, attn_mask, slice_size)
+            out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
+                            dropout_p, is_causal, scale, enable_gqa)
+            return out.transpose(1, 2)
+
+        return scaled_dot_product_attention
+
+    def check(self, args: tuple, kwargs: dict) -> None:
+        for name, index in self.refuse:
+            given = kwargs.get(name, args[index] if index < len(args) else None)
+            if given is not None:
+                raise ValueError(
+                    f"{self.where}: Diffusers' {type(self.original).__name__} ignores {name} without a word; omni "
+                    f"attention does not drop it silently. Remove {name} (e.g. from the pipeline's attention kwargs)."
+                )
 
 
 class RoutedProcessor(OmniAttnProcessor):
@@ -385,7 +452,8 @@ class RoutedProcessor(OmniAttnProcessor):
         route = self._omni_route
         if route is None:
             raise unbound_error(self)
-        route.calls = 0
+        if route.refuse:
+            route.check(args, kwargs)
         if route.mask_source is None:
             return route.call(self, attn, *args, **kwargs)
         index = route.mask_index
@@ -433,32 +501,42 @@ def routed_classes() -> dict[type, type]:
 
 
 def is_routable(processor_class: type) -> bool:
-    """Whether Diffusers processor class ``processor_class`` calls attention through ``dispatch_attention_fn``
-    (directly or through a helper of its module): the seam routing needs."""
+    """Whether Diffusers processor class ``processor_class`` attends through ``dispatch_attention_fn`` or
+    ``F.scaled_dot_product_attention`` (directly or through a helper of its module): the seam routing needs."""
     call = getattr(processor_class, "__call__", None)
     if not isinstance(call, types.FunctionType):
         return False
     module = sys.modules.get(call.__module__)
-    if module is None or not hasattr(module, DISPATCH_NAME):
+    if module is None:
         return False
-    names = {DISPATCH_NAME} | {
-        name for name, value in vars(module).items()
-        if isinstance(value, types.FunctionType) and value.__module__ == module.__name__
-        and _calls_dispatch(value, {DISPATCH_NAME})
-    }
-    return _calls_dispatch(call, names)
+    return callsites.has_calls(call) or _reads(call.__code__, set(_attention_helpers(module)))
 
 
-def bind_routed(processor: Any, attend: dict[str, RoleAttention], mask_source: str | None = None) -> RoutedProcessor:
+def bind_routed(
+    processor: Any,
+    attend: dict[str, RoleAttention],
+    mask_source: str | None = None,
+    *,
+    calls: dict[str, str] | None = None,
+    runs: type | None = None,
+    slice_size: int | None = None,
+    refuse: tuple[str, ...] = (),
+    where: str = "",
+) -> RoutedProcessor:
     """A routed processor standing for ``processor`` (a stock Diffusers processor, or a routed one, bound or not),
-    with attention calls going to ``attend``'s roles in call order. ``processor`` itself is not changed.
-    ``mask_source``: the processor's key-padding-mask argument its attention masks derive from (see ``_Route``)."""
+    each of its attention calls going to the role of ``attend`` declared for it (see ``_Route``: ``calls`` maps
+    calls, by the name Diffusers gives their result, to role names). ``processor`` itself is not changed.
+
+    ``runs``: the Diffusers class whose ``__call__`` runs, when it is not the processor's own (Diffusers'
+    ``AttnProcessor`` and ``SlicedAttnProcessor`` attend with an explicit softmax, which has no call to route:
+    ``AttnProcessor2_0`` runs for them, sliced by ``slice_size`` for the latter). ``mask_source``, ``refuse``: see
+    ``_Route``; ``where`` names the module in errors."""
     original = processor.original if isinstance(processor, RoutedProcessor) else processor
-    stock = type(original)
+    stock = runs or type(original)
     cls = routed_processor_class(stock)
     routed = cls.__new__(cls)
     object.__setattr__(routed, "__dict__", original.__dict__)
-    route = _Route(original, attend, stock.__call__, mask_source)
+    route = _Route(original, attend, stock.__call__, mask_source, calls, slice_size, refuse, where)
     object.__setattr__(routed, "_omni_route", route)
     weakref.finalize(routed, sys.modules.pop, route.module_name, None)
     return routed

@@ -8,8 +8,9 @@ default walks its routing table and takes the first candidate that can. Each res
 ``diffusers-omni explain`` prints.
 
 Roles resolve from an ``AttentionPlan`` (``attention/plan.py``): the config parsed and checked once per enable call,
-with the environment and deterministic mode read then. ``resolve`` accepts a plan, or anything
-``AttentionConfig.parse`` accepts and builds the plan itself.
+with the environment and deterministic mode read then. ``resolve`` is a public entry: it accepts anything
+``AttentionConfig.parse`` accepts (or a plan) and builds the plan itself; everything else here (``resolve_role``,
+``select_spec``, ``check_per_role_keys``) takes a plan only (``require_plan``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from ..config.attention import AttentionConfig, AttentionSpec
 from .backends.base import AttentionCall
@@ -48,7 +50,7 @@ logger = logging.getLogger("diffusers_omni.attention")
 __all__ = [
     "ENV_BACKEND", "ENV_DETERMINISTIC", "ENV_DIFFUSERS_BACKEND", "AttentionPlan", "BackendNotSupportedError",
     "Candidate", "Resolution", "check_per_role_keys", "clear_resolution_cache", "deterministic_requested",
-    "environment_backend", "resolve", "select_spec",
+    "environment_backend", "require_plan", "resolve", "resolve_role", "select_spec",
 ]
 
 
@@ -123,26 +125,30 @@ class Resolution:
         }
 
 
-def select_spec(config: "AttentionConfig | AttentionPlan | None", role: str, category: str
-                ) -> tuple[AttentionSpec | None, str]:
+def require_plan(plan: Any, where: str) -> AttentionPlan:
+    """``plan`` when it is an ``AttentionPlan``; else a ``TypeError`` naming ``where``: below the entry points
+    (``apply_attention``, ``enable_omni_attention``, ``resolve``, the CLI), which parse a config once, everything
+    takes the plan."""
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(
+            f"{where} takes an AttentionPlan, got {type(plan).__name__}; build one once at the entry point with "
+            "AttentionPlan.build(config)"
+        )
+    return plan
+
+
+def select_spec(plan: AttentionPlan, role: str, category: str) -> tuple[AttentionSpec | None, str]:
     """The configured spec for a role and a label for where it came from (``None`` → platform default)."""
-    return _plan(config).spec_for(role, category)
-
-
-def _plan(config, platform: Platform | None = None) -> AttentionPlan:
-    """``config`` as a plan: a plan as is, anything else parsed and checked once (``AttentionPlan.build``)."""
-    if isinstance(config, AttentionPlan) and (platform is None or platform == config.platform):
-        return config
-    return AttentionPlan.build(config, platform)
+    return require_plan(plan, "select_spec").spec_for(role, category)
 
 
 def check_per_role_keys(
-    config: "AttentionConfig | AttentionPlan | None",
+    plan: AttentionPlan,
     declared: Iterable[tuple[str, str]],
     present: Iterable[tuple[str, str]],
     owner: str,
 ) -> None:
-    """Match the ``per_role`` keys of ``config`` against a model's roles, as ``select_spec`` will.
+    """Match the ``per_role`` keys of ``plan``'s config against a model's roles, as ``select_spec`` will.
 
     Args:
         declared: ``(role, category)`` pairs the model's architecture declares.
@@ -154,7 +160,7 @@ def check_per_role_keys(
     naming only roles the architecture declares but the model does not use now (FLUX's ``"cross"`` is its IP-Adapter
     role, present once an IP-Adapter is loaded) is accepted with a warning, once per key and owner.
     """
-    config = config.config if isinstance(config, AttentionPlan) else AttentionConfig.parse(config)
+    config = require_plan(plan, "check_per_role_keys").config
     if not config.per_role:
         return
     present = set(present)
@@ -256,12 +262,18 @@ def resolve(
     call: AttentionCall,
     platform: Platform | None = None,
 ) -> Resolution:
-    """Resolve the backend for one attention role. ``config``: an ``AttentionPlan`` (as the installer passes it), or
-    anything ``AttentionConfig.parse`` accepts (then checked into a plan here). Logs each (role, backend, source) once
-    at INFO."""
+    """Resolve the backend for one attention role: the public entry. ``config``: anything ``AttentionConfig.parse``
+    accepts, or an ``AttentionPlan``; it is checked into a plan once here (on ``platform`` when given) and the role
+    resolved from it (``resolve_role``)."""
+    return resolve_role(AttentionPlan.build(config, platform), role, category, call)
+
+
+def resolve_role(plan: AttentionPlan, role: str, category: str, call: AttentionCall) -> Resolution:
+    """Resolve the backend for one attention role from a plan (on the plan's platform). Logs each (role, backend,
+    source) once at INFO."""
+    require_plan(plan, "resolve_role")
     if _cached_generation != registry_generation():  # a backend was registered or reset since
         clear_resolution_cache()
-    plan = _plan(config, platform)
     spec, where = plan.spec_for(role, category)
     resolution = _resolve_cached(spec, where, role, category, call, plan.platform)
     key = (role, resolution.describe_backend(), resolution.source)

@@ -8,7 +8,7 @@ import json
 from ..installer import check_roles_of_plans, plan_attention
 from ..attention.platform import current_platform, use_platform
 from ..attention.routing import sparse_rules
-from ..config.attention import AttentionConfig
+from ..attention.plan import AttentionPlan
 
 
 def explain_pipeline(pipe, config=None, platform=None) -> list[dict]:
@@ -22,18 +22,18 @@ def explain_pipeline(pipe, config=None, platform=None) -> list[dict]:
 
 def explain_dits(dits: dict, config=None, platform=None) -> list[dict]:
     """``explain_pipeline`` for DiTs given by pipeline path (they may live on the meta device: no weights needed)."""
-    config = AttentionConfig.parse(config)
     rows = []
     scope = use_platform(platform) if platform else contextlib.nullcontext()
     planned = []
     with scope:
+        plan = AttentionPlan.build(config)  # the one parse of this call, on the platform explained
         for path, model in dits.items():
-            declaration, plan = plan_attention(model, config, check_roles=False)
-            planned.append((model, declaration, plan))
-            for site, resolutions in plan:
+            declaration, sites = plan_attention(model, plan, check_roles=False)
+            planned.append((model, declaration, sites))
+            for site, resolutions in sites:
                 for resolution in resolutions.values():
                     rows.append({"module": f"{path}.{site.name}", **resolution.to_dict()})
-    check_roles_of_plans(config, planned)  # the keys of one config are checked against all DiTs together
+    check_roles_of_plans(plan, planned)  # the keys of one config are checked against all DiTs together
     return rows
 
 

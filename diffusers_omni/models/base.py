@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch.nn as nn
 
-from ..attention.processors import OmniAttnProcessor, RoleAttention, RoutedProcessor, bind_routed
+from ..attention.processors import OmniAttnProcessor, RoleAttention, bind_routed
 
 SELF = "self"
 CROSS = "cross"
@@ -152,22 +152,35 @@ def head_dim_of(module: nn.Module) -> int:
 
 
 def routed_processors(
-    *accepted: type, mask_source: str | None = None
+    *accepted: type,
+    mask_source: str | None = None,
+    calls: dict[str, AttentionRole] | None = None,
+    stand_ins: dict[type, type] | None = None,
+    refuse: tuple[str, ...] = (),
 ) -> Callable[[AttentionSite, Any, dict[str, RoleAttention]], Any]:
-    """``make_processor`` for Diffusers processor classes that call ``dispatch_attention_fn``: the module keeps
-    running Diffusers' own processor code, its attention calls routed to the site's roles in call order
-    (``attention.processors.bind_routed``). Anything else raises naming the module.
+    """``make_processor`` for Diffusers processor classes that attend through ``dispatch_attention_fn`` or
+    ``F.scaled_dot_product_attention``: the module keeps running Diffusers' own processor code, each attention call
+    routed to its role (``attention.processors.bind_routed``). Anything else raises naming the module.
+
+    ``calls``: the role of each call that is not the module's own, by the name Diffusers' code gives the call's
+    result (``{"hidden_states_img": WAN_IMAGE_CROSS}``); every other call goes to the one role of the module that
+    ``calls`` does not name. ``stand_ins``: accepted classes whose attention has no call to route (an explicit
+    softmax) and the class whose code runs for them. ``refuse``: arguments the processors accept but ignore, which
+    raise rather than being dropped silently.
 
     ``mask_source``: the processors' argument holding the key-padding mask that every module of a forward receives
     as the same tensor and that Diffusers derives each call's attention mask from (the derived mask depending only
     on it and the mask's shape); the backends then get one mask tensor per forward instead of one per module."""
+    call_roles = {result: role.role for result, role in (calls or {}).items()}
+    stand_ins = stand_ins or {}
 
     def make(site: AttentionSite, original: Any, attend: dict[str, RoleAttention]) -> OmniAttnProcessor:
-        if isinstance(original, RoutedProcessor):
-            original = original.original
+        original = unwrap_processor(original)
         if type(original) not in accepted:
             raise unsupported_processor_error(site, original, accepted)
-        return bind_routed(original, attend, mask_source)
+        return bind_routed(original, attend, mask_source, calls=call_roles, runs=stand_ins.get(type(original)),
+                           slice_size=getattr(original, "slice_size", None) if type(original) in stand_ins else None,
+                           refuse=refuse, where=f"attention module {site.name!r}")
 
     return make
 

@@ -10,7 +10,7 @@ does. A boolean mask (a caller's own ``attention_mask``) is treated as a boolean
 from __future__ import annotations
 
 from .base import NORM_PROJ_OUT, CROSS, SELF, AttentionRole, TransformerDeclaration, register_transformer
-from .flux import flux_attention_sites, make_flux_processor
+from .flux import flux_attention_sites, flux_processors
 
 CHROMA_JOINT = AttentionRole("chroma.joint", SELF, masked=True)
 CHROMA_SINGLE = AttentionRole("chroma.single", SELF, masked=True)
@@ -23,7 +23,7 @@ CHROMA = register_transformer(
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
         tail_attrs=NORM_PROJ_OUT,
         find_sites=flux_attention_sites(CHROMA_JOINT, CHROMA_SINGLE, CHROMA_IP_ADAPTER),
-        make_processor=make_flux_processor,
+        make_processor=flux_processors(CHROMA_IP_ADAPTER),
         mask_free=False,
         display_name="Chroma",
         example_checkpoint="lodestones/Chroma1-HD",

@@ -25,8 +25,9 @@ from .base import routed_processors
 UNDERSTANDING = AttentionRole("cosmos3.understanding", SELF, gqa=True)
 GENERATION = AttentionRole("cosmos3.generation", SELF, gqa=True)
 
-# Diffusers' processor runs as it is; its two attention calls go to the module's roles in call order: the causal
-# understanding call, then the generation call over ``[understanding | generation]`` keys.
+# Diffusers' processor runs as it is; its two attention calls go to the module's roles by call site: the causal
+# understanding call (``causal_out``) and the generation call over ``[understanding | generation]`` keys
+# (``full_out``).
 OmniCosmos3AttnProcessor = routed_processor_class(Cosmos3AttnProcessor)
 
 
@@ -38,7 +39,7 @@ def _find_sites(model: nn.Module) -> list[AttentionSite]:
     ]
 
 
-_make_processor = routed_processors(Cosmos3AttnProcessor)
+_make_processor = routed_processors(Cosmos3AttnProcessor, calls={"causal_out": UNDERSTANDING, "full_out": GENERATION})
 
 
 COSMOS3 = register_transformer(

@@ -16,8 +16,9 @@ SINGLE = AttentionRole("flux.single", SELF)
 IP_ADAPTER = AttentionRole("flux.ip_adapter", CROSS)
 
 
-# Diffusers' processors run as they are; their attention calls go to the module's roles in call order (the joint
-# call, then one call per IP-adapter). Re-instantiated with no arguments (Diffusers does ``type(processor)()`` in
+# Diffusers' processors run as they are; their attention calls go to the module's roles by call site: each
+# IP-adapter's image attention (Diffusers names its result ``current_ip_hidden_states``) to ``flux.ip_adapter``,
+# the joint (or single-stream) call to the module's own role. Re-instantiated with no arguments (Diffusers does ``type(processor)()`` in
 # ``load_ip_adapter`` and ``unload_ip_adapter``), a routed class is an unbound placeholder until the next forward.
 OmniFluxAttnProcessor = routed_processor_class(FluxAttnProcessor)
 OmniFluxIPAdapterAttnProcessor = routed_processor_class(FluxIPAdapterAttnProcessor)
@@ -45,7 +46,11 @@ def flux_attention_sites(
     return find_sites
 
 
-make_flux_processor = routed_processors(FluxAttnProcessor, FluxIPAdapterAttnProcessor)
+def flux_processors(ip_adapter: AttentionRole):
+    """``make_processor`` for ``FluxAttention`` modules (FLUX.1, Chroma), the IP-adapters' calls to ``ip_adapter``."""
+    return routed_processors(
+        FluxAttnProcessor, FluxIPAdapterAttnProcessor, calls={"current_ip_hidden_states": ip_adapter}
+    )
 
 
 FLUX = register_transformer(
@@ -55,7 +60,7 @@ FLUX = register_transformer(
         blocks_attrs=("transformer_blocks", "single_transformer_blocks"),
         tail_attrs=NORM_PROJ_OUT,
         find_sites=flux_attention_sites(JOINT, SINGLE, IP_ADAPTER),
-        make_processor=make_flux_processor,
+        make_processor=flux_processors(IP_ADAPTER),
         mask_free=True,
         display_name="FLUX.1",
         example_checkpoint="black-forest-labs/FLUX.1-dev",

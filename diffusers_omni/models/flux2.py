@@ -32,9 +32,9 @@ FLUX2_REFERENCE = AttentionRole("flux2.reference", SELF)
 _KV_PROCESSORS = (Flux2KVAttnProcessor, Flux2KVParallelSelfAttnProcessor)
 
 
-# Diffusers' processors run as they are, their attention calls routed to the module's roles in call order: the
-# block's own role, then (KV-cache extract mode: Diffusers' ``_flux2_kv_causal_attention`` makes a second call) the
-# reference queries over the reference tokens.
+# Diffusers' processors run as they are, their attention calls routed to the module's roles by call site: the
+# reference queries over the reference tokens (KV-cache extract mode: Diffusers' ``_flux2_kv_causal_attention``
+# names that result ``attn_ref``) to ``flux2.reference``, every other call to the block's own role.
 OmniFlux2AttnProcessor = routed_processor_class(Flux2AttnProcessor)
 OmniFlux2KVAttnProcessor = routed_processor_class(Flux2KVAttnProcessor)
 OmniFlux2ParallelSelfAttnProcessor = routed_processor_class(Flux2ParallelSelfAttnProcessor)
@@ -57,7 +57,8 @@ def _find_sites(model: nn.Module) -> list[AttentionSite]:
 
 
 _make_processor = routed_processors(
-    Flux2AttnProcessor, Flux2KVAttnProcessor, Flux2ParallelSelfAttnProcessor, Flux2KVParallelSelfAttnProcessor
+    Flux2AttnProcessor, Flux2KVAttnProcessor, Flux2ParallelSelfAttnProcessor, Flux2KVParallelSelfAttnProcessor,
+    calls={"attn_ref": FLUX2_REFERENCE},
 )
 
 

@@ -9,8 +9,7 @@ Both attention calls are always masked when driven by the Diffusers pipelines:
   role's backend.
 * ``hunyuanvideo15.token_refiner``: the refiner in ``context_embedder`` uses Diffusers' legacy ``Attention`` with
   ``AttnProcessor2_0``, which calls ``F.scaled_dot_product_attention`` directly in ``[B, H, S, D]`` with a dense
-  ``[B, H, S, S]`` mask: no dispatch seam to route, so it is replaced by the copy in ``models._classic``
-  (``OmniLegacyAttnProcessor``) and runs on the backend resolved for its own role.
+  ``[B, H, S, S]`` mask; it runs routed too (as in SDXL's UNet), its call on the backend resolved for its own role.
 """
 
 from __future__ import annotations
@@ -19,10 +18,10 @@ import torch.nn as nn
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
-from ._classic import _PLAIN, OmniLegacyAttnProcessor
 from ..attention.processors import OmniAttnProcessor, RoleAttention, routed_processor_class
 from .base import SELF, AttentionRole, AttentionSite, TransformerDeclaration, head_dim_of, register_transformer
-from .base import NORM_PROJ_OUT, routed_processors, unsupported_processor_error, unwrap_processor
+from .base import NORM_PROJ_OUT, routed_processors
+from .sdxl import PLAIN_PROCESSORS, STAND_INS
 
 JOINT = AttentionRole("hunyuanvideo15.joint", SELF, masked=True)
 TOKEN_REFINER = AttentionRole("hunyuanvideo15.token_refiner", SELF, masked=True)
@@ -36,6 +35,8 @@ _REFINER_PREFIX = "context_embedder."
 # all-True check runs once per forward.
 OmniHunyuanVideo15AttnProcessor = routed_processor_class(HunyuanVideo15AttnProcessor2_0)
 _make_joint_processor = routed_processors(HunyuanVideo15AttnProcessor2_0, mask_source="attention_mask")
+# The refiner's legacy processors, as in SDXL's UNet (exact types: IP-adapter, PAG, ... do more than attention).
+_make_refiner_processor = routed_processors(*PLAIN_PROCESSORS, stand_ins=STAND_INS)
 
 
 def _find_sites(model: nn.Module) -> list[AttentionSite]:
@@ -51,11 +52,7 @@ def _find_sites(model: nn.Module) -> list[AttentionSite]:
 def _make_processor(site: AttentionSite, original, attend: dict[str, RoleAttention]) -> OmniAttnProcessor:
     if TOKEN_REFINER not in site.roles:
         return _make_joint_processor(site, original, attend)
-    original = unwrap_processor(original)
-    # Exact types: subclasses of AttnProcessor2_0 (IP-adapter, PAG, ...) do more than plain attention.
-    if type(original) not in _PLAIN:
-        raise unsupported_processor_error(site, original, _PLAIN)
-    return OmniLegacyAttnProcessor(original, attend)
+    return _make_refiner_processor(site, original, attend)
 
 
 HUNYUANVIDEO15 = register_transformer(

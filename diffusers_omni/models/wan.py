@@ -16,9 +16,10 @@ WAN_CROSS = AttentionRole("wan.cross", CROSS)
 WAN_IMAGE_CROSS = AttentionRole("wan.image_cross", CROSS)
 
 
-# Diffusers' processor runs as it is, its attention calls routed to the module's roles in call order: ``attn1``
-# makes one self-attention call; ``attn2`` one text cross-attention call, preceded, for Wan 2.1 I2V (an ``attn2``
-# with ``add_k_proj``), by the image cross-attention call whose output Diffusers adds to the text one.
+# Diffusers' processor runs as it is, its attention calls routed to the module's roles by call site: ``attn1``
+# makes one self-attention call; ``attn2`` one text cross-attention call and, for Wan 2.1 I2V (an ``attn2`` with
+# ``add_k_proj``), the image cross-attention call whose output Diffusers adds to the text one (its result is
+# ``hidden_states_img``: role ``wan.image_cross``).
 OmniWanAttnProcessor = routed_processor_class(WanAttnProcessor)
 
 
@@ -40,7 +41,7 @@ def _find_sites(model: nn.Module) -> list[AttentionSite]:
         if name.endswith("attn1"):
             roles = (WAN_SELF,)
         elif module.add_k_proj is not None:
-            roles = (WAN_IMAGE_CROSS, WAN_CROSS)  # call order: image context first, then text
+            roles = (WAN_IMAGE_CROSS, WAN_CROSS)
         else:
             roles = (WAN_CROSS,)
         sites.append(AttentionSite(name, module, roles, head_dim_of(module)))
@@ -54,7 +55,7 @@ WAN = register_transformer(
         blocks_attrs=("blocks",),
         tail_attrs=NORM_PROJ_OUT,
         find_sites=_find_sites,
-        make_processor=routed_processors(WanAttnProcessor),
+        make_processor=routed_processors(WanAttnProcessor, calls={"hidden_states_img": WAN_IMAGE_CROSS}),
         mask_free=True,
         display_name="Wan 2.1 / 2.2",
         example_checkpoint="Wan-AI/Wan2.2-T2V-A14B-Diffusers",

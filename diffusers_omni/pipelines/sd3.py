@@ -17,6 +17,7 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 
+from ..attention.plan import AttentionPlan
 from ..installer import applied_attention_config, plan_attention, reapply_attention
 from .mixin import OmniPipelineMixin, diffusers_pipeline_class
 
@@ -65,9 +66,10 @@ class OmniPAGMixin:
         return super().from_pipe(pipeline, **kwargs)
 
     def enable_omni_attention(self, config: Any = None) -> list[dict]:
-        return self._enable_omni_attention(config, seen_roles=self._plan_pag_attention(config))
+        plan = AttentionPlan.build(config)  # parsed once: the PAG planning and the install share the plan
+        return self._enable_omni_attention(plan, seen_roles=self._plan_pag_attention(plan))
 
-    def _plan_pag_attention(self, config: Any) -> set[tuple[str, str]]:
+    def _plan_pag_attention(self, plan: AttentionPlan) -> set[tuple[str, str]]:
         """Resolve the roles PAG processors will use; returns them as ``(role, category)`` pairs."""
         seen: set[tuple[str, str]] = set()
         if not getattr(self, "pag_applied_layers", None) or getattr(self, "_pag_attn_processors", None) is None:
@@ -77,8 +79,8 @@ class OmniPAGMixin:
         try:
             for do_classifier_free_guidance in (True, False):
                 self._set_pag_attn_processor(self.pag_applied_layers, do_classifier_free_guidance)
-                _, plan = plan_attention(model, config, check_roles=False)
-                seen.update((r.role, r.category) for _site, resolutions in plan for r in resolutions.values())
+                _, sites = plan_attention(model, plan, check_roles=False)
+                seen.update((r.role, r.category) for _site, resolutions in sites for r in resolutions.values())
         finally:
             model.set_attn_processor(saved)
         return seen

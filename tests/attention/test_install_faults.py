@@ -143,7 +143,7 @@ def binding_backend():
 def inject(step: str, injector: Injector, monkeypatch, pipe) -> None:
     """Route the real ``step`` of installation through ``injector``."""
     if step == "resolve":
-        monkeypatch.setattr(install, "resolve", injector.wrap(install.resolve))
+        monkeypatch.setattr(install, "resolve_role", injector.wrap(install.resolve_role))
     elif step == "backend":
         monkeypatch.setattr(install, "get_backend_class", lambda name: injector.wrap(install_get(name)))
     elif step == "bind_site":

@@ -196,3 +196,53 @@ def test_a_family_is_refused_when_it_contradicts_itself_or_another():
     with pytest.raises(ValueError, match="'flash' of 'bad' is already an alias of FLASH_ATTN"):
         register_family(BackendFamily("bad", backends={"BAD_ATTN": "m:C"}, aliases=(Alias("flash", "BAD_ATTN", ""),)))
     assert "BAD_ATTN" not in registered_backend_names()
+
+
+# One parse at the entry point; the layers below take the plan -----------------------------------------------------
+
+
+def _count_parses(monkeypatch) -> list:
+    """Records every ``AttentionPlan.build`` that parses a config (a plan handed back as is is not a parse)."""
+    parses = []
+    build = AttentionPlan.build.__func__
+
+    def counting(cls, config=None, platform=None):
+        if not isinstance(config, AttentionPlan):
+            parses.append(config)
+        return build(cls, config, platform)
+
+    monkeypatch.setattr(AttentionPlan, "build", classmethod(counting))
+    return parses
+
+
+def test_the_layers_below_the_entry_points_take_a_plan_only():
+    from diffusers_omni.attention.selector import check_per_role_keys, resolve_role, select_spec
+    from diffusers_omni.installer import check_roles_of_plans, plan_attention
+
+    model = tiny_flux_components()["transformer"]
+    config = {"default": "TORCH_SDPA", "per_role": {"cross": "TORCH_SDPA"}}
+    for call in (
+        lambda: plan_attention(model, config),
+        lambda: check_roles_of_plans(AttentionConfig.parse(config), []),
+        lambda: check_per_role_keys(config, [], [], "Model"),
+        lambda: resolve_role("TORCH_SDPA", "x.self", "self", CALL),
+        lambda: select_spec(None, "x.self", "self"),
+    ):
+        with pytest.raises(TypeError, match=r"takes an AttentionPlan.*AttentionPlan\.build\(config\)"):
+            call()
+    plan = AttentionPlan.build(config, CPU)
+    _, sites = plan_attention(model, plan)
+    assert {r.backend for _, resolutions in sites for r in resolutions.values()} == {"TORCH_SDPA"}
+
+
+def test_apply_attention_parses_its_config_once(monkeypatch):
+    parses = _count_parses(monkeypatch)
+    report = apply_attention(tiny_flux_components()["transformer"], {"default": "TORCH_SDPA"})
+    assert parses == [{"default": "TORCH_SDPA"}]
+    assert {entry["backend"] for entry in report} == {"TORCH_SDPA"}
+    # The public entries still take what they took: a plan too, handed down as is.
+    plan = AttentionPlan.build("TORCH_SDPA")
+    parses.clear()
+    apply_attention(tiny_flux_components()["transformer"], plan)
+    assert resolve(plan, "x.self", "self", CALL).backend == "TORCH_SDPA"
+    assert parses == []

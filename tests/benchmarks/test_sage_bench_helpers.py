@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from diffusers_omni.attention.plan import AttentionPlan
 from diffusers_omni.installer import plan_attention
 from diffusers_omni.attention.platform import Platform
 from diffusers_omni.attention.selector import BackendNotSupportedError
@@ -32,12 +33,13 @@ def test_head_dim_64_pipelines_take_sage_on_a_simulated_hopper(bench):
         for pipe, _call in pipelines.values():
             transformer = pipe.transformer.to(torch.bfloat16)
             assert transformer.config.attention_head_dim == 64 and not transformer.training
-            _, plan = plan_attention(transformer, "SAGE_ATTN", hopper)
+            _, plan = plan_attention(transformer, AttentionPlan.build("SAGE_ATTN", hopper))
             assert {r.backend for _, resolutions in plan for r in resolutions.values()} == {"SAGE_ATTN"}
         from diffusers_omni.testing import tiny_wan_components
 
         with pytest.raises(BackendNotSupportedError, match=r"head_dim is 12; sageattention 1.0.6 requires"):
-            plan_attention(tiny_wan_components(0)["transformer"].to(torch.bfloat16), "SAGE_ATTN", hopper)
+            wan = tiny_wan_components(0)["transformer"].to(torch.bfloat16)
+            plan_attention(wan, AttentionPlan.build("SAGE_ATTN", hopper))
 
 
 def test_counting_kernel_restores_the_kernel_boundary(bench):

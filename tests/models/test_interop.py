@@ -17,12 +17,19 @@ import diffusers.pipelines
 import pytest
 import torch
 from diffusers import DiffusionPipeline
-from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, SlicedAttnProcessor
+from diffusers.models.attention_processor import (
+    AttnProcessor,
+    AttnProcessor2_0,
+    FusedAttnProcessor2_0,
+    FusedJointAttnProcessor2_0,
+    IPAdapterAttnProcessor2_0,
+    JointAttnProcessor2_0,
+    SD3IPAdapterJointAttnProcessor2_0,
+    SlicedAttnProcessor,
+)
 
 from diffusers_omni import omnify
-from diffusers_omni.attention.processors import is_omni_processor
-from diffusers_omni.models._classic import OmniLegacyAttnProcessor, OmniLegacyIPAdapterAttnProcessor
-from diffusers_omni.models.sd3 import OmniJointAttnProcessor, OmniSD3IPAdapterJointAttnProcessor
+from diffusers_omni.attention.processors import is_omni_processor, routed_processor_class
 from diffusers_omni.pipelines.mixin import diffusers_pipeline_class
 from diffusers_omni.pipelines.registry import omni_pipelines
 from diffusers_omni.testing.tiny_sd3 import tiny_sd3_ip_adapter_state_dict, tiny_sd3_pipeline
@@ -270,7 +277,8 @@ def test_fused_processors_use_the_fused_projections(family):
         for handle in handles:
             handle.remove()
     assert calls["to_qkv"] > 0 and calls["to_q"] == 0
-    assert type(attn.processor) in (OmniLegacyAttnProcessor, OmniJointAttnProcessor) and attn.processor.fused
+    assert is_omni_processor(attn.processor)
+    assert isinstance(attn.processor, (FusedAttnProcessor2_0, FusedJointAttnProcessor2_0))
 
 
 def test_sd35_medium_fused_image_attention_runs_where_diffusers_fails():
@@ -282,7 +290,10 @@ def test_sd35_medium_fused_image_attention_runs_where_diffusers_fails():
     pipe.transformer.fuse_qkv_projections()
     out = test_sd3._run(pipe, num_inference_steps=1)
     assert torch.isfinite(out).all()
-    assert pipe.transformer.transformer_blocks[0].attn2.processor.fused
+    # Diffusers' fused processor needs text tokens: JointAttnProcessor2_0's code runs for it there.
+    attn2 = pipe.transformer.transformer_blocks[0].attn2.processor
+    assert type(attn2) is routed_processor_class(JointAttnProcessor2_0)
+    assert type(attn2.original) is FusedJointAttnProcessor2_0
 
 
 # SDXL: default processors, attention slicing, IP-Adapter ----------------------------------------------------------
@@ -328,13 +339,15 @@ def test_attention_slicing_runs_sliced_through_the_backend(slice_size):
     calls = []
     out = SDXL.run(pipe)  # re-applies omni over the sliced processors
     processor = attn.processor
-    assert type(processor) is OmniLegacyAttnProcessor and isinstance(processor.original, SlicedAttnProcessor)
-    backend = processor._attention.backend
-    processor._attention.backend = lambda q, *rest: calls.append(q.shape) or backend(q, *rest)
+    assert type(processor) is routed_processor_class(AttnProcessor2_0)
+    assert isinstance(processor.original, SlicedAttnProcessor)
+    (attention,) = processor.attend.values()
+    backend = attention.backend
+    attention.backend = lambda q, *rest: calls.append(q.shape) or backend(q, *rest)
     try:
         again = SDXL.run(pipe)
     finally:
-        processor._attention.backend = backend
+        attention.backend = backend
     # Slices of ``slice_size`` batch × head rows, one head each, as Diffusers slices.
     rows = 2 * attn.heads  # classifier-free guidance doubles the batch
     assert len(calls) == 2 * -(-rows // processor.slice_size)  # two steps
@@ -370,7 +383,7 @@ def test_sdxl_ip_adapter_loads_through_omni_attention_with_its_role():
     out = pipe(**_sdxl_ip_call(embeds), generator=torch.Generator().manual_seed(0)).images
     assert torch.equal(out, expected)
     cross = pipe.unet.mid_block.attentions[0].transformer_blocks[0].attn2
-    assert isinstance(cross.processor, OmniLegacyIPAdapterAttnProcessor)
+    assert isinstance(cross.processor, IPAdapterAttnProcessor2_0) and is_omni_processor(cross.processor)
     assert {e["role"] for e in pipe.omni_attention_report()} == {"sdxl.self", "sdxl.cross", "sdxl.ip_adapter"}
 
     for target in (stock, pipe):
@@ -393,7 +406,7 @@ def test_sdxl_ip_adapter_loaded_before_omnify_and_restored_on_disable():
     ip_processor = cross.processor
     keys = set(stock.unet.state_dict())
     pipe = omnify(stock, "TORCH_SDPA")
-    assert isinstance(cross.processor, OmniLegacyIPAdapterAttnProcessor)
+    assert isinstance(cross.processor, IPAdapterAttnProcessor2_0) and is_omni_processor(cross.processor)
     assert set(pipe.unet.state_dict()) == keys  # the adapter weights keep their keys, once
     pipe.disable_omni_attention()
     assert cross.processor is ip_processor
@@ -420,7 +433,7 @@ def test_sd3_ip_adapter_loads_through_omni_attention_with_its_role():
     load(pipe)
     assert torch.equal(run(pipe, ip_adapter_image_embeds=embeds), expected)
     assert pipe.is_ip_adapter_active  # Diffusers finds the omni processor by isinstance
-    assert isinstance(pipe.transformer.transformer_blocks[0].attn.processor, OmniSD3IPAdapterJointAttnProcessor)
+    assert isinstance(pipe.transformer.transformer_blocks[0].attn.processor, SD3IPAdapterJointAttnProcessor2_0)
     assert {e["role"] for e in pipe.omni_attention_report()} == {"sd3.joint", "sd3.ip_adapter"}
     # The IP-Adapter's image projection keeps Diffusers' processors (it is not part of the DiT's blocks).
     assert not any(e["module"].startswith("transformer.image_proj") for e in pipe.omni_attention_report())

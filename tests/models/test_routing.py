@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.models.attention_processor import AttnProcessor2_0, JointAttnProcessor2_0
+from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0, JointAttnProcessor2_0
 from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
 from diffusers_omni import omnify
@@ -25,9 +25,11 @@ def test_every_routed_class_stands_for_a_processor_with_the_dispatch_seam():
         assert is_routable(stock), stock.__name__
 
 
-def test_classic_processors_have_no_seam_so_their_omni_versions_are_copies():
-    assert not is_routable(AttnProcessor2_0)
-    assert not is_routable(JointAttnProcessor2_0)
+def test_classic_processors_are_routed_through_their_sdpa_calls():
+    # They call F.scaled_dot_product_attention inline: routed like dispatch_attention_fn, no copy of their code.
+    assert is_routable(AttnProcessor2_0)
+    assert is_routable(JointAttnProcessor2_0)
+    assert not is_routable(AttnProcessor)  # explicit softmax: AttnProcessor2_0 runs for it (models.sdxl.STAND_INS)
 
 
 def test_a_routed_processor_shares_its_originals_attributes_and_leaves_it_unchanged():

@@ -1,7 +1,12 @@
 import pytest
 import torch
 from diffusers import StableDiffusion3Img2ImgPipeline, StableDiffusion3InpaintPipeline, StableDiffusion3PAGPipeline
-from diffusers.models.attention_processor import JointAttnProcessor2_0, XFormersJointAttnProcessor
+from diffusers.models.attention_processor import (
+    JointAttnProcessor2_0,
+    PAGCFGJointAttnProcessor2_0,
+    PAGJointAttnProcessor2_0,
+    XFormersJointAttnProcessor,
+)
 from PIL import Image
 
 import diffusers_omni
@@ -10,7 +15,6 @@ from diffusers_omni.attention.backends.sdpa import backend as sdpa
 from diffusers_omni.attention.backends.base import AttentionBackend
 from diffusers_omni.attention.processors import is_omni_processor
 from diffusers_omni.attention.registry import reset_backend
-from diffusers_omni.models.sd3 import OmniPAGJointAttnProcessor
 from diffusers_omni.pipelines.sd3 import (
     OmniStableDiffusion3Img2ImgPipeline,
     OmniStableDiffusion3InpaintPipeline,
@@ -21,6 +25,7 @@ from diffusers_omni.testing.tiny_sd3 import tiny_sd3_pipeline
 
 from .harness import ModelCase, standard_tests
 
+_PAG = (PAGJointAttnProcessor2_0, PAGCFGJointAttnProcessor2_0)
 SMALL = {
     "prompt": "a red fox",
     "height": 32,
@@ -108,7 +113,7 @@ def test_pag_layers_run_omni_processors_and_stay_applied(guidance_scale):
             handle.remove()
     assert all(is_omni_processor(processor) for processor in during.values())
     pag = during["transformer_blocks.1.attn"]
-    assert isinstance(pag, OmniPAGJointAttnProcessor) and pag.cfg == (guidance_scale > 1)
+    assert isinstance(pag, _PAG) and isinstance(pag, PAGCFGJointAttnProcessor2_0) == (guidance_scale > 1)
     assert set(pag.attend) == {"sd3.joint", "sd3.pag_identity"}
 
     assert pipe.omni_attention_report() == before
@@ -191,7 +196,7 @@ def test_pag_on_a_dual_attention_block_raises_naming_the_module():
     # the failed call leaves omni attention applied, PAG processors gone
     assert all(is_omni_processor(m.processor) for m in _attention_modules(pipe.transformer).values())
     modules = _attention_modules(pipe.transformer).values()
-    assert not any(isinstance(module.processor, OmniPAGJointAttnProcessor) for module in modules)
+    assert not any(isinstance(module.processor, _PAG) for module in modules)
 
 
 def test_attention_mask_is_never_dropped_silently():
@@ -221,3 +226,22 @@ def test_every_sd3_pipeline_has_its_omni_class():
         omni = omni_pipeline_class(stock)
         assert omni is getattr(sd3, f"OmniStableDiffusion3{name}Pipeline")
         assert omni._omni_family == "sd3" and omni._dit_modules == ("transformer",)
+
+
+def test_pag_pipeline_parses_the_attention_config_once_for_planning_and_install(monkeypatch):
+    from diffusers_omni.attention.plan import AttentionPlan
+
+    parses = []
+    build = AttentionPlan.build.__func__
+
+    def counting(cls, config=None, platform=None):
+        if not isinstance(config, AttentionPlan):
+            parses.append(config)
+        return build(cls, config, platform)
+
+    pipe = omnify(pag_pipeline(), "TORCH_SDPA")
+    monkeypatch.setattr(AttentionPlan, "build", classmethod(counting))
+    report = pipe.enable_omni_attention({"default": "TORCH_SDPA", "per_role": {"sd3.pag_identity": "TORCH_SDPA"}})
+    # One parse: PAG's roles are planned (twice: with and without guidance) and installed from the same plan.
+    assert parses == [{"default": "TORCH_SDPA", "per_role": {"sd3.pag_identity": "TORCH_SDPA"}}]
+    assert {e["role"] for e in report} == {"sd3.joint", "sd3.image_self"}
