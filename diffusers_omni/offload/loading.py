@@ -477,10 +477,10 @@ def _parse_gguf_table(path: Path, data: Any, size: int, gguf: Any) -> GGUFTable:
     left = size - cursor.offset
     if kv_count > left // _GGUF_MIN_KV:
         raise cursor.fail("header", f"key/value count {kv_count}: at most {left // _GGUF_MIN_KV} fit in the "
-                                    f"{left} bytes after the header")
+                                    f"{left} bytes after the header (a truncated file or a corrupt count)")
     if tensor_count > left // _GGUF_MIN_INFO:
         raise cursor.fail("header", f"tensor count {tensor_count}: at most {left // _GGUF_MIN_INFO} tensor infos "
-                                    f"fit in the {left} bytes after the header")
+                                    f"fit in the {left} bytes after the header (a truncated file or a corrupt count)")
     alignment = gguf.GGUF_DEFAULT_ALIGNMENT
     keys: set[str] = set()
     for index in range(kv_count):

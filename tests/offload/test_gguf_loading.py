@@ -95,11 +95,18 @@ def _second_info_start(reader):
     return reader.tensors[1].field.offset
 
 
+def _last_info_start(reader):
+    return reader.tensors[-1].field.offset
+
+
 HOSTILE = {
     # (surgery on the file, fragments of the error besides the file name)
-    "cut at 24 bytes": (_truncate(lambda r: 24), ["ends at byte 24", "key/value 0"]),
+    "cut at 24 bytes": (_truncate(lambda r: 24), ["key/value count 1", "0 bytes after the header"]),
     "cut at 10 bytes": (_truncate(lambda r: 10), ["10 bytes", "24-byte GGUF header"]),
-    "cut inside the tensor infos": (_truncate(lambda r: _second_info_start(r) + 5), ["tensor info 1"]),
+    "cut inside the tensor infos": (_truncate(lambda r: _last_info_start(r) + 5),
+                                    ["tensor info", "the file ends at byte", "inside the name length"]),
+    "cut at the second tensor info": (_truncate(lambda r: _second_info_start(r)),
+                                      ["tensor count", "tensor infos fit in the"]),
     "cut inside the data": (_truncate(lambda r: r.tensors[-1].data_offset + 3),
                             ["ends at byte", "data section"]),
     "tensor count 2**62": (_surgery(_set_count("GGUF.tensor_count")),
