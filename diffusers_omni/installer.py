@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import functools
 import logging
 import statistics
 import time
@@ -58,6 +59,14 @@ class _InstalledAttention:
     report: list[dict]
     installed: list[tuple[nn.Module, Any]]
     guard: Any = None
+
+    def __getstate__(self) -> dict:
+        # A pickled (or deep-copied) model holds the stock processors its routed ones stood for (see
+        # RoutedProcessor.__reduce_ex__): no processor is recorded as installed, so the copy's forward guard
+        # (``_keep_applied``) installs this config again before its first forward.
+        state = dict(self.__dict__)
+        state["installed"] = [(module, None) for module, _ in self.installed]
+        return state
 
 
 def _call_device_type(model: nn.Module, platform: Platform) -> str:
@@ -323,17 +332,20 @@ def _route_set_default_attn_processor(model: nn.Module) -> None:
     if stock is None or "set_default_attn_processor" in model.__dict__:
         return
 
-    def set_default_attn_processor() -> None:
-        remove_attention(model)
-        logger.warning(
-            "%s.set_default_attn_processor() removed omni attention and set Diffusers' default processors; call "
-            "enable_omni_attention() (or apply_attention) to route attention through omni backends again",
-            type(model).__name__,
-        )
-        stock(model)
-
+    # A partial of module-level functions, not a closure: the model stays picklable (and deep-copyable).
+    set_default_attn_processor = functools.partial(_set_default_attn_processor, model, stock)
     set_default_attn_processor.__doc__ = stock.__doc__
     model.__dict__["set_default_attn_processor"] = set_default_attn_processor
+
+
+def _set_default_attn_processor(model: nn.Module, stock: Any) -> None:
+    remove_attention(model)
+    logger.warning(
+        "%s.set_default_attn_processor() removed omni attention and set Diffusers' default processors; call "
+        "enable_omni_attention() (or apply_attention) to route attention through omni backends again",
+        type(model).__name__,
+    )
+    stock(model)
 
 
 def _instance(backends: dict, name: str, spec, deterministic: bool) -> AttentionBackend:
@@ -358,6 +370,10 @@ def _keep_applied(model: nn.Module, args) -> None:
         if module.processor is not processor:
             break
     else:
+        return
+    if all(processor is None for _, processor in state.installed):  # a pickled or deep-copied model
+        logger.debug("%s: installing omni attention on a copied model", type(model).__name__)
+        reapply_attention(model)
         return
     swapped = [
         f"{name}: {type(module.processor).__name__}"
