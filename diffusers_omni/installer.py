@@ -40,7 +40,7 @@ from .attention.selector import (
 )
 from .attention.tuning import CallShape, build_table, measure, near_ties, save_table, use_tuned_table
 from .config.attention import AttentionConfig
-from .models.base import declaration_for, supported_transformers
+from .models.base import check_layer_counts, declaration_for, supported_transformers
 from .utils.modules import model_dtype
 
 logger = logging.getLogger("diffusers_omni.attention")
@@ -85,6 +85,7 @@ def _declaration(model: nn.Module):
             f"{type(model).__name__} has no diffusers-omni attention declaration; supported transformers: "
             f"{', '.join(supported_transformers())}"
         )
+    check_layer_counts(model, type(model).__name__)
     return declaration
 
 

@@ -39,6 +39,8 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
+from ..models.base import check_layer_counts
+
 logger = logging.getLogger("diffusers_omni")
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -245,6 +247,10 @@ def _build_on_meta(model_cls: type, directory: Path, init_empty_weights) -> nn.M
         config = model_cls.load_config(directory)
     except Exception as error:  # Diffusers raises EnvironmentError/ValueError/... for a missing or bad file
         raise CheckpointError(f"{config_path}: cannot read the model config ({error})") from error
+    try:
+        check_layer_counts(config, model_cls.__name__)
+    except ValueError as error:
+        raise CheckpointError(f"{config_path}: {error}") from None
     try:
         with init_empty_weights(include_buffers=False):
             return model_cls.from_config(config)

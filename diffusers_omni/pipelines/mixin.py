@@ -22,6 +22,7 @@ from ..installer import (
     remove_attention_all,
     tune_attention,
 )
+from ..models.base import check_layer_counts
 from ..offload.guards import FOREIGN_OFFLOADERS, SUSPENDING_METHODS, call_refused, call_suspended, offload_backends
 from ..offload.report import OffloadReport, call_peak_end, call_peak_start, offload_report
 from ..utils.modules import get_submodule_path
@@ -379,6 +380,8 @@ class OmniPipelineMixin:
         from ..offload.factory import get_offload_backend
 
         backend = get_offload_backend(config)
+        for module in self.omni_dits().values():
+            check_layer_counts(module, type(module).__name__)
         active = self.omni_offload_backend
         if active is None:
             return self._enable_new_omni_offload(backend)
