@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from diffusers_omni import omnify
 from diffusers_omni.models.base import check_layer_counts
