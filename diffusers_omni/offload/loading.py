@@ -218,9 +218,12 @@ def load_transformer_mmap(
             )
     # 3. Zero-copy views of each file's mapping, then 4. from_pretrained's dtype conversion.
     state: dict[str, torch.Tensor] = {}
+    views: dict[Path, set[int]] = {}
     for file in files:
         names = [name for name in expected if where[name] == file]
-        state.update(mmap_safetensors(file, names))
+        mapped = mmap_safetensors(file, names)
+        views[file] = {t.untyped_storage().data_ptr() for t in mapped.values()}
+        state.update(mapped)
     for name, tensor in expected.items():
         wanted = _target_dtype(model, name, state[name].dtype, torch_dtype, built=tensor.dtype)
         if wanted != state[name].dtype:
@@ -234,7 +237,78 @@ def load_transformer_mmap(
     # Where the weights came from, as from_pretrained records it (layerwise offload's max_host_memory reads blocks
     # back from these files).
     model.register_to_config(_name_or_path=str(directory))
+    watch_mapped_files(model, views, "load_transformer_mmap")
     return model.eval()
+
+
+# --- A mapped checkpoint rewritten in place ------------------------------------------------------------------------
+
+_MAPPED_FILES = "_omni_mapped_files"
+
+
+@dataclass(frozen=True)
+class MappedFile:
+    """A checkpoint file some of a model's weights are views of: its identity and state when it was mapped, and
+    the storages (host addresses) of the model's tensors that view it."""
+
+    path: str
+    inode: int
+    size: int
+    mtime_ns: int
+    storages: frozenset[int]
+    loader: str
+
+
+def watch_mapped_files(model: nn.Module, views: dict[Path, set[int]], loader: str) -> None:
+    """Record the files ``loader`` mapped (with the storage addresses of the views it took of each) on ``model``
+    and check them before each forward (``check_mapped_files``). A private mapping shows the file's current bytes
+    in every page not yet copied, so a file rewritten in place (same inode: ``shutil.copyfile`` or
+    ``open(path, "r+b")`` over it) changes the loaded weights, or crashes the process with SIGBUS when it
+    shrank."""
+    records = []
+    for file, storages in views.items():
+        status = os.stat(file)
+        records.append(MappedFile(str(file), status.st_ino, status.st_size, status.st_mtime_ns, frozenset(storages),
+                                  loader))
+    model.__dict__[_MAPPED_FILES] = tuple(records)
+    if not getattr(model, "_omni_mapped_files_hooked", False):
+        model.register_forward_pre_hook(_check_mapped_files_hook)
+        model.__dict__["_omni_mapped_files_hooked"] = True
+
+
+def _tensors(model: nn.Module) -> list[torch.Tensor]:
+    return [t for t in list(model.parameters()) + list(model.buffers()) if t is not None]
+
+
+def _check_mapped_files_hook(model: nn.Module, args: Any) -> None:
+    if torch.compiler.is_compiling():  # compiled graphs cannot stat files; eager forwards check
+        return
+    check_mapped_files(model)
+
+
+def check_mapped_files(model: nn.Module) -> None:
+    """Raise ``CheckpointError`` when a file ``model``'s weights are still views of was rewritten in place since it
+    was mapped (same inode, another size or modification time). A file replaced by a rename or deleted leaves the
+    mapping on the old file (the weights unchanged); a model whose weights were copied (``deepcopy``, ``.to()``,
+    an offload's host copies) no longer depends on the file."""
+    for record in model.__dict__.get(_MAPPED_FILES, ()):
+        try:
+            status = os.stat(record.path)
+        except OSError:
+            continue
+        if status.st_ino != record.inode or (status.st_size, status.st_mtime_ns) == (record.size, record.mtime_ns):
+            continue
+        if not any(t.device.type == "cpu" and t.untyped_storage().data_ptr() in record.storages
+                   for t in _tensors(model)):
+            continue
+        raise CheckpointError(
+            f"{record.path} was rewritten in place since {record.loader} mapped it ({record.size} → "
+            f"{status.st_size} bytes, modified again): {type(model).__name__}'s weights are views of that file's "
+            f"pages, so they may now hold the new bytes (or crash the process if the file shrank); refused. "
+            f"Allowed: {record.loader} again after writing; to update a checkpoint under a running model, write the "
+            "new file elsewhere and rename it over the old one (os.replace; safetensors' save_file does), which "
+            "leaves this model on the old file's pages"
+        )
 
 
 def _build_on_meta(model_cls: type, directory: Path, init_empty_weights) -> nn.Module:
@@ -336,10 +410,13 @@ def load_gguf_mmap(
             data = torch.from_numpy(tensor.data)
             state_dict[tensor.name] = (data if tensor.tensor_type in plain
                                        else GGUFParameter(data, quant_type=tensor.tensor_type))
-    return model_cls.from_single_file(
+    views = {path: {t.untyped_storage().data_ptr() for t in state_dict.values()}}
+    model = model_cls.from_single_file(
         state_dict, config=str(config), torch_dtype=torch_dtype,
         quantization_config=GGUFQuantizationConfig(compute_dtype=compute_dtype), **kwargs,
     )
+    watch_mapped_files(model, views, "load_gguf_mmap")
+    return model
 
 
 # --- GGUF: the header and tensor-info table, checked before gguf's reader sees the file -------------------------

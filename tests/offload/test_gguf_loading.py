@@ -248,3 +248,22 @@ def test_duplicate_tensor_names_are_a_checkpoint_error(written, gguf_file):
     edit(path, lambda r: info(r, b)[1].__setitem__(slice(None), np.frombuffer(name.encode(), dtype=np.uint8)))
     with pytest.raises(CheckpointError, match=rf"tensor {name!r} appears twice"):
         load(model_cls, path, folder)
+
+
+def test_a_gguf_file_written_over_after_loading_is_refused_at_the_next_forward(written, gguf_file):
+    """Issue 39 item 4, for ``load_gguf_mmap``: the quantized weights are views of the file's mapping; bytes written
+    into the file afterwards (same inode) would change them silently."""
+    import time
+
+    model_cls, _, _ = written
+    path, folder = gguf_file
+    model = load(model_cls, path, folder).eval()
+    table = read_gguf_table(path)
+    target = next(t for t in table.tensors if t.type == gguf.GGMLQuantizationType.Q8_0)
+    time.sleep(0.05)  # a file system's timestamps can be coarse
+    with open(path, "r+b") as handle:
+        handle.seek(target.data_start + 2)  # past the first block's scale: its int8 weights
+        handle.write(bytes(range(16)))
+    with pytest.raises(CheckpointError, match=r"rewritten in place since load_gguf_mmap mapped it") as caught:
+        qh.run(model, "flux", seeds=(0,))
+    assert str(path) in str(caught.value)
