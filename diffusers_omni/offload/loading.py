@@ -162,6 +162,14 @@ def load_transformer_mmap(
         subfolder: e.g. ``"transformer"`` inside a pipeline folder.
         torch_dtype: convert floating weights as ``from_pretrained(torch_dtype=...)`` does.
 
+    The weights stay views of the files, so do not write into a file while a model loaded from it lives: a file
+    rewritten in place (same inode: ``shutil.copyfile`` or ``open(path, "r+b")`` over it) changes the weights it
+    has not copied. Each forward first checks the files (size and modification time, as ``max_host_memory``'s disk
+    reads do) and raises ``CheckpointError`` naming the file if one was; load again after writing. To update a
+    checkpoint under a running model, write the new file elsewhere and rename it over the old one
+    (``os.replace``; safetensors' ``save_file`` does): the model keeps the old file's pages. Compiled graphs do
+    not run the check.
+
     Example:
     ```py
     >>> transformer = load_transformer_mmap(FluxTransformer2DModel, "/models/flux-dev", "transformer", torch.bfloat16)
@@ -381,6 +389,11 @@ def load_gguf_mmap(
     ``max_host_memory`` their blocks are read back from it. Tensors that Diffusers converts (a float32 norm loaded
     with ``torch_dtype=torch.bfloat16``) are private copies. ``config`` is the model's config folder (or a hub
     name, as ``from_single_file`` takes it); other keyword arguments go to ``from_single_file``.
+
+    Before gguf's reader maps the file, its header and tensor-info table are checked (``read_gguf_table``): a
+    truncated or corrupt file, a tensor whose type × shape does not match the bytes it points at (a relabelled
+    type, a changed shape), or two tensors sharing bytes is a ``CheckpointError`` naming the file and the tensor.
+    As with ``load_transformer_mmap``, a file rewritten in place after loading is refused at the next forward.
 
     Example:
     ```py
