@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import functools
 import logging
 import statistics
 import time
@@ -39,7 +40,7 @@ from .attention.selector import (
 )
 from .attention.tuning import CallShape, build_table, measure, near_ties, save_table, use_tuned_table
 from .config.attention import AttentionConfig
-from .models.base import declaration_for, supported_transformers
+from .models.base import check_layer_counts, declaration_for, supported_transformers
 from .utils.journal import Journal
 from .utils.modules import model_dtype
 
@@ -60,6 +61,14 @@ class _InstalledAttention:
     installed: list[tuple[nn.Module, Any]]
     guard: Any = None
 
+    def __getstate__(self) -> dict:
+        # A pickled (or deep-copied) model holds the stock processors its routed ones stood for (see
+        # RoutedProcessor.__reduce_ex__): no processor is recorded as installed, so the copy's forward guard
+        # (``_keep_applied``) installs this config again before its first forward.
+        state = dict(self.__dict__)
+        state["installed"] = [(module, None) for module, _ in self.installed]
+        return state
+
 
 def _call_device_type(model: nn.Module, platform: Platform) -> str:
     for tensor in model.parameters():
@@ -77,6 +86,7 @@ def _declaration(model: nn.Module):
             f"{type(model).__name__} has no diffusers-omni attention declaration; supported transformers: "
             f"{', '.join(supported_transformers())}"
         )
+    check_layer_counts(model, type(model).__name__)
     return declaration
 
 
@@ -278,17 +288,20 @@ def _route_set_default_attn_processor(model: nn.Module) -> None:
     if stock is None or "set_default_attn_processor" in model.__dict__:
         return
 
-    def set_default_attn_processor() -> None:
-        remove_attention(model)
-        logger.warning(
-            "%s.set_default_attn_processor() removed omni attention and set Diffusers' default processors; call "
-            "enable_omni_attention() (or apply_attention) to route attention through omni backends again",
-            type(model).__name__,
-        )
-        stock(model)
-
+    # A partial of module-level functions, not a closure: the model stays picklable (and deep-copyable).
+    set_default_attn_processor = functools.partial(_set_default_attn_processor, model, stock)
     set_default_attn_processor.__doc__ = stock.__doc__
     model.__dict__["set_default_attn_processor"] = set_default_attn_processor
+
+
+def _set_default_attn_processor(model: nn.Module, stock: Any) -> None:
+    remove_attention(model)
+    logger.warning(
+        "%s.set_default_attn_processor() removed omni attention and set Diffusers' default processors; call "
+        "enable_omni_attention() (or apply_attention) to route attention through omni backends again",
+        type(model).__name__,
+    )
+    stock(model)
 
 
 def _instance(backends: dict, name: str, spec, deterministic: bool) -> AttentionBackend:
@@ -313,6 +326,10 @@ def _keep_applied(model: nn.Module, args) -> None:
         if module.processor is not processor:
             break
     else:
+        return
+    if all(processor is None for _, processor in state.installed):  # a pickled or deep-copied model
+        logger.debug("%s: installing omni attention on a copied model", type(model).__name__)
+        reapply_attention(model)
         return
     swapped = [
         f"{name}: {type(module.processor).__name__}"

@@ -464,13 +464,20 @@ class RoutedProcessor(OmniAttnProcessor):
             route.source = None  # a mask is never held alive past the call
 
     def __reduce_ex__(self, protocol: int):
-        # Pickled (or deep-copied) as the stock processor it stands for: routes hold backends and namespaces.
-        return self.original.__reduce_ex__(protocol)
+        # Pickled (or deep-copied) as the stock processor it stands for, the very object (routes hold backends and
+        # namespaces); the model's omni attention state routes it again at the copy's first forward. Reducing to
+        # the original's own reduction would fail pickle's check that a __newobj__ class is the object's class.
+        return (_stand_in, (self.original,))
 
     __repr__ = OmniAttnProcessor.__repr__
 
 
 _ROUTED_CLASSES: dict[type, type] = {}
+
+
+def _stand_in(original: Any) -> Any:
+    """What a pickled routed processor loads as: the stock processor it stood for."""
+    return original
 
 
 def routed_processor_class(stock: type, name: str | None = None) -> type:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -196,3 +197,24 @@ def unsupported_processor_error(site: AttentionSite, processor: Any, expected: t
         f"attention module {site.name!r} uses processor {type(processor).__name__}, which omni attention does not "
         f"replace yet; supported here: {names}. Call disable_omni_attention() or restore the default processor."
     )
+
+
+# Config fields that count layers or blocks (``num_layers``, ``num_single_layers``, ``n_refiner_layers``,
+# ``num_hidden_layers``, ``video_connector_num_layers``, ``layers_per_block``, ``approximator_layers``, ...).
+_LAYER_COUNT_FIELD = re.compile(r"(^|_)layers($|_per_block$)")
+
+
+def check_layer_counts(config: Any, owner: str) -> None:
+    """Refuse a negative layer count in a model config (a mapping, or a model with ``.config``): Diffusers builds
+    such a model with no blocks and drops the checkpoint's block weights with a warning. Raises ``ValueError``
+    naming ``owner``, the field, the value and what is allowed."""
+    config = getattr(config, "config", config)
+    if not hasattr(config, "items"):
+        return
+    for name, value in config.items():
+        if (isinstance(name, str) and _LAYER_COUNT_FIELD.search(name) and isinstance(value, int)
+                and not isinstance(value, bool) and value < 0):
+            raise ValueError(
+                f"{owner} config: {name}={value} is a negative layer count (Diffusers would build the model without "
+                f"those layers and drop their weights); allowed: 0 or more, as the checkpoint has them"
+            )

@@ -22,6 +22,8 @@ from ..installer import (
     remove_attention_all,
     tune_attention,
 )
+from ..models.base import check_layer_counts
+from ..offload.discovery import OffloadConflictError
 from ..offload.guards import FOREIGN_OFFLOADERS, SUSPENDING_METHODS, call_refused, call_suspended, offload_backends
 from ..offload.report import OffloadReport, call_peak_end, call_peak_start, offload_report
 from ..utils.modules import get_submodule_path
@@ -108,9 +110,12 @@ def _track_call_peak(cls: type) -> None:
 
 def _tracked_call(pipe: Any, call: Any, args: tuple, kwargs: dict) -> Any:
     """Run ``call``; the outermost pipeline call in this thread resets the execution device's peak counter first
-    and records the peak after (also when the call raises)."""
+    and records the peak after (also when the call raises). Under an offload, a component compiled with
+    ``fullgraph=True`` is refused first (``check_no_fullgraph_compile``)."""
     if _in_tracked_call.get():
         return call(*args, **kwargs)
+    if offload_backends(pipe):
+        check_no_fullgraph_compile(pipe)
     device = torch.device(pipe._execution_device)
     token = _in_tracked_call.set(True)
     tracked = call_peak_start(device)
@@ -124,6 +129,46 @@ def _tracked_call(pipe: Any, call: Any, args: tuple, kwargs: dict) -> Any:
         pipe.__dict__["_omni_last_call_peak"] = call_peak_end(device, tracked, completed)
         for backend in offload_backends(pipe):  # the last phase's weights (the VAE) leave the device
             backend.end_of_call()
+
+
+def _compiled_with_fullgraph(module: nn.Module) -> bool:
+    """Whether ``module`` itself was compiled with ``fullgraph=True``: ``torch.compile(module, ...)`` (an
+    ``OptimizedModule``) or ``module.compile(...)`` / regional compile (``_compiled_call_impl``)."""
+    context = getattr(module, "dynamo_ctx", None) if "_orig_mod" in module.__dict__.get("_modules", {}) else None
+    if context is not None:
+        return bool(getattr(context, "fullgraph", False))
+    compiled = module.__dict__.get("_compiled_call_impl")
+    if compiled is None:
+        return False
+    # torch.compile(fn) returns a wrapper closing over its OptimizeContext, which records fullgraph.
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            context = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(getattr(context, "fullgraph", None), bool):
+            return context.fullgraph
+    return False
+
+
+def check_no_fullgraph_compile(pipe: Any) -> None:
+    """Refuse components (or their submodules) compiled with ``torch.compile(fullgraph=True)`` while an offload
+    places this pipeline's components: Dynamo cannot trace the offload hooks, and would fail inside the first
+    forward ("Skip inlining `torch.compiler.disable()`d function") after the encoders ran."""
+    from ..offload.hooks import EAGER_ONLY
+
+    for name, component in getattr(pipe, "components", {}).items():
+        if not isinstance(component, nn.Module):
+            continue
+        found = next((sub for sub, module in component.named_modules() if _compiled_with_fullgraph(module)), None)
+        if found is None:
+            continue
+        where = f"{name!r}" + (f" (its submodule {found!r})" if found else "")
+        raise OffloadConflictError(
+            f"{where} is compiled with torch.compile(fullgraph=True) while diffusers-omni offload places this "
+            f"pipeline's components; {EAGER_ONLY}; or disable_omni_offload() first to run it fullgraph with every "
+            "weight resident. Nothing was run"
+        )
 
 
 def _expose_in_diffusers(cls: type) -> None:
@@ -379,6 +424,10 @@ class OmniPipelineMixin:
         from ..offload.factory import get_offload_backend
 
         backend = get_offload_backend(config)
+        for module in self.omni_dits().values():
+            check_layer_counts(module, type(module).__name__)
+        if backend is not None:
+            check_no_fullgraph_compile(self)
         active = self.omni_offload_backend
         if active is None:
             return self._enable_new_omni_offload(backend)

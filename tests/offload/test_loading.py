@@ -4,6 +4,7 @@ checkpoint a ``CheckpointError`` naming the file and tensor, and weights that ar
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 
@@ -226,3 +227,73 @@ def test_load_gguf_mmap_refuses_a_missing_or_unreadable_file(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(CheckpointError, match=r"bad\.gguf: not a readable GGUF file"):
         load_gguf_mmap(FluxTransformer2DModel, tmp_path / "bad.gguf", tmp_path)
+
+
+# Issue 39 item 4: a checkpoint rewritten in place after load_transformer_mmap ------------------------------------
+
+
+def _wan_inputs(model):
+    generator = torch.Generator().manual_seed(0)
+    return {
+        "hidden_states": torch.randn(1, model.config.in_channels, 1, 4, 4, generator=generator),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": torch.randn(1, 8, model.config.text_dim, generator=generator),
+        "return_dict": False,
+    }
+
+
+def _rewrite_later(path, change):
+    """Write the checkpoint again with ``change`` applied, at a later modification time than the load's."""
+    import time
+
+    state = {k: v.clone() for k, v in load_file(path).items()}
+    change(state)
+    time.sleep(0.05)  # a file system's timestamps can be coarse
+    return state
+
+
+def test_a_checkpoint_rewritten_in_place_after_loading_is_refused_at_the_next_forward(saved, folder):
+    """The weights are views of a (private) mapping of the file, whose untouched pages show what the file holds
+    now: before the fix, saving over the file changed the loaded weights silently (the next forward gave other
+    values; a shorter file would crash the process with SIGBUS)."""
+    cls, _ = saved
+    model = load_transformer_mmap(cls, folder)
+    with torch.no_grad():
+        reference = model(**_wan_inputs(model))[0]
+    name = next(n for n, p in model.named_parameters() if p.dim() == 2)
+    state = _rewrite_later(folder / FILE, lambda s: s.update({name: s[name] + 1}))
+    save_file(state, folder.parent / "other.safetensors", metadata={"format": "pt"})
+    inode = os.stat(folder / FILE).st_ino
+    shutil.copyfile(folder.parent / "other.safetensors", folder / FILE)  # truncates and rewrites the same file
+    assert os.stat(folder / FILE).st_ino == inode
+    assert torch.equal(dict(model.named_parameters())[name], state[name])  # the loaded weight did change
+    with pytest.raises(CheckpointError) as caught:
+        with torch.no_grad():
+            model(**_wan_inputs(model))
+    message = str(caught.value)
+    assert str(folder / FILE) in message and "rewritten in place" in message and "load_transformer_mmap" in message
+    assert "rename" in message  # the way to update a checkpoint under a running model
+    # A copy of the weights does not depend on the file: it runs (with the weights it copied).
+    copied = load_transformer_mmap(cls, folder)
+    import copy as copy_module
+
+    detached = copy_module.deepcopy(copied)
+    _rewrite_later(folder / FILE, lambda s: None)
+    shutil.copyfile(folder.parent / "other.safetensors", folder / FILE)
+    with torch.no_grad():
+        assert torch.isfinite(detached(**_wan_inputs(detached))[0]).all()
+    assert reference.shape == detached(**_wan_inputs(detached))[0].shape
+
+
+def test_a_checkpoint_replaced_by_rename_leaves_the_loaded_model_running_unchanged(saved, folder):
+    """The safe way to update a checkpoint under a running model: write a new file and rename it over the old one;
+    the mapping keeps the old file's pages, so nothing changes and nothing is refused."""
+    cls, _ = saved
+    model = load_transformer_mmap(cls, folder)
+    with torch.no_grad():
+        reference = model(**_wan_inputs(model))[0]
+    state = _rewrite_later(folder / FILE, lambda s: s.update({k: s[k] + 1 for k in list(s)[:5]}))
+    save_file(state, folder / "new.safetensors.tmp", metadata={"format": "pt"})
+    os.replace(folder / "new.safetensors.tmp", folder / FILE)
+    with torch.no_grad():
+        assert torch.equal(model(**_wan_inputs(model))[0], reference)
