@@ -1,5 +1,7 @@
 """Render the measured-number tables of ``docs/`` from the committed results, so no number there is typed by hand.
 
+It also writes ``PYPI.md``, the README as the package page shows it (``pypi_description``).
+
 Each table sits between ``<!-- results: NAME -->`` and ``<!-- /results -->`` in a docs page; this script rewrites
 what is between the markers. ``--check`` only reports stale tables (a test runs it).
 
@@ -1830,6 +1832,44 @@ def plot_is_current(name: str, directory: Path | None = None) -> bool:
         return image.text.get("Description") == f"data-sha256:{_digest(PLOTS[name][1]())}"
 
 
+# The package page: PyPI shows the README as the long description, where a relative link or image is broken and the
+# install line is the released wheel's. PYPI_DESCRIPTION (pyproject's ``readme``) is the README rendered for it:
+# ``<!-- pypi: omit -->`` … ``<!-- /pypi -->`` left out, ``<!-- pypi: only`` … ``-->`` shown, every relative link made
+# the repository's URL and every relative image its raw file's, other HTML comments dropped.
+
+REPO_URL = "https://github.com/diffusers-omni/diffusers-omni"
+RAW_URL = "https://raw.githubusercontent.com/diffusers-omni/diffusers-omni/main"
+PYPI_DESCRIPTION = ROOT / "PYPI.md"
+_PYPI_OMIT = re.compile(r"<!-- pypi: omit -->\n.*?<!-- /pypi -->\n?", re.S)
+_PYPI_ONLY = re.compile(r"<!-- pypi: only\n(.*?)-->\n?", re.S)
+_COMMENT = re.compile(r"<!--.*?-->\n?", re.S)
+_MD_LINK = re.compile(r"(!?)\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^)\s]+)\)")
+_FENCE = re.compile(r"(```.*?```)", re.S)
+
+
+def absolute_url(target: str, image: bool, root: Path = ROOT) -> str:
+    """``target`` of a link or image on a page at the repository root, as an absolute URL."""
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+        return target
+    if target.startswith("#"):
+        return REPO_URL + target
+    path, _, anchor = target.partition("#")
+    if image:
+        return f"{RAW_URL}/{path}"
+    kind = "tree" if path.endswith("/") or (root / path).is_dir() else "blob"
+    return f"{REPO_URL}/{kind}/main/{path.rstrip('/')}" + (f"#{anchor}" if anchor else "")
+
+
+def pypi_description(readme: str) -> str:
+    """The README as the package page shows it (see ``PYPI_DESCRIPTION``)."""
+    text = _PYPI_ONLY.sub(lambda m: m[1], _PYPI_OMIT.sub("", readme))
+    text = _COMMENT.sub("", text)
+    parts = _FENCE.split(text)
+    for i in range(0, len(parts), 2):  # links outside code blocks
+        parts[i] = _MD_LINK.sub(lambda m: f"{m[1]}[{m[2]}]({absolute_url(m[3], bool(m[1]))})", parts[i])
+    return re.sub(r"\n{3,}", "\n\n", "".join(parts))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="report stale tables, change nothing")
@@ -1847,6 +1887,11 @@ def main() -> None:
             stale.append(page.relative_to(ROOT))
             if not args.check:
                 page.write_text(rendered)
+    description = pypi_description((ROOT / "README.md").read_text())
+    if not PYPI_DESCRIPTION.exists() or PYPI_DESCRIPTION.read_text() != description:
+        stale.append(PYPI_DESCRIPTION.relative_to(ROOT))
+        if not args.check:
+            PYPI_DESCRIPTION.write_text(description)
     verb = "stale" if args.check else "rewritten"
     print(f"{verb}: {', '.join(map(str, stale))}" if stale else "docs tables match the results")
     if args.check and stale:
