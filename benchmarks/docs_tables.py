@@ -1822,6 +1822,11 @@ PLOTS = {"offload_summary.png": (plot_offload_summary, offload_plot_data),
          "pipeline_offload.png": (plot_pipeline_offload, pipeline_plot_data)}
 
 
+# Plots the docs site serves itself (a page under docs/ cannot show a file outside it): the same drawing, beside the
+# page that shows it (docs/index.md's measured picture).
+SITE_PLOTS = {"offload_summary.png": ROOT / "docs" / "assets"}
+
+
 def plot_is_current(name: str, directory: Path | None = None) -> bool:
     from PIL import Image
 
@@ -1880,6 +1885,12 @@ def main() -> None:
             stale.append(Path("benchmarks/results") / name)
             if not args.check:
                 draw(RESULTS / name)
+    for name, directory in SITE_PLOTS.items():
+        if not plot_is_current(name, directory):
+            stale.append((directory / name).relative_to(ROOT))
+            if not args.check:
+                directory.mkdir(parents=True, exist_ok=True)
+                PLOTS[name][0](directory / name)
     for page in pages():
         text = page.read_text()
         rendered = render_page(text)
