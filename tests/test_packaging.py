@@ -70,8 +70,9 @@ def test_wheel_ships_data_files_licence_and_metadata(dists):
     # The package page is PYPI.md as committed: absolute links, the released wheel's install line
     # (tests/docs/test_package_page.py checks the file).
     assert metadata["Description-Content-Type"].startswith("text/markdown")
-    assert metadata.get_payload().strip() == (ROOT / "PYPI.md").read_text().strip()
-    assert "pip install -e" not in metadata.get_payload() and "](docs/" not in metadata.get_payload()
+    description = metadata.get_payload(decode=True).decode("utf-8")
+    assert description.strip() == (ROOT / "PYPI.md").read_text().strip()
+    assert "pip install -e" not in description and "](docs/" not in description
 
 
 def test_sdist_ships_the_licence(dists):
