@@ -1,5 +1,7 @@
 """Render the measured-number tables of ``docs/`` from the committed results, so no number there is typed by hand.
 
+It also writes ``PYPI.md``, the README as the package page shows it (``pypi_description``).
+
 Each table sits between ``<!-- results: NAME -->`` and ``<!-- /results -->`` in a docs page; this script rewrites
 what is between the markers. ``--check`` only reports stale tables (a test runs it).
 
@@ -53,6 +55,24 @@ def result(ref: str) -> dict:
 def cite(ref: str, suffix: str = ".md") -> str:
     """Where the run ``ref`` names is, for the docs: its path under ``benchmarks/results/`` with ``suffix``."""
     return path_of(ref).relative_to(RESULTS).with_suffix(suffix).as_posix()
+
+
+def provenance(ref: str) -> str:
+    """What a reader must know about the run ``ref`` names before trusting it, said beside it: its date when the run
+    did not record it, and a tree with uncommitted changes when it ran from one (``""`` otherwise)."""
+    meta = results_io.read(path_of(ref))["meta"]
+    notes = []
+    if meta.get("date") == results_io.UNKNOWN:
+        notes.append("run date unknown")
+    if meta.get("dirty") is True:
+        notes.append(f"run from a tree with uncommitted changes on {meta['commit'][:7]}")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def source(ref: str, suffix: str = ".md") -> str:
+    """``cite(ref, suffix)`` in a code span, with ``provenance(ref)`` beside it: how every rendered table names its
+    run."""
+    return f"`{cite(ref, suffix)}`{provenance(ref)}"
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -190,7 +210,7 @@ def offload_summary() -> str:
         rows.append([f"{label} ({gib(entry['param_bytes'])})", variant_name, f"{variant['step_s']:.3f}",
                      f"{variant['target_step_s']:.3f}", "yes" if variant["meets_step_target"] else "NO",
                      gib(variant["peak_device_bytes"]), " / ".join(f"{v['step_s']:.3f}" for v in diffusers) or "—",
-                     f"{variants['resident']['step_s']:.3f}", f"`{cite(name)}`"])
+                     f"{variants['resident']['step_s']:.3f}", f"{source(name)}"])
     return table(["Model", "Variant", "Step (s)", "Target (s)", "Meets", "Peak device",
                   "Diffusers (record_stream off / on)", "Resident", "Run"], rows)
 
@@ -210,7 +230,7 @@ def offload_budget_window() -> str:
     for name in OFFLOAD_BUDGET_HISTORY:
         _, variants = _variants(name)
         budget = next(v for n, v in variants.items() if n.startswith("omni layerwise ") and "GiB" in n)
-        rows.append([f"`{cite(name)}`", f"{budget['step_s']:.3f}", f"{budget['target_step_s']:.3f}",
+        rows.append([f"{source(name)}", f"{budget['step_s']:.3f}", f"{budget['target_step_s']:.3f}",
                      "yes" if budget["meets_step_target"] else "NO"])
     return table(["Run (oldest first)", "12 GiB budget step (s)", "target (s)", "meets"], rows) + (
         "\nRuns in order: fixed slots; plus free-room prefetch; plus the byte-counted window; resident blocks "
@@ -268,7 +288,7 @@ def distributed_example(ranks: int = 4) -> str:
         f"FLUX.1-dev ({gib(streamed)} of bf16 blocks, {layerwise['streamed_blocks']} blocks; the largest is "
         f"S = {gib(largest)}) on {ranks} ranks: ≈{gib(streamed / ranks)} pinned per rank and "
         f"≈{gib(2 * largest + 2 * largest / ranks)} of block weights per GPU (2 × {gib(largest)} slots + 2 × "
-        f"{gib(largest / ranks)} staging). Computed from the blocks measured in `{cite('offload-distributed-flux', '')}`; "
+        f"{gib(largest / ranks)} staging). Computed from the blocks measured in {source('offload-distributed-flux', '')}; "
         "only N = 1 was run.\n"
     )
 
@@ -374,10 +394,10 @@ def readme_wins() -> str:
                  f"bitwise equal ({len(same)} configs, max abs diff "
                  f"{max(check[k]['max_abs_diff'] for k in same)})", "—", "no accuracy cost"])
     env = result(README_OFFLOAD_RUNS[0][0])["environment"]
-    runs = ", ".join(f"`{cite(name, '.json')}` ({label.split(' ')[0]})" for name, label in README_OFFLOAD_RUNS)
+    runs = ", ".join(f"{label.split(' ')[0]}: {source(name, '.json')}" for name, label in README_OFFLOAD_RUNS)
     return table(["Measured on one " + env["device_name"], "diffusers-omni", "Diffusers", ""], rows) + (
         f"\ntorch {env['torch']}, diffusers {env['diffusers']}; one transformer forward per step, median of repeats; "
-        f"from `benchmarks/results/`: {runs} and `{cite('gpu-pipeline-check', '.json')}`. The plot below draws the same "
+        f"from `benchmarks/results/`: {runs} and {source('gpu-pipeline-check', '.json')}. The plot below draws the same "
         "rows "
         "of the same runs.\n")
 
@@ -419,7 +439,7 @@ def readme_costs() -> str:
          *each(lambda e, o, t, r: f"{t[-1]['setup_s']:.2f} s")],
     ]
     env = result(runs[0][0])["environment"]
-    header = [f"Cost ({env['device_name']})", *(f"{label} (`{cite(name, '')}`)" for name, label, *_ in runs)]
+    header = [f"Cost ({env['device_name']})", *(f"{label} ({source(name, '')})" for name, label, *_ in runs)]
     name, label, variant = README_BUDGET_RUN
     _, budget_variants = _variants(name)
     budget, default, resident = (budget_variants[n] for n in (variant, "omni layerwise", "resident"))
@@ -428,7 +448,7 @@ def readme_costs() -> str:
         "\nHost memory is the benchmark process's resident set, which holds the model's weights on the host before "
         "enable (they start there); layerwise registers those pages for DMA in place, group offload copies them into "
         "pinned buffers, and Diffusers keeps them after its hooks are removed, which is why its next enable is "
-        f"quick. With a budget, `max_device_memory=\"{limit}\"` ({label}, `{cite(name, '')}`): one forward "
+        f"quick. With a budget, `max_device_memory=\"{limit}\"` ({label}, {source(name, '')}): one forward "
         f"{budget['step_s']:.3f} s ({budget['step_s'] / resident['step_s']:.2f}× the resident {resident['step_s']:.3f} "
         f"s), peak {gib(budget['peak_device_bytes'])}, {budget['resident_blocks']} of "
         f"{budget['resident_blocks'] + budget['streamed_blocks']} blocks kept on the GPU. Layerwise pays its enable "
@@ -447,12 +467,15 @@ def e2e_attention() -> str:
     Reads the payload of ``benchmarks/results/hopper-e2e/latest.json`` ({"device", "torch", "script", "models":
     {label: {"tokens", "baseline", "steps": {variant: seconds}, "omni_backends": {variant: {role: {"backend",
     "fp8_routes"}}}, "rel_err": {variant: relative error of the output against the baseline}}}}); renders nothing
-    while the suite has no result.
+    while the suite has no result. An exact variant whose output this run did not compare takes its difference from
+    native from the ``quality`` run, where that run measured the same kernels.
     """
     path = results_io.run_path(E2E_ATTENTION, root=RESULTS)
     if not path.exists():
         return ""
-    return render_e2e_attention(results_io.read(path)["payload"])
+    quality_path = results_io.run_path("quality", root=RESULTS)
+    quality = results_io.read(quality_path)["payload"] if quality_path.exists() else None
+    return render_e2e_attention(results_io.read(path)["payload"], quality, source(E2E_ATTENTION, ".json"))
 
 
 def e2e_lossy(entry: dict, variant: str) -> bool | None:
@@ -469,9 +492,43 @@ def e2e_lossy(entry: dict, variant: str) -> bool | None:
     return any(word in variant for word in LOSSY_NAMES)
 
 
-def render_e2e_attention(data: dict) -> str:
+# Diffusers' backend names (the last word of an e2e variant "Diffusers <name>") and the kernel of ours each runs.
+DIFFUSERS_KERNELS = {"native": "TORCH_SDPA", "_flash_3": "FLASH_ATTN", "_native_cudnn": "CUDNN_ATTN"}
+
+
+def e2e_kernels(entry: dict, variant: str) -> frozenset[str] | None:
+    """The attention backends ``variant`` ran, from what the run recorded, else from Diffusers' backend name
+    (``None`` when neither says)."""
+    backends = entry.get("omni_backends", {}).get(variant)
+    if backends is not None:
+        return frozenset(role["backend"] for role in backends.values())
+    name = variant.split()[-1]
+    if variant.startswith("Diffusers") and name in DIFFUSERS_KERNELS:
+        return frozenset({DIFFUSERS_KERNELS[name]})
+    return None
+
+
+def _native_difference(quality: dict | None, tokens: int, kernels: frozenset[str] | None) -> tuple[str, float] | None:
+    """``(candidate, output rel. error vs native)`` of the ``quality`` run's exact candidate that ran ``kernels``
+    at ``tokens`` tokens, if that run measured one."""
+    if quality is None or not kernels:
+        return None
+    for entry in quality.get("full_size", {}).values():
+        if entry.get("tokens") != tokens:
+            continue
+        for name, cand in entry.get("candidates", {}).items():
+            ran = cand.get("candidate", {}).get("backends", [])
+            if (ran and "output_rel_err" in cand and not any(b["lossy"] for b in ran)
+                    and frozenset(b["backend"] for b in ran) == kernels):
+                return name, cand["output_rel_err"]
+    return None
+
+
+def render_e2e_attention(data: dict, quality: dict | None = None, run: str = "") -> str:
     """No lossy speed-up without its error beside it: a lossy variant with no measured error shows its step time
-    only, unbolded, and points at the quality page."""
+    only, unbolded, and points at the quality page. No exact variant is called error-free unless its output was
+    compared: an exact kernel other than the baseline's says how far from native its output was (this run's error,
+    else the ``quality`` run's for the same kernels), or that it was not compared."""
     rows = []
     for model, entry in data["models"].items():
         base = entry["steps"][entry["baseline"]]
@@ -479,22 +536,38 @@ def render_e2e_attention(data: dict) -> str:
         lossy = {v: e2e_lossy(entry, v) for v in entry["steps"]}
         shown = {v: s for v, s in entry["steps"].items() if not lossy[v] or v in errors}
         fastest = min(shown.values())
+        baseline_kernels = e2e_kernels(entry, entry["baseline"])
         for variant, seconds in entry["steps"].items():
             label = variant + (" (baseline)" if variant == entry["baseline"] else "")
             if variant not in shown:
                 rows.append([model, f"{entry['tokens']:,}", label, f"{seconds:.3f}", "—",
                              "lossy; error: see quality page"])
                 continue
-            error = (f"rel err {errors[variant]:.1e}" if variant in errors else
-                     "none (no call routed to FP8 at this size)" if lossy[variant] is None else "none (exact)")
+            kernels = e2e_kernels(entry, variant)
+            other = _native_difference(quality, entry["tokens"], kernels)
+            routed = " (no call routed to FP8 at this size)" if lossy[variant] is None else ""
+            if variant == entry["baseline"]:
+                error = "— (the baseline)"
+            elif variant in errors:
+                error = f"rel err {errors[variant]:.1e}"
+            elif kernels is not None and kernels == baseline_kernels:
+                error = (f"same kernel as the baseline ({', '.join(sorted(kernels))}){routed}; output not compared "
+                         "in this run")
+            elif other is not None:
+                error = (f"exact kernel{routed}, {other[1]:.2%} from native (quality run, "
+                         f"{other[0].removesuffix(' (exact)')})")
+            else:
+                error = f"exact kernel{routed}; output not compared with the baseline's"
             rows.append([model, f"{entry['tokens']:,}", label,
                          f"**{seconds:.3f}**" if seconds == fastest else f"{seconds:.3f}", f"{base / seconds:.2f}×",
                          error])
+    where = f"; {run}" if run else ""
     return table(["Model", "Tokens", "Attention", "Step (s)", "Speed-up (baseline step ÷ this step)",
                   "Error vs baseline"], rows) + (
         f"\nEnd to end, one denoising step (one transformer forward, random weights), {data['device']}, torch "
-        f"{data['torch']}; `{data['script']}`; bold = fastest with its error known. A lossy mode's speed-up is shown "
-        "only beside its measured error.\n")
+        f"{data['torch']}; `{data['script']}`{where}; bold = fastest with its error known. A lossy mode's speed-up is "
+        "shown only beside its measured error; \"quality run\": the output's relative error against Diffusers' native "
+        "attention in the run of the next table.\n")
 
 
 # Hopper lossy paths (FP8, block-sparse) -----------------------------------------------------------------------
@@ -779,7 +852,7 @@ def _quant_offload_rows(reports: list[tuple[str, dict]]) -> list[list]:
                 f"{gib(omni['peak_device_bytes'])} / " + (gib(diffusers["peak_device_bytes"]) if "step_s" in diffusers
                                                           else "—"),
                 f"{omni['setup_s']:.1f}" + (f" / {from_host['setup_s']:.1f}" if "setup_s" in from_host else ""),
-                "yes" if omni["bitwise_equal_to_resident"] else "NO", f"`{cite(run)}`",
+                "yes" if omni["bitwise_equal_to_resident"] else "NO", f"{source(run)}",
             ])
     return rows
 
@@ -809,7 +882,7 @@ def quant_offload_traffic() -> str:
                      f"{omni['target_step_s']:.3f}", _verdict(omni["meets_step_target"])])
     return table(["Model", "Format", "Resident step (s)", "Resident, packed bytes copied alongside (s)", "Copied",
                   "omni layerwise (s)", "Target (s)", "Meets"], rows) + (
-        f"\nOne run (`{cite(QUANT_OFFLOAD_TRAFFIC_RUN)}`, `--copy-traffic`): the resident quantized model timed while "
+        f"\nOne run ({source(QUANT_OFFLOAD_TRAFFIC_RUN)}, `--copy-traffic`): the resident quantized model timed while "
         "a side stream copies the model's packed bytes host→device (pinned, 256 MiB pieces) once per step, with no "
         "dependency between the two. Percentages are over the resident step of the same run.\n")
 
@@ -835,7 +908,7 @@ def quant_offload_deeper() -> str:
                              "yes" if v["bitwise_equal_to_resident"] else "NO"])
     return table(["Model", "Format", "prefetch_depth", "Default window step (peak)", "Deeper step (s)", "Peak",
                   "Target (s)", "Meets", "Diffusers' peak", "Bitwise = resident"], rows) + (
-        f"\nOne run, `{cite(QUANT_OFFLOAD_DEEPER_RUN)}`: the default window and the deeper one side by side, median of "
+        f"\nOne run, {source(QUANT_OFFLOAD_DEEPER_RUN)}: the default window and the deeper one side by side, median of "
         f"{report['args']['repeats']} steps.\n")
 
 
@@ -889,14 +962,14 @@ def quant_offload_bound() -> str:
                   "Any schedule within that window's bytes (s)", "Run that sets it",
                   "Same, compute slowed as under copy traffic (s)", "Target (s)", "omni layerwise (s)",
                   "Any-schedule bound", "Slowed bound"], rows) + (
-        f"\nFrom `{cite(QUANT_OFFLOAD_FINAL_RUNS[0], '.json')}` (`--per-block`): each block's forward timed alone in the "
+        f"\nFrom {source(QUANT_OFFLOAD_FINAL_RUNS[0], '.json')} (`--per-block`): each block's forward timed alone in the "
         "resident quantized model, and its packed bytes copied alone host→device. Diffusers' window, whole blocks: "
         "block i+1 copies only while block i runs, the next step's first block after the last one ends (the rule "
         "layerwise follows without a budget). Any schedule: at most two largest blocks' bytes of streamed weights on "
         "the device at any time (Diffusers' window), freed byte by byte as compute passes, copies at full speed and "
         "compute at its resident speed; see `schedule_bound` in `benchmarks/docs_tables.py`. Slowed: the same "
         "computation with every block's compute slowed by the factor the copies alone cost the resident model in "
-        f"`{cite(QUANT_OFFLOAD_TRAFFIC_RUN)}` (none below 1), an estimate rather than a bound: copies run through most "
+        f"{source(QUANT_OFFLOAD_TRAFFIC_RUN)} (none below 1), an estimate rather than a bound: copies run through most "
         "but not all of such a step.\n")
 
 
@@ -928,7 +1001,7 @@ def quant_offload_why() -> str:
         "Where a format misses, the copy engine sets the step, not the hooks. FLUX's double-stream blocks carry "
         f"{mean(double, 'packed_bytes') / mean(single, 'packed_bytes'):.2f}× the bytes of its single-stream ones for "
         f"{mean(double, 'compute_s') / mean(single, 'compute_s'):.2f}× the compute (GGUF Q8_0, each block timed alone "
-        f"in `{cite(QUANT_OFFLOAD_FINAL_RUNS[0], '')}`): {copy_bound(double)} of the {len(double)} double-stream blocks take "
+        f"in {source(QUANT_OFFLOAD_FINAL_RUNS[0], '')}): {copy_bound(double)} of the {len(double)} double-stream blocks take "
         "longer to copy than to compute, one after another, so they fall behind, and the single-stream blocks after "
         f"them ({copy_bound(single)} of {len(single)} copy-bound) cannot give the time back without holding more "
         "blocks on the device. The run's per-block timings bound what any schedule can do within Diffusers' window "
@@ -961,7 +1034,7 @@ def quant_offload_misses() -> str:
         f"{gib(omni['peak_device_bytes'])} against its {gib(diffusers['peak_device_bytes'])}) no schedule found meets "
         "it; a budget does (`max_device_memory=\"3.5GiB\"`, below), at a higher peak.\n"
         "- **torchao float8, bitsandbytes NF4**: compute-bound, so their bounds are the resident step. The copies alone "
-        f"cost them {costs[0]} and {costs[1]} (`{cite(QUANT_OFFLOAD_TRAFFIC_RUN, '')}`) of the 5% the target allows; the rest of "
+        f"cost them {costs[0]} and {costs[1]} ({source(QUANT_OFFLOAD_TRAFFIC_RUN, '')}) of the 5% the target allows; the rest of "
         "what omni adds is the pass boundary (the next step's first block copies after the last block ends: loading it "
         "while the last block runs raised their peak) and the hooks. They land on the target, a fraction of a percent "
         "on either side from run to run (all runs below).\n")
@@ -993,7 +1066,7 @@ def quant_offload_check() -> str:
         f"\n{report['device']}, torch {report['torch']}, torchao {report['versions']['torchao']}, bitsandbytes "
         f"{report['versions']['bitsandbytes']}, gguf {report['versions']['gguf']}. \"yes\": bitwise equal to the "
         "resident quantized model, and again after `disable()`. Failures: "
-        f"{', '.join(report['failures']) or 'none'}. Run: `{cite('quant-offload-check', '.json')}` "
+        f"{', '.join(report['failures']) or 'none'}. Run: {source('quant-offload-check', '.json')} "
         "(`benchmarks/quant_offload_check.py`).\n")
 
 
@@ -1024,7 +1097,7 @@ def quant_offload_budget() -> str:
                              f"{v['step_s']:.3f}", f"{v['target_step_s']:.3f}", _verdict(v["meets_step_target"]),
                              gib(v["streamed_bytes"]), gib(v["peak_device_bytes"]),
                              "—" if diffusers_peak is None else gib(diffusers_peak),
-                             "yes" if v["bitwise_equal_to_resident"] else "NO", f"`{cite(name)}`"])
+                             "yes" if v["bitwise_equal_to_resident"] else "NO", f"{source(name)}"])
     return table(["Model", "Format", "max_device_memory", "Resident blocks", "Resident step (s)",
                   "Default window step (peak)", "Budget step (s)", "Target (s)", "Meets", "Streamed", "Peak",
                   "Diffusers' peak", "Bitwise = resident", "Run"], rows) + (
@@ -1049,7 +1122,7 @@ def peak_diff() -> str:
                   "Allocator rounding", "of which weights and inputs"], rows) + (
         "\nLive tensor bytes: the caching allocator's recorded history of one forward, replayed to its peak "
         "(requested sizes); `max_memory_allocated` counts whole allocator blocks, which may be up to 1 MiB larger "
-        f"than requested. Run: `{cite('peak-diff', '.json')}` (`benchmarks/peak_probe.py --diff`).\n")
+        f"than requested. Run: {source('peak-diff', '.json')} (`benchmarks/peak_probe.py --diff`).\n")
 
 
 def _mib(n: float) -> str:
@@ -1084,7 +1157,7 @@ def offload_lifecycle() -> str:
               f"transformer ({gib(report['model_bytes'])}), dropped without `disable()` then `gc.collect()` each "
               f"cycle; {args['steps']} denoising steps at {args['image_tokens']} image + {args['text_tokens']} text "
               f"tokens; RSS allowance {args['rss_tolerance'] // 2**20} MiB (allocator slack). All checks pass: "
-              f"{_verdict(report['all_checks_pass'])}. Run: `{cite('offload-lifecycle')}`.\n")
+              f"{_verdict(report['all_checks_pass'])}. Run: {source('offload-lifecycle')}.\n")
 
 
 def offload_concurrency() -> str:
@@ -1104,7 +1177,7 @@ def offload_concurrency() -> str:
             + f"\n{env['device_name']}, torch {env['torch']}, diffusers {env['diffusers']}; FLUX.1-size bf16 transformer "
               f"({gib(report['model_bytes'])}), {args['threads']} threads × {args['calls']} calls per round, "
               f"{args['image_tokens']} image + {args['text_tokens']} text tokens, a different input per thread. "
-              f"Run: `{cite('offload-concurrency')}`.\n")
+              f"Run: {source('offload-concurrency')}.\n")
 
 
 # Whole pipelines on a small card (#29) ----------------------------------------------------------------------------
@@ -1156,31 +1229,39 @@ def _resident(report: dict) -> dict | None:
 def _end_to_end(row: dict, steps: int) -> float:
     """``row``'s end to end at ``steps`` denoising steps: as measured when it ran that many, else its encode and
     decode plus its denoise phase scaled by the steps (a strategy too slow to run them all: every step does the
-    same work)."""
+    same work). The one value a strategy's time has wherever it is shown: the guide's table, the README, the plot
+    and the targets (a second run's rows as measured, not rescaled by its resident)."""
     if row.get("steps", steps) == steps:
         return row["end_to_end_s"]
     phases = row["phases"]
     return phases["encode_s"] + phases["denoise_s"] * steps / row["steps"] + phases["decode_s"]
 
 
+def _scaled_how(row: dict, steps: int) -> str:
+    """How ``_end_to_end`` got ``row``'s time when it ran fewer steps than ``steps`` (else ``""``): said beside the
+    number wherever it is shown."""
+    if row.get("steps", steps) == steps:
+        return ""
+    return f"ran {row['steps']} steps in {row['end_to_end_s']:.1f} s, denoise scaled to {steps}"
+
+
+def _same_output(row: dict, run: dict) -> bool | None:
+    """Whether ``row``'s output is bitwise its run's resident output (``None``: not comparable, because it ran
+    fewer steps or its run has no resident row)."""
+    reference = _resident(run)
+    if reference is None or row.get("steps", run["steps"]) != run["steps"]:
+        return None
+    return row.get("sha256") is not None and row.get("sha256") == reference.get("sha256")
+
+
 def _pipeline_checks(name: str) -> dict:
     """The issue's targets for one pipeline: omni's peak within the card, omni within 1.1× its lower bound, and how
-    much faster than the fastest Diffusers strategy that ran and than mmgp profile 2. A strategy measured in the
-    companion run is compared through the resident of each run (its time ÷ its run's resident, against omni's ÷
-    omni's run's resident)."""
+    much faster than the fastest Diffusers strategy that ran and than mmgp profile 2, each compared at the time
+    ``_end_to_end`` gives it (a companion run's strategy as that run measured it)."""
     report = result(name)
     bounds = {b["strategy"]: b for b in report["lower_bounds"]}
     rows = _pipeline_rows(name)
-
-    def relative(row: dict, run: dict) -> float:
-        """``row``'s end to end (at the run's steps) in units of its own run's resident (1.0 when both are the
-        same run)."""
-        own_time = _end_to_end(row, report["steps"])
-        if run is report:
-            return own_time
-        reference, own = _resident(run), _resident(report)
-        return own_time / reference["end_to_end_s"] * own["end_to_end_s"]
-
+    steps = report["steps"]
     diffusers = [(r, run) for r, run, _ in rows if r["strategy"] in _DIFFUSERS and _pipeline_ok(r)]
     mmgp = next(((r, run) for r, run, _ in rows if r["strategy"] == "mmgp2" and _pipeline_ok(r)), None)
     checks = {}
@@ -1188,12 +1269,15 @@ def _pipeline_checks(name: str) -> dict:
         row = next((r for r in report["strategies"] if r["strategy"] == strategy), None)
         if row is None or not _pipeline_ok(row):
             continue
-        fastest = min(diffusers, key=lambda pair: relative(*pair)) if diffusers else None
+        fastest = min(diffusers, key=lambda pair: _end_to_end(pair[0], steps)) if diffusers else None
         checks[strategy] = {
             "peak_ok": row["device_peak_allocated"] <= row["card_bytes"],
             "bound_ratio": bounds[strategy]["ratio"] if strategy in bounds else None,
-            "vs_diffusers": (relative(*fastest) / row["end_to_end_s"], fastest[0]["strategy"]) if fastest else None,
-            "vs_mmgp2": relative(*mmgp) / row["end_to_end_s"] if mmgp else None,
+            "vs_diffusers": ((_end_to_end(fastest[0], steps) / row["end_to_end_s"], fastest[0]["strategy"])
+                             if fastest else None),
+            "diffusers_row": fastest,
+            "vs_mmgp2": _end_to_end(mmgp[0], steps) / row["end_to_end_s"] if mmgp else None,
+            "mmgp2_row": mmgp,
             "mmgp2_other_run": mmgp is not None and mmgp[1] is not report,
             "vs_resident": row["end_to_end_s"] / _resident(report)["end_to_end_s"] if _resident(report) else None,
         }
@@ -1223,10 +1307,9 @@ def pipeline_offload() -> str:
                     else "yes" if row.get("sha256") == reference.get("sha256") else "**no**")
             relative = (f"{_end_to_end(row, report['steps']) / reference['end_to_end_s']:.2f}×"
                         if reference is not None and _pipeline_ok(reference) else "")
-            end_to_end = f"{row['end_to_end_s']:.1f} s"
+            end_to_end = f"{_end_to_end(row, report['steps']):.1f} s"
             if scaled:
-                end_to_end += (f" for {row['steps']} steps; {_end_to_end(row, report['steps']):.1f} s at "
-                               f"{report['steps']} (denoise scaled)")
+                end_to_end += f" ({_scaled_how(row, report['steps'])})"
             rows.append([title, end_to_end, relative,
                          f"{phases['encode_s']:.2f} / {phases['denoise_s']:.1f} / {phases['decode_s']:.2f} s",
                          gib(row["device_peak_allocated"]), gib(row["rss"]["peak"]),
@@ -1244,7 +1327,7 @@ def pipeline_offload() -> str:
             else:
                 parts.append("no Diffusers strategy completed on this card")
             if check["vs_mmgp2"] is not None:
-                via = " (² through each run's resident)" if check["mmgp2_other_run"] else ""
+                via = " (², as its run measured it)" if check["mmgp2_other_run"] else ""
                 parts.append(f"{check['vs_mmgp2']:.2f}× faster than mmgp profile 2{via} (≥ 1.8: "
                              f"{_verdict(check['vs_mmgp2'] >= 1.8)})")
             if check["vs_resident"] is not None:
@@ -1252,8 +1335,9 @@ def pipeline_offload() -> str:
             lines.append(f"- {strategy}: " + "; ".join(parts))
         env, args = report["environment"], report["args"]
         card = args["card_gib"]
-        runs = f"`{cite(name)}`" + (f"; ² `{cite(companion)}`, a second run on the same kind of machine with its own "
-                                    "resident reference" if companion else "")
+        runs = f"{source(name)}" + (f"; ² {source(companion)}, a second run on the same kind of machine with its own "
+                                    f"resident reference ({_companion_drift(name)}; its rows are compared as measured)"
+                                    if companion else "")
         out.append(
             f"**{label}**, {report['steps']} steps, card emulated at {card:g} GiB "
             f"(`torch.cuda.set_per_process_memory_fraction`), {env['device_name']}, torch {env['torch']}, diffusers "
@@ -1264,32 +1348,68 @@ def pipeline_offload() -> str:
     return "\n".join(out)
 
 
+def _companion_drift(name: str) -> str:
+    """How the resident pipeline of ``name``'s second run compares with the first run's (the two machines' drift)."""
+    first, second = _resident(result(name)), _resident(result(PIPELINE_COMPANIONS[name]))
+    return (f"its resident pipeline took {second['end_to_end_s']:.1f} s against the first run's "
+            f"{first['end_to_end_s']:.1f} s")
+
+
+def _pipeline_cell(row: dict, run: dict, steps: int, second_run: bool, name: str = "") -> str:
+    """A README cell for one strategy: the time ``_end_to_end`` gives it (the guide's and the plot's value), what
+    it ran as, how the time was got when it ran fewer steps, and whether its output is the resident's."""
+    notes = [name] if name else []
+    how = _scaled_how(row, steps)
+    if how:
+        notes.append(how)
+    same = _same_output(row, run)
+    if same is False:
+        notes.append("output not the resident pipeline's")
+    elif same is None:
+        notes.append("output not compared with the resident pipeline's")
+    text = f"{_end_to_end(row, steps):.1f} s" + (" ²" if second_run else "")
+    return text + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def readme_pipelines() -> str:
-    """The README's row for whole pipelines: omni against the fastest Diffusers strategy and mmgp, same runs as
-    the offload guide's tables."""
-    rows = []
+    """The README's row for whole pipelines: omni against the fastest Diffusers strategy and mmgp, same runs, same
+    values (``_end_to_end``) as the offload guide's tables and the plot."""
+    rows, drifts = [], []
     for name, label in PIPELINE_RUNS:
         report = result(name)
+        steps = report["steps"]
         by = {r["strategy"]: r for r in report["strategies"]}
         omni, card = by["omni"], report["args"]["card_gib"]
         checks = _pipeline_checks(name)["omni"]
-        diffusers = (f"{checks['vs_diffusers'][0] * omni['end_to_end_s']:.1f} s ({checks['vs_diffusers'][1]})"
-                     if checks["vs_diffusers"] else "none completed on this card")
+        used_companion = False
+        diffusers = "none completed on this card"
+        if checks["diffusers_row"]:
+            row, run = checks["diffusers_row"]
+            used_companion |= run is not report
+            diffusers = _pipeline_cell(row, run, steps, run is not report, row["strategy"])
         mmgp = "—"
-        if checks["vs_mmgp2"] is not None:
-            mmgp = f"{checks['vs_mmgp2'] * omni['end_to_end_s']:.1f} s"
-            if checks["mmgp2_other_run"]:
-                mmgp += " (scaled by the resident times of the two runs)"
+        if checks["mmgp2_row"]:
+            row, run = checks["mmgp2_row"]
+            used_companion |= run is not report
+            mmgp = _pipeline_cell(row, run, steps, run is not report)
+        if used_companion:
+            drifts.append(f"{label}: {source(PIPELINE_COMPANIONS[name], '.json')}, {_companion_drift(name)}")
         output = "video" if "wan" in name else "image"
-        rows.append([f"{label}, prompt → {report['steps']}-step {output} on a {card:g} GiB card",
-                     f"**{omni['end_to_end_s']:.1f} s**, peak {gib(omni['device_peak_allocated'])}", diffusers, mmgp])
+        omni_cell = f"**{omni['end_to_end_s']:.1f} s**, peak {gib(omni['device_peak_allocated'])}"
+        if _same_output(omni, report) is not True:
+            omni_cell += " (output not the resident pipeline's)"
+        rows.append([f"{label}, prompt → {steps}-step {output} on a {card:g} GiB card", omni_cell, diffusers, mmgp])
     env = result(PIPELINE_RUNS[0][0])["environment"]
-    names = [n for name, _ in PIPELINE_RUNS for n in (name, PIPELINE_COMPANIONS.get(name)) if n]
-    runs = ", ".join(f"`{cite(name, '.json')}`" for name in names)
+    runs = ", ".join(source(name, ".json") for name, _ in PIPELINE_RUNS)
+    second = ("; ² from a second run of the same pipeline with its own resident reference, shown as measured ("
+              + "; ".join(drifts) + ")") if drifts else ""
     return table(["Whole pipeline, every component offloaded (" + env["device_name"] + ")",
                   "diffusers-omni `enable_layerwise_offload`", "Diffusers, fastest that ran", "mmgp profile 2"],
                  rows) + (f"\nbf16 random weights at the real sizes, card emulated with "
-                          f"`set_per_process_memory_fraction`, same output as the resident pipeline; from {runs}. "
+                          f"`set_per_process_memory_fraction`; every time is end to end at the steps of its row (a "
+                          f"strategy that ran fewer steps: its denoise scaled, said in its cell), the same value as "
+                          f"the offload guide and the plot; output bitwise the resident pipeline's unless its cell "
+                          f"says otherwise; from {runs}{second}. "
                           "[Offload guide](docs/user_guide/offload.md#whole-pipelines-on-a-small-card) for the "
                           "phases, budgets and every strategy.\n")
 
@@ -1349,12 +1469,12 @@ def pipeline_host_budget() -> str:
               f"is built in memory: the disk has no room for its checkpoint beside the experts', so its blocks keep "
               f"their host copies), the files' page cache dropped before every transformer forward; the all-pinned "
               f"run is the same process tree's `omni` strategy (end to end {pinned_all['end_to_end_s']:.1f} s "
-              f"against {host['end_to_end_s']:.1f} s). `{cite('pipeline-offload-wan-host')}`. The floor: one "
+              f"against {host['end_to_end_s']:.1f} s). {source('pipeline-offload-wan-host')}. The floor: one "
               f"expert's blocks read at every load ({gib(per_forward)}) at the disk's best measured cold read "
               f"bandwidth below. The 40-step column: (2 × first + 78 × others) ÷ (80 × all pinned).\n\n"
             + table(["Readers", "Chunk", "Cold read bandwidth"], probe_rows)
             + f"\nThe same machine's disk, {probe['size_bytes'] / GiB:.0f} GiB file, page cache dropped before each "
-              f"read (`{cite('disk-read-probe')}`): one reader reaches {single['gib_per_s']:.2f} GiB/s, the best "
+              f"read ({source('disk-read-probe')}): one reader reaches {single['gib_per_s']:.2f} GiB/s, the best "
               f"setting {best['gib_per_s']:.2f} GiB/s.\n")
 
 
@@ -1383,7 +1503,7 @@ def budget_never_slower() -> str:
                    "samples", "Peak", "Not slower"], rows)
             + f"\n{env['device_name']}, torch {env['torch']}, torchao {report['versions']['torchao']}; median of "
               f"{report['args']['repeats']} steps after {report['args']['warmup']} warm-up, one process; "
-              f"`{cite('quant-offload-budget-float8')}`.\n")
+              f"{source('quant-offload-budget-float8')}.\n")
 
 
 def quality_h200() -> str:
@@ -1428,7 +1548,7 @@ def tune_h200() -> str:
             rows.append([model["label"], f"{model['tune']['seconds']:.1f} s", picks, candidates,
                          f"{ratio:.3f}" if ratio else "—", _verdict(model["whole_step"]["within_tolerance"])])
         out.append(f"**{report['label']}** ({report['device']}, torch {report['torch']}, {report['date'][:10]}; "
-                   f"`{cite(name, '.json')}`)\n\n" + table(
+                   f"{source(name, '.json')})\n\n" + table(
                        ["Model", "tune took", "auto ran, per role (tuned table)", "whole step of every candidate (s, "
                         "fastest bold)", "tuned auto / fastest", "within 3%"], rows))
     return "\n".join(out)
@@ -1449,7 +1569,7 @@ def tune_lossy() -> str:
                          f"{row['step_s']:.3f} s", f"{speed:.2f}× the fastest exact ({row['exact_fastest_step_s']:.3f} s)"
                          if label != "FLASH_ATTN bf16 (exact)" else "exact kernel, for scale"])
     return (f"{report['device']}, torch {report['torch']}, {report['date'][:10]}, random weights (`"
-            f"{cite('tune-lossy', '.json')}`): relative error of the whole transformer output against Diffusers' native attention.\n\n"
+            f"{cite('tune-lossy', '.json')}`{provenance('tune-lossy')}): relative error of the whole transformer output against Diffusers' native attention.\n\n"
             + table(["Model", "Mode", "rel. error vs native", "step", "speed"], rows))
 
 
@@ -1477,7 +1597,7 @@ def readme_lossy() -> str:
     return table(["Model", "Attention", "Forward (s)", "Speed-up (native ÷ this, per forward)",
                   "Output rel. error vs native", "Attention rel. error, per module (mean)"], rows) + (
         f"\nOne run, {data['device']}, {data['date'][:10]}, commit {data.get('commit') or '?'} "
-        f"(`benchmarks/quality_bench.py`, `benchmarks/results/{cite('quality', '.json')}`). Random weights: the errors "
+        f"(`benchmarks/quality_bench.py`, `benchmarks/results/{cite('quality', '.json')}`{provenance('quality')}). Random weights: the errors "
         "show what each mode does to these activations, not image quality on a trained checkpoint; measure yours with "
         "`diffusers-omni compare`. \"FP8 (routed)\" is FP8 as shipped: at FLUX's size every call stays bf16.\n")
 
@@ -1502,7 +1622,7 @@ def diffusers_pipeline_tests() -> str:
     text = (f"Diffusers' tests from `{data['diffusers_tests_ref']}`, run against the installed diffusers "
             f"{data['diffusers']} (torch {data['torch']}, {data['device']}) for the families {families} "
             f"(`python -m benchmarks.diffusers_pipeline_tests`, "
-            f"`benchmarks/results/{cite('diffusers-pipeline-tests', '.json')}`; each run at the commit it names"
+            f"`benchmarks/results/{cite('diffusers-pipeline-tests', '.json')}`{provenance('diffusers-pipeline-tests')}; each run at the commit it names"
             + (f"; {data['note']}" if data.get("note") else "") + ").\n\n")
     text += table(["Run", "Commit, date", "Passed", "Failed", "Skipped", "Failed beyond stock"], rows)
     folders = sorted({nodeid.split("::")[0].split("/")[2] for run in runs.values() for nodeid in run["outcomes"]})
@@ -1661,7 +1781,8 @@ def pipeline_plot_data() -> list[dict]:
         for row, run, run_name in _pipeline_rows(name):
             if _pipeline_ok(row) and not (run_name != name and row["strategy"] == "resident"):
                 bars.append({"group": f"{label}, {report['args']['card_gib']:g} GiB card, {report['steps']} steps",
-                             "strategy": row["strategy"], "seconds": round(row["end_to_end_s"], 3),
+                             "strategy": row["strategy"], "seconds": round(_end_to_end(row, report["steps"]), 3),
+                             "measured_steps": row.get("steps", report["steps"]), "steps": report["steps"],
                              "peak_gib": round(row["device_peak_allocated"] / GiB, 2),
                              "card_gib": report["args"]["card_gib"], "budget": report["args"]["omni_budget"],
                              "second_run": run_name != name})
@@ -1678,8 +1799,9 @@ def plot_pipeline_offload(path: Path) -> None:
         group = mine[0]["group"]
         ax.bar(range(len(mine)), [b["seconds"] for b in mine], color=colors)
         for i, b in enumerate(mine):
-            ax.text(i, b["seconds"], f"{b['seconds']:.1f} s\n{b['peak_gib']:.1f} GiB", ha="center", va="bottom",
-                    fontsize=7)
+            scaled = f"\n(ran {b['measured_steps']} steps,\ndenoise scaled)" if b["measured_steps"] != b["steps"] else ""
+            ax.text(i, b["seconds"], f"{b['seconds']:.1f} s{scaled}\n{b['peak_gib']:.1f} GiB", ha="center",
+                    va="bottom", fontsize=7)
         labels = [names.get(b["strategy"], f"omni\n{b['budget']} budget") + (" ²" if b["second_run"] else "")
                   for b in mine]
         ax.set_xticks(range(len(mine)), labels, fontsize=7)
@@ -1690,13 +1812,19 @@ def plot_pipeline_offload(path: Path) -> None:
     drift = [abs(_resident(result(c))["end_to_end_s"] / _resident(result(n))["end_to_end_s"] - 1)
              for n, c in PIPELINE_COMPANIONS.items()]
     if any(b["second_run"] for b in bars):
-        title += f"\n²: a second run; its resident pipeline ran within {max(drift):.0%} of the first run's"
+        title += (f"\n²: a second run, times as measured; its resident pipeline ran within {max(drift):.0%} of the "
+                  "first run's")
     fig.suptitle(title, fontsize=10)
     _save_plot(fig, path, bars)
 
 
 PLOTS = {"offload_summary.png": (plot_offload_summary, offload_plot_data),
          "pipeline_offload.png": (plot_pipeline_offload, pipeline_plot_data)}
+
+
+# Plots the docs site serves itself (a page under docs/ cannot show a file outside it): the same drawing, beside the
+# page that shows it (docs/index.md's measured picture).
+SITE_PLOTS = {"offload_summary.png": ROOT / "docs" / "assets"}
 
 
 def plot_is_current(name: str, directory: Path | None = None) -> bool:
@@ -1709,6 +1837,44 @@ def plot_is_current(name: str, directory: Path | None = None) -> bool:
         return image.text.get("Description") == f"data-sha256:{_digest(PLOTS[name][1]())}"
 
 
+# The package page: PyPI shows the README as the long description, where a relative link or image is broken and the
+# install line is the released wheel's. PYPI_DESCRIPTION (pyproject's ``readme``) is the README rendered for it:
+# ``<!-- pypi: omit -->`` … ``<!-- /pypi -->`` left out, ``<!-- pypi: only`` … ``-->`` shown, every relative link made
+# the repository's URL and every relative image its raw file's, other HTML comments dropped.
+
+REPO_URL = "https://github.com/diffusers-omni/diffusers-omni"
+RAW_URL = "https://raw.githubusercontent.com/diffusers-omni/diffusers-omni/main"
+PYPI_DESCRIPTION = ROOT / "PYPI.md"
+_PYPI_OMIT = re.compile(r"<!-- pypi: omit -->\n.*?<!-- /pypi -->\n?", re.S)
+_PYPI_ONLY = re.compile(r"<!-- pypi: only\n(.*?)-->\n?", re.S)
+_COMMENT = re.compile(r"<!--.*?-->\n?", re.S)
+_MD_LINK = re.compile(r"(!?)\[((?:[^\[\]]|\[[^\]]*\])*)\]\(([^)\s]+)\)")
+_FENCE = re.compile(r"(```.*?```)", re.S)
+
+
+def absolute_url(target: str, image: bool, root: Path = ROOT) -> str:
+    """``target`` of a link or image on a page at the repository root, as an absolute URL."""
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target):
+        return target
+    if target.startswith("#"):
+        return REPO_URL + target
+    path, _, anchor = target.partition("#")
+    if image:
+        return f"{RAW_URL}/{path}"
+    kind = "tree" if path.endswith("/") or (root / path).is_dir() else "blob"
+    return f"{REPO_URL}/{kind}/main/{path.rstrip('/')}" + (f"#{anchor}" if anchor else "")
+
+
+def pypi_description(readme: str) -> str:
+    """The README as the package page shows it (see ``PYPI_DESCRIPTION``)."""
+    text = _PYPI_ONLY.sub(lambda m: m[1], _PYPI_OMIT.sub("", readme))
+    text = _COMMENT.sub("", text)
+    parts = _FENCE.split(text)
+    for i in range(0, len(parts), 2):  # links outside code blocks
+        parts[i] = _MD_LINK.sub(lambda m: f"{m[1]}[{m[2]}]({absolute_url(m[3], bool(m[1]))})", parts[i])
+    return re.sub(r"\n{3,}", "\n\n", "".join(parts))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="report stale tables, change nothing")
@@ -1719,6 +1885,12 @@ def main() -> None:
             stale.append(Path("benchmarks/results") / name)
             if not args.check:
                 draw(RESULTS / name)
+    for name, directory in SITE_PLOTS.items():
+        if not plot_is_current(name, directory):
+            stale.append((directory / name).relative_to(ROOT))
+            if not args.check:
+                directory.mkdir(parents=True, exist_ok=True)
+                PLOTS[name][0](directory / name)
     for page in pages():
         text = page.read_text()
         rendered = render_page(text)
@@ -1726,6 +1898,11 @@ def main() -> None:
             stale.append(page.relative_to(ROOT))
             if not args.check:
                 page.write_text(rendered)
+    description = pypi_description((ROOT / "README.md").read_text())
+    if not PYPI_DESCRIPTION.exists() or PYPI_DESCRIPTION.read_text() != description:
+        stale.append(PYPI_DESCRIPTION.relative_to(ROOT))
+        if not args.check:
+            PYPI_DESCRIPTION.write_text(description)
     verb = "stale" if args.check else "rewritten"
     print(f"{verb}: {', '.join(map(str, stale))}" if stale else "docs tables match the results")
     if args.check and stale:

@@ -31,7 +31,7 @@ def dists(tmp_path_factory) -> dict[str, Path]:
     """sdist and wheel built by ``python -m build`` from a copy of the sources (the checkout is left untouched)."""
     pytest.importorskip("build", reason="`build` is part of the test extra")
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
+    for name in ("pyproject.toml", "README.md", "PYPI.md", "LICENSE"):
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "diffusers_omni", src / "diffusers_omni",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
@@ -67,6 +67,12 @@ def test_wheel_ships_data_files_licence_and_metadata(dists):
     urls = dict(value.split(", ", 1) for value in metadata.get_all("Project-URL"))
     assert set(urls) == {"Homepage", "Documentation", "Repository", "Issues", "Changelog"}
     assert all(url.startswith(REPO) for url in urls.values()), urls
+    # The package page is PYPI.md as committed: absolute links, the released wheel's install line
+    # (tests/docs/test_package_page.py checks the file).
+    assert metadata["Description-Content-Type"].startswith("text/markdown")
+    description = metadata.get_payload(decode=True).decode("utf-8")
+    assert description.strip() == (ROOT / "PYPI.md").read_text().strip()
+    assert "pip install -e" not in description and "](docs/" not in description
 
 
 def test_sdist_ships_the_licence(dists):

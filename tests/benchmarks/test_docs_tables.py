@@ -62,9 +62,10 @@ def test_e2e_attention_table_renders_when_results_exist(tmp_path, monkeypatch):
     meta = results_io.collect_meta("hopper", docs_tables.E2E_ATTENTION, ["test"], smoke=False, label=None)
     results_io.write_result(docs_tables.E2E_ATTENTION, data, meta, root=tmp_path)
     rendered = docs_tables.e2e_attention()
-    assert "| FLUX.1-dev 1024² | 4,608 | diffusers native (baseline) | 0.500 | 1.00× | none (exact) |" in rendered
-    assert "| FLUX.1-dev 1024² | 4,608 | omni auto | **0.400** | 1.25× | none (exact) |" in rendered
-    assert "GPU X, torch 2.11; `benchmarks/e2e.py`" in rendered
+    assert "| FLUX.1-dev 1024² | 4,608 | diffusers native (baseline) | 0.500 | 1.00× | — (the baseline) |" in rendered
+    assert ("| FLUX.1-dev 1024² | 4,608 | omni auto | **0.400** | 1.25× | exact kernel; output not compared with the "
+            "baseline's |") in rendered
+    assert "GPU X, torch 2.11; `benchmarks/e2e.py`; `hopper-e2e/latest.json`" in rendered
 
 
 def _e2e(steps: dict, backends: dict | None = None, rel_err: dict | None = None) -> dict:
@@ -85,7 +86,7 @@ def test_no_lossy_speed_up_without_its_error():
     # The lossy rows show their time but no speed-up and no bold; the fastest exact row is bold.
     assert "| Wan | 32,760 | omni RainFusion | 2.000 | — | lossy; error: see quality page |" in rendered
     assert "| Wan | 32,760 | omni FP8 | 2.600 | — | lossy; error: see quality page |" in rendered
-    assert "| Wan | 32,760 | omni auto | **2.900** | 1.03× | none (exact) |" in rendered
+    assert "| Wan | 32,760 | omni auto | **2.900** | 1.03× | exact kernel; output not compared with the baseline's |" in rendered
     # With its error measured, a lossy row gets its speed-up, the error beside it, and can be the fastest.
     rendered = docs_tables.render_e2e_attention(_e2e(steps, {"omni FP8": fp8, "omni RainFusion": sparse},
                                                      {"omni RainFusion": 0.031}))
@@ -93,7 +94,8 @@ def test_no_lossy_speed_up_without_its_error():
     # An FP8 spec whose every call was routed to bf16 ran nothing lossy; without recorded backends, the name decides.
     bf16_only = {"wan.self": {"backend": "FLASH_ATTN", "fp8_routes": {"(4608, 4608, 128)": False}}}
     rendered = docs_tables.render_e2e_attention(_e2e({"native": 3.0, "omni FP8": 2.9}, {"omni FP8": bf16_only}))
-    assert "| omni FP8 | **2.900** | 1.03× | none (no call routed to FP8 at this size) |" in rendered
+    assert ("| omni FP8 | **2.900** | 1.03× | exact kernel (no call routed to FP8 at this size); output not compared "
+            "with the baseline's |") in rendered
     assert "| omni FP8 | 2.900 | — |" in docs_tables.render_e2e_attention(_e2e({"native": 3.0, "omni FP8": 2.9}))
 
 
@@ -214,3 +216,112 @@ def test_a_strategy_run_with_fewer_steps_is_compared_with_its_denoise_scaled():
     row = {"steps": 4, "end_to_end_s": 28.9, "phases": {"encode_s": 2.0, "denoise_s": 26.0, "decode_s": 0.9}}
     assert _docs_tables._end_to_end(row, 20) == 2.0 + 26.0 * 5 + 0.9
     assert _docs_tables._end_to_end({**row, "steps": 20}, 20) == 28.9
+
+
+def _block(text: str, name: str) -> str:
+    import re
+
+    return re.search(rf"<!-- results: {name} -->\n(.*?)<!-- /results -->", text, re.S)[1]
+
+
+def _quality(tokens: int, errors: dict[str, tuple[str, float]]) -> dict:
+    candidates = {name: {"output_rel_err": err, "candidate": {"backends": [{"role": "r", "backend": backend,
+                                                                           "lossy": False, "modules": 1}]}}
+                  for name, (backend, err) in errors.items()}
+    return {"full_size": {"Wan": {"tokens": tokens, "candidates": candidates}}}
+
+
+def test_an_exact_kernel_whose_output_differs_from_native_is_not_called_error_free():
+    docs_tables = _module()
+    fa3 = {"wan.self": {"backend": "FLASH_ATTN", "fp8_routes": {}}}
+    sdpa = {"wan.self": {"backend": "TORCH_SDPA", "fp8_routes": {}}}
+    data = _e2e({"Diffusers native": 3.0, "Diffusers _flash_3": 2.8, "omni FLASH_ATTN bf16": 2.8, "omni auto": 2.9},
+                {"omni FLASH_ATTN bf16": fa3, "omni auto": sdpa})
+    data["models"]["Wan"]["baseline"] = "Diffusers native"
+    quality = _quality(32760, {"FLASH_ATTN bf16 (exact)": ("FLASH_ATTN", 0.0092)})
+    rendered = docs_tables.render_e2e_attention(data, quality)
+    assert "none (exact)" not in rendered
+    # Diffusers' _flash_3 and ours run the same FA3 kernel: both say how far from native its output was.
+    assert "| Diffusers _flash_3 | **2.800** | 1.07× | exact kernel, 0.92% from native (quality run, FLASH_ATTN bf16) |" in rendered
+    assert "| omni FLASH_ATTN bf16 | **2.800** | 1.07× | exact kernel, 0.92% from native" in rendered
+    assert "| omni auto | 2.900 | 1.03× | same kernel as the baseline (TORCH_SDPA); output not compared" in rendered
+    # Measured at another size only: not borrowed.
+    rendered = docs_tables.render_e2e_attention(data, _quality(4608, {"x (exact)": ("FLASH_ATTN", 0.0153)}))
+    assert "| Diffusers _flash_3 | **2.800** | 1.07× | exact kernel; output not compared with the baseline's |" in rendered
+
+
+def test_the_readme_e2e_table_says_how_far_from_native_each_exact_kernel_is():
+    docs_tables = _module()
+    readme = (ROOT / "README.md").read_text()
+    block = _block(readme, "e2e-attention")
+    assert "none (exact)" not in block
+    quality = docs_tables.result("quality")["full_size"]
+    e2e = docs_tables.result(docs_tables.E2E_ATTENTION)["models"]
+    for model, entry in e2e.items():
+        [measured] = [q for q in quality.values() if q["tokens"] == entry["tokens"]]
+        fa3 = measured["candidates"]["FLASH_ATTN bf16 (exact)"]["output_rel_err"]
+        assert fa3 > 0
+        for variant in ("Diffusers _flash_3", "omni FLASH_ATTN bf16"):
+            [row] = [r for r in block.splitlines() if r.startswith(f"| {model} |") and f"| {variant} |" in r]
+            assert f"exact kernel, {fa3:.2%} from native" in row, row
+    # A result whose date is unknown or whose tree was dirty says so beside it.
+    assert "`hopper-e2e/latest.json` (run date unknown)" in block
+    pipelines = _block(readme, "readme-pipelines")
+    assert "`pipeline-offload-wan-mmgp/latest.json` (run from a tree with uncommitted changes on 03e88bd)" in pipelines
+    # The tuning claim is not a count typed by hand (it went stale: "one of the six cases short of its target").
+    assert "of the six cases" not in readme
+
+
+def test_provenance_says_an_unknown_date_and_a_dirty_tree():
+    docs_tables = _module()
+    assert docs_tables.provenance("hopper-e2e") == " (run date unknown)"
+    assert docs_tables.provenance("pipeline-offload-qwen-diffusers") == (
+        " (run from a tree with uncommitted changes on 8f08c41)")
+    assert docs_tables.provenance("pipeline-offload-wan") == ""  # dated, clean tree
+    assert docs_tables.source("pipeline-offload-wan", ".json") == "`pipeline-offload-wan/latest.json`"
+
+
+def test_a_pipelines_time_is_one_value_in_the_readme_the_guide_and_the_plot_with_its_method_said():
+    docs_tables = _module()
+    readme = _block((ROOT / "README.md").read_text(), "readme-pipelines")
+    guide = _block((ROOT / "docs/user_guide/offload.md").read_text(), "pipeline-offload")
+    bars = docs_tables.pipeline_plot_data()
+    labels = dict(docs_tables.PIPELINE_RUNS)
+    names = {"diffusers-group": "Diffusers `enable_group_offload`", "diffusers-sequential":
+             "Diffusers `enable_sequential_cpu_offload`", "mmgp2": "mmgp `profile` 2"}
+    checked = 0
+    for name, label in labels.items():
+        [readme_row] = [r for r in readme.splitlines() if r.startswith(f"| {label},")]
+        cells = [c.strip() for c in readme_row.strip("|").split("|")]
+        section = guide.split(f"**{label}**", 1)[1].split("\n**", 1)[0]
+        for bar in (b for b in bars if b["group"].startswith(label + ",") and b["strategy"] in names):
+            value = f"{bar['seconds']:.1f} s"
+            [guide_row] = [r for r in section.splitlines() if r.startswith(f"| {names[bar['strategy']]}")]
+            assert f"| {value}" in guide_row, (bar, guide_row)  # the guide's table shows the plot's value
+            in_readme = (cells[2] if bar["strategy"].startswith("diffusers") else cells[3])
+            if bar["strategy"] in in_readme or bar["strategy"] == "mmgp2":
+                assert in_readme.startswith(value), (bar, in_readme)  # and so does the README
+                checked += 1
+                if bar["measured_steps"] != bar["steps"]:
+                    how = f"ran {bar['measured_steps']} steps in"
+                    assert how in in_readme and "denoise scaled" in in_readme
+            if bar["measured_steps"] != bar["steps"]:
+                assert f"ran {bar['measured_steps']} steps in" in guide_row and "denoise scaled" in guide_row
+    assert checked >= 5
+    # Qwen's sequential offload ran 4 of 20 steps: one value (denoise scaled), never the 4-step time drawn in a
+    # 20-step panel, never rescaled by another run's resident.
+    [qwen] = [b for b in bars if b["strategy"] == "diffusers-sequential" and b["group"].startswith("Qwen")]
+    row = next(r for r, *_ in docs_tables._pipeline_rows("pipeline-offload-qwen")
+               if r["strategy"] == "diffusers-sequential")
+    assert qwen["measured_steps"] == 4 and qwen["steps"] == 20
+    assert qwen["seconds"] == round(docs_tables._end_to_end(row, 20), 3) != round(row["end_to_end_s"], 3)
+    check = docs_tables._pipeline_checks("pipeline-offload-qwen")["omni"]["vs_diffusers"][0]
+    omni = next(r for r in docs_tables.result("pipeline-offload-qwen")["strategies"] if r["strategy"] == "omni")
+    assert check == docs_tables._end_to_end(row, 20) / omni["end_to_end_s"]
+
+
+def test_the_readme_says_where_a_pipelines_output_is_not_the_resident_ones():
+    readme = _block((ROOT / "README.md").read_text(), "readme-pipelines")
+    assert "same output as the resident pipeline;" not in readme
+    [wan] = [r for r in readme.splitlines() if r.startswith("| Wan2.2")]
+    assert "output not the resident pipeline's" in wan.split("|")[4]  # mmgp's video differs (its sha256)
