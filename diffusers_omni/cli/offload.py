@@ -37,6 +37,7 @@ class OffloadFlag:
     help: str
     minimum: int | None
     strategies: tuple[str, ...]  # CLI names, lowest priority first
+    choices: tuple[str, ...] = ()  # the names a "choice" flag takes
 
     def value(self, given: Any) -> Any:
         """The field's value for the flag's parsed value."""
@@ -66,7 +67,7 @@ def offload_flags(collective: bool = True) -> list[OffloadFlag]:
             flags[name] = OffloadFlag(
                 field=name, flag=flag, dest=flag.lstrip("-").replace("-", "_"), kind=meta["kind"], inverted=inverted,
                 default=f.default, help=meta["help"], minimum=meta.get("minimum"),
-                strategies=(cli_name(entry.name),),
+                strategies=(cli_name(entry.name),), choices=tuple(meta.get("choices", ())),
             )
     return list(flags.values())
 
@@ -106,7 +107,8 @@ def add_offload_arguments(parser: argparse.ArgumentParser, *, collective: bool =
         if flag.kind == "int" and flag.default is not None:
             text += f" (default: {flag.default})"
         kind = _int_type(flag.minimum) if flag.kind == "int" else str
-        parser.add_argument(flag.flag, dest=flag.dest, type=kind, default=None, help=text)
+        choices = list(flag.choices) if flag.kind == "choice" else None
+        parser.add_argument(flag.flag, dest=flag.dest, type=kind, default=None, help=text, choices=choices)
 
 
 def collective_names() -> list[str]:

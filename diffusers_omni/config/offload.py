@@ -68,6 +68,23 @@ class ModelLevelOffloadConfig(OffloadConfig):
 
 
 AUTO = "auto"
+LOSSLESS = "lossless"
+COMPRESSIONS = (LOSSLESS,)
+
+
+def _compression(value: Any) -> str | None:
+    """``None`` / ``"none"`` (no compression) or ``"lossless"``, any case."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"compression must be a str or None, got {type(value).__name__}: {show(value)}")
+    name = value.strip().lower()
+    if name == "none":
+        return None
+    if name not in COMPRESSIONS:
+        raise ValueError(f"compression={show(value)} is not a known mode; allowed: {', '.join(map(repr, COMPRESSIONS))}"
+                         " or None")
+    return name
 
 
 def _bytes_or_auto(value: Any, field_name: str) -> int | str:
@@ -103,6 +120,10 @@ class LayerwiseOffloadConfig(OffloadConfig):
             a small pinned staging ring (counted in the budget). ``None`` keeps a host copy of every block.
             ``"auto"``: the RAM available when enabling (``MemAvailable``, the cgroup limit), plus what the model's
             weights already take, less a margin.
+        compression (`str`, *optional*): ``"lossless"`` keeps streamed bfloat16 blocks coded in host memory (about
+            0.75 of their bytes: their exponents take 4 bits, ``offload.codec``), moves them coded and decodes them on
+            the device before they run, bit for bit; float16, float32 and quantized tensors pass through as they are.
+            ``None`` (default) keeps plain host copies.
 
     Example:
     ```py
@@ -121,6 +142,9 @@ class LayerwiseOffloadConfig(OffloadConfig):
     max_host_memory: int | str | None = offload_option(
         None, kind="bytes", help="bytes of pinned host copies allowed, e.g. 32GiB (streamed blocks that do not fit are "
         "read from the checkpoint's safetensors files at each load), or auto (the RAM available)")
+    compression: str | None = offload_option(
+        None, kind="choice", choices=(LOSSLESS,), help="keep streamed bfloat16 blocks losslessly coded in host "
+        "memory (about 0.75 of their bytes), move them coded and decode them on the device")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -130,6 +154,7 @@ class LayerwiseOffloadConfig(OffloadConfig):
         check_bool(self.dits_only, "dits_only")
         if self.max_host_memory is not None:
             object.__setattr__(self, "max_host_memory", _bytes_or_auto(self.max_host_memory, "max_host_memory"))
+        object.__setattr__(self, "compression", _compression(self.compression))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -245,30 +245,34 @@ class OffloadPlan:
 # -- fields and their command-line flags ---------------------------------------------------------------------------
 
 # What a field's value is, for the CLI: a flag (``bool``), a whole number (``int``, bounded below by ``minimum``) or
-# a byte size (``bytes``: ``"12GiB"``, checked by ``parse_bytes``).
-OPTION_KINDS = ("bool", "int", "bytes")
+# a byte size (``bytes``: ``"12GiB"``, checked by ``parse_bytes``) or one of some names (``choice``, given as
+# ``choices``; the config checks the value).
+OPTION_KINDS = ("bool", "int", "bytes", "choice")
 
 
 def offload_option(default: Any, *, help: str, kind: str | None = None, minimum: int | None = None,
-                   flag: str | None = None, cli: bool = True, compare: bool = True) -> Any:
+                   flag: str | None = None, cli: bool = True, compare: bool = True,
+                   choices: tuple[str, ...] = ()) -> Any:
     """A config field with what the CLI needs to offer it as a flag (``dataclasses.field`` metadata).
 
     Args:
         default: the field's default.
         help (`str`): one line for ``--help``; the CLI prefixes the strategies that read the flag.
-        kind (`str`, *optional*): ``"bool"``, ``"int"`` or ``"bytes"``; by default from ``default``'s type.
+        kind (`str`, *optional*): ``"bool"``, ``"int"``, ``"bytes"`` or ``"choice"``; by default from
+            ``default``'s type.
         minimum (`int`, *optional*): the smallest value of an ``int`` field (``1`` → the CLI takes positive ints).
         flag (`str`, *optional*): the flag's name; by default ``--<field-name>`` (a bool field defaulting to
             ``True`` gets ``--no-<field-name>``).
         cli (`bool`, defaults to `True`): ``False`` keeps the field out of the CLI.
         compare (`bool`, defaults to `True`): as ``dataclasses.field``.
+        choices (`tuple[str, ...]`): the names a ``"choice"`` field takes (the CLI offers them).
     """
     if kind is None:
         kind = "bool" if isinstance(default, bool) else "int" if isinstance(default, int) else None
     if cli and kind not in OPTION_KINDS:
         raise ValueError(f"offload_option: kind={kind!r} must be one of {', '.join(OPTION_KINDS)} for a CLI field "
                          "(or pass cli=False)")
-    metadata = {"help": help, "kind": kind, "minimum": minimum, "flag": flag, "cli": cli}
+    metadata = {"help": help, "kind": kind, "minimum": minimum, "flag": flag, "cli": cli, "choices": choices}
     return field(default=default, compare=compare, metadata=metadata)
 
 

@@ -262,7 +262,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         journal.record("release host memory", lambda: host_memory.release(self.device))
         # Weights that are views of checkpoint files (load_transformer_mmap) give their pages back once packed.
         context = state.stores = StoreContext(self.device, host_memory, file_views(state).release, state.disk,
-                                              state.disk_reader)
+                                              state.disk_reader, compression=getattr(self.config, "compression", None))
         rows = [[None if weights.empty or resident else StreamedBlock(weights, self.device,
                                                                       store_for(weights, context))
                  for weights, resident in zip(row_weights, row_resident)]
@@ -300,6 +300,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     name = block.store.name
                     state.stats.store_blocks[name] = state.stats.store_blocks.get(name, 0) + 1
                     state.stats.store_bytes[name] = state.stats.store_bytes.get(name, 0) + block.weights.nbytes
+                    state.stats.store_host_bytes[name] = (state.stats.store_host_bytes.get(name, 0)
+                                                          + block.store.host_nbytes)
         release_freed_host_memory()
         release_freed_device_memory(self.device)
 

@@ -473,6 +473,18 @@ class Transfers:
                 dst.copy_(src, non_blocking=True)
             done.record(self.copy_stream)
 
+    def run(self, work: Callable[[], None], wait_for=None, done=None) -> None:
+        """Run ``work`` (copies and kernels) on the copy stream after ``wait_for``; record ``done`` when finished.
+        On the CPU it runs at once."""
+        if not self.asynchronous:
+            work()
+            return
+        with self._module.stream(self.copy_stream):
+            if wait_for is not None:
+                self.copy_stream.wait_event(wait_for)
+            work()
+            done.record(self.copy_stream)
+
     def compute_waits_for(self, event) -> None:
         if event is not None:
             self._module.current_stream(self.device).wait_event(event)

@@ -358,8 +358,16 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
         notes.append("auto read: " + ", ".join(f"{k} {v}" for k, v in stats.auto_readings.items()))
     store_bytes = getattr(stats, "store_bytes", None)
     if store_bytes and set(store_bytes) != {"pinned"}:
+        held = getattr(stats, "store_host_bytes", {})
         notes.append("streamed blocks by store: " + ", ".join(
-            f"{name} {stats.store_blocks[name]} blocks ({format_bytes(nbytes)})" for name, nbytes in store_bytes.items()))
+            f"{name} {stats.store_blocks[name]} blocks ({format_bytes(nbytes)}, {format_bytes(held.get(name, 0))} "
+            f"in host memory)" for name, nbytes in store_bytes.items()))
+    if "lossless" in (store_bytes or {}):
+        coded, logical = stats.store_host_bytes["lossless"], stats.store_bytes["lossless"]
+        notes.append(f"lossless: {stats.store_blocks['lossless']} streamed blocks held coded, "
+                     f"{format_bytes(coded)} for {format_bytes(logical)} ({coded / max(logical, 1):.3f}; codec: 4-bit "
+                     "bfloat16 exponents with escapes, decoded by tensor operations on the device); other dtypes and "
+                     "blocks without bfloat16 pass through as they are")
     for label in dict.fromkeys(getattr(stats, "tiled_vaes", ())):
         notes.append(f"{label}: ran out of device memory untiled; it decodes and encodes in tiles now "
                      "(vae.enable_tiling(); disable_omni_offload() puts its own setting back)")

@@ -46,5 +46,6 @@ class LayerwiseStats:
     # per block store (``stores``, by name): how many streamed blocks it holds and their bytes
     store_blocks: dict[str, int] = field(default_factory=dict)
     store_bytes: dict[str, int] = field(default_factory=dict)
+    store_host_bytes: dict[str, int] = field(default_factory=dict)  # what each store holds in host memory for them
     tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
 

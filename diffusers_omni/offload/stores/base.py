@@ -47,6 +47,7 @@ class StoreContext:
     sources: dict[int, Any] = field(default_factory=dict)  # id(PackedWeights) → disk.BlockSource
     reader: Any = None  # disk.DiskReader
     ring: Any = None  # disk.StagingRing
+    compression: str | None = None  # the offload's ``compression`` ("lossless" lets the lossless store claim blocks)
 
     @property
     def clone_on_release(self) -> bool:

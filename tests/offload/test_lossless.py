@@ -1,0 +1,81 @@
+"""``compression="lossless"`` (#37, the CPU part): bfloat16 blocks kept coded in host memory and decoded into
+their device buffers bit for bit; other dtypes pass through; the report says what was coded and by how much."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffusers_omni.config.offload import LayerwiseOffloadConfig
+from diffusers_omni.offload import codec
+from offload_helpers import flux_pipe, generate, wan22_pipe
+
+
+@pytest.mark.parametrize("numel", [1, 2, 3, 1000, (1 << 24) + 5])
+def test_codec_round_trips_every_bit_including_specials(numel):
+    generator = torch.Generator().manual_seed(numel)
+    values = (torch.randn(numel, generator=generator) * 0.02).to(torch.bfloat16)
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 1e-38, 3e38, 2.0 ** -133],
+                            dtype=torch.bfloat16)
+    values[: min(numel, specials.numel())] = specials[: min(numel, specials.numel())]
+    encoded = codec.encode(values)
+    assert torch.equal(codec.decode(encoded).view(torch.int16), values.view(torch.int16))
+    if numel >= 1000:
+        assert encoded.nbytes / (2 * numel) < 0.77  # 1 + 1/2 bytes a word, plus the rare escapes
+
+
+def test_every_exponent_escaped_still_decodes():
+    words = torch.arange(1 << 16, dtype=torch.int32)
+    values = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16).view(torch.bfloat16)
+    encoded = codec.encode(values)
+    assert encoded.positions.numel() > 0
+    assert torch.equal(codec.decode(encoded).view(torch.int16), values.view(torch.int16))
+
+
+def test_config_refuses_an_unknown_mode_naming_the_field():
+    assert LayerwiseOffloadConfig(device="cpu", compression=" Lossless").compression == "lossless"
+    assert LayerwiseOffloadConfig(device="cpu", compression="none").compression is None
+    with pytest.raises(ValueError, match=r"compression='zstd' is not a known mode; allowed: 'lossless' or None"):
+        LayerwiseOffloadConfig(device="cpu", compression="zstd")
+    with pytest.raises(TypeError, match="compression must be a str or None"):
+        LayerwiseOffloadConfig(device="cpu", compression=1)
+
+
+@pytest.mark.parametrize("make", [flux_pipe, wan22_pipe], ids=["flux", "wan2.2"])
+def test_lossless_offload_is_bitwise_the_resident_pipeline(make):
+    pipe = make()
+    pipe.to(torch.bfloat16)
+    reference = generate(pipe, steps=2)
+    expected = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    backend = pipe.enable_layerwise_offload(device="cpu", compression="lossless")
+    stats = backend.stats
+    assert stats.store_blocks.get("lossless", 0) > 0
+    assert stats.store_host_bytes["lossless"] < 0.8 * stats.store_bytes["lossless"]
+    for _ in range(2):
+        assert torch.equal(generate(pipe, steps=2), reference)
+    actual = pipe.transformer.state_dict()  # decoded for state_dict()
+    assert all(torch.equal(actual[k], v) for k, v in expected.items())
+    report = str(pipe.omni_offload_report())
+    assert "lossless: " in report and "held coded" in report
+    pipe.disable_omni_offload()
+    assert all(torch.equal(pipe.transformer.state_dict()[k], v) for k, v in expected.items())
+    assert torch.equal(generate(pipe, steps=2), reference)
+
+
+def test_float32_blocks_pass_through_uncoded():
+    pipe = flux_pipe()  # float32
+    reference = generate(pipe, steps=2)
+    backend = pipe.enable_layerwise_offload(device="cpu", compression="lossless")
+    assert "lossless" not in backend.stats.store_blocks
+    assert torch.equal(generate(pipe, steps=2), reference)
+    pipe.disable_omni_offload()
+
+
+def test_cli_compression_lossless_writes_the_same_image(tmp_path):
+    from diffusers_omni.cli.main import main
+
+    plain, coded = tmp_path / "plain.png", tmp_path / "coded.png"
+    common = ["generate", "--model", "tiny-flux", "--dtype", "bfloat16", "--offload", "layerwise"]
+    assert main([*common, "--output", str(plain)]) == 0
+    assert main([*common, "--compression", "lossless", "--output", str(coded)]) == 0
+    assert plain.read_bytes() == coded.read_bytes()
