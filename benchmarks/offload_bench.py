@@ -455,9 +455,10 @@ def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, b
     variants: list[dict] = []
     use_stream = device.type == "cuda"
 
-    def omni(budget: str | None):
+    def omni(budget: str | None, compression: str | None = None):
         def setup():
-            return apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory=budget))
+            return apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory=budget,
+                                                      compression=compression))
         return setup
 
     def omni_teardown(backend):
@@ -465,6 +466,9 @@ def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, b
 
     if "layerwise" in args.variants:
         variants.append(run_variant("omni layerwise", omni(None), omni_teardown, model, inputs, device, args))
+    if "lossless" in args.variants:  # bfloat16 blocks moved coded, decoded on the device (#37)
+        variants.append(run_variant("omni layerwise lossless", omni(None, "lossless"), omni_teardown, model, inputs,
+                                    device, args))
     if "distributed" in args.variants:
         # Issue #4 on one GPU: world_size=1 process group (NCCL on CUDA, gloo on CPU); AllGather with one rank is the
         # single-device ring plus a staging copy and a one-rank all-gather per block.
@@ -702,8 +706,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         default="layerwise,budget,model-level,diffusers",
-        help="comma-separated subset of layerwise, budget, model-level, diffusers, distributed (world_size=1), mmap "
-        "(save the model, mmap-load it, report host RSS) (resident always runs: the targets need it)",
+        help="comma-separated subset of layerwise, lossless (compression=lossless), budget, model-level, diffusers, "
+        "distributed (world_size=1), mmap (save the model, mmap-load it, report host RSS) (resident always runs: "
+        "the targets need it)",
     )
     args = parser.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -712,7 +717,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--models: unknown {unknown}; allowed: flux, wan")
     args.budget_models = [m.strip() for m in args.budget_models.split(",") if m.strip()]
     args.variants = {v.strip() for v in args.variants.split(",") if v.strip()}
-    allowed_variants = {"layerwise", "budget", "model-level", "diffusers", "distributed", "mmap"}
+    allowed_variants = {"layerwise", "lossless", "budget", "model-level", "diffusers", "distributed", "mmap"}
     unknown_variants = sorted(args.variants - allowed_variants)
     if unknown_variants:
         parser.error(f"--variants: unknown {unknown_variants}; allowed: {', '.join(sorted(allowed_variants))}")

@@ -126,6 +126,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              "gpu", (README, OFFLOAD), args=("--models", "wan", "--skip-model-level")),
     Scenario("offload-flux-budget", "offload_bench", "FLUX.1-dev size with max_device_memory=12GiB", "gpu",
              (README, OFFLOAD, DESIGN_OFFLOAD), args=("--models", "flux", "--variants", "layerwise,budget")),
+    Scenario("offload-flux-lossless", "offload_bench", "FLUX.1-dev size: layerwise with compression=lossless vs plain",
+             "gpu", (), args=("--models", "flux", "--variants", "layerwise,lossless")),
     Scenario("offload-distributed-flux", "offload_bench", "FLUX.1-dev size: distributed layerwise (N = 1), mmap",
              "gpu", (DISTRIBUTED, DESIGN_OFFLOAD),
              args=("--models", "flux", "--variants", "layerwise,budget,distributed,mmap", "--skip-model-level")),
