@@ -163,6 +163,24 @@ def parse_platform(text: str | None):
 _HANDLER_NAME = "diffusers-omni-cli"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record (not the stream of the first call: ``main`` may run
+    several times in one process, each with its own stderr)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):
+        import sys
+
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure_logging(verbose: int | bool = 0, rank: int = 0) -> None:
     """Diffusers-style logging for the CLI: our warnings by default, ``-v`` INFO, ``-vv`` DEBUG (Diffusers' too).
 
@@ -174,7 +192,7 @@ def configure_logging(verbose: int | bool = 0, rank: int = 0) -> None:
         level = logging.ERROR
     logger = logging.getLogger("diffusers_omni")
     if not any(getattr(h, "name", None) == _HANDLER_NAME for h in logger.handlers):
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.set_name(_HANDLER_NAME)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)

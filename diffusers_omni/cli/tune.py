@@ -51,10 +51,10 @@ def _show(as_json: bool) -> int:
 def run(args) -> int:
     import torch
 
-    from ..attention.tuning import clear_tuned_tables
+    from ..attention.tuning import CacheNotWritable, check_cache_writable, clear_tuned_tables
     from ..pipelines.registry import omnify
     from ..utils.text import table
-    from .common import check_model, configure_logging, load_pipeline
+    from .common import UsageError, check_model, configure_logging, load_pipeline
     from .offload import installs_nothing, offload_config
 
     configure_logging(args.verbose)
@@ -65,6 +65,10 @@ def run(args) -> int:
     if args.show:
         return _show(args.json)
     check_model(args.model)
+    try:  # before anything loads or is measured: where the table will go
+        check_cache_writable()
+    except CacheNotWritable as exc:
+        raise UsageError(str(exc)) from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = offload_config(args, device, collective=False)  # validated before anything loads
     tiny = args.model in TINY_MODELS
