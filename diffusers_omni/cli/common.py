@@ -116,6 +116,45 @@ def check_writable(path: Path, flag: str = "--output") -> None:
         raise UsageError(f"{flag}={str(path)!r}: cannot write there ({exc.strerror or exc})") from None
 
 
+def check_output(path: Path, overwrite: bool, flag: str = "--output") -> bool:
+    """``check_writable``, and an existing file refused unless ``overwrite`` (``--overwrite``): nothing is replaced
+    by surprise. Returns whether the run will replace a file."""
+    check_writable(path, flag)
+    if path.exists():
+        if not overwrite:
+            raise UsageError(f"{flag}={str(path)!r} exists; pass --overwrite to replace it, or give another {flag}")
+        return True
+    return False
+
+
+def write_replacing(path: Path, write: Callable[[Path], None]) -> bool:
+    """Write ``path`` through ``write(temporary path)`` (a file of the same suffix in the same folder) renamed over
+    it: a reader of the old file keeps it whole and a failed write leaves the old file as it was. Returns whether a
+    file was replaced."""
+    import os
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replaced = path.exists()
+    if replaced:
+        mode = path.stat().st_mode & 0o7777
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    handle, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(handle)
+    temporary = Path(name)
+    try:
+        write(temporary)
+        os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return replaced
+
+
 def check_model(model: str, flag: str = "--model") -> None:
     """A tiny model name, a Diffusers pipeline directory, or something that looks like a hub id."""
     if model in TINY_MODELS:

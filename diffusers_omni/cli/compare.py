@@ -31,6 +31,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     compare.add_argument("--candidate", required=True, help="candidate attention, same forms as --reference")
     compare.add_argument("--output", default="compare.png",
                          help="side-by-side image (a frame grid for videos): .png, .jpg or .webp")
+    compare.add_argument("--overwrite", action="store_true", help="replace --output when it exists (default: refuse)")
     compare.add_argument("--json", action="store_true", help="print the summary as JSON instead of the tables")
     compare.add_argument("--prompt", default="a lighthouse on a cliff at dawn", help="the prompt of both runs")
     compare.add_argument("--negative-prompt", help="what to steer away from (pipelines that take one)")
@@ -79,7 +80,7 @@ def run(args) -> int:
     from ..alignment.quality import check_attention, compare_pipelines
     from ..pipelines.registry import omnify
     from ..utils.text import table
-    from .common import TINY_MODELS, UsageError, check_writable, configure_logging, load_pipeline
+    from .common import TINY_MODELS, UsageError, check_output, configure_logging, load_pipeline, write_replacing
     from .generate import call_kwargs, preflight, torch_dtype
 
     configure_logging(args.verbose)
@@ -87,7 +88,7 @@ def run(args) -> int:
     if output.suffix.lower() not in _IMAGE_SUFFIXES:
         raise UsageError(f"--output={args.output!r}: compare writes a still image (side by side, or a frame grid "
                          f"for videos); use one of {', '.join(_IMAGE_SUFFIXES)}")
-    check_writable(output)
+    check_output(output, args.overwrite)
     if not (args.diff_gain > 0 and math.isfinite(args.diff_gain)):
         raise UsageError(f"--diff-gain={args.diff_gain}: must be a finite number > 0")
     if args.image is not None and not Path(args.image).is_file():
@@ -116,11 +117,11 @@ def run(args) -> int:
         pipe.set_progress_bar_config(disable=True)
     report = compare_pipelines(pipe, reference, candidate, seed=args.seed, diff_gain=args.diff_gain,
                                warmup_runs=args.warmup_runs, local_errors=not args.no_local, **kwargs)
-    report.save_image(output)
+    replaced = write_replacing(output, report.save_image)
     summary = {"model": args.model, "device": str(device),
                "dtype": str(next(iter(pipe.components["transformer"].parameters())).dtype).removeprefix("torch.")
                if "transformer" in pipe.components else None,
-               "output": str(output), **report.to_dict()}
+               "output": str(output), "replaced": replaced, **report.to_dict()}
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
@@ -131,5 +132,5 @@ def run(args) -> int:
     print()
     print(report.table())
     print(f"model: {model} ({summary['call']['pipeline']}, {summary['dtype']}, seed {args.seed})")
-    print(f"wrote {output}")
+    print(f"{'replaced' if replaced else 'wrote'} {output}")
     return 0

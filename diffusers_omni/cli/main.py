@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "(the tiny models are float32)")
     generate.add_argument("--output", help="where to write: .png/.jpg for images, .mp4 or .gif for videos (default: "
                                            "omni.png, or omni.mp4 for a video — omni.gif without a video encoder)")
+    generate.add_argument("--overwrite", action="store_true", help="replace --output when it exists (default: refuse)")
     generate.add_argument("--json", action="store_true",
                           help="print a JSON summary (timings, peak memory, backends) instead of the tables")
     generate.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG")
