@@ -21,6 +21,29 @@ class UsageError(ValueError):
 
 # Argument types: argparse turns ArgumentTypeError into "argument --steps: <message>" and exit status 2.
 
+# Upper bounds of the counts (a run that could never finish, or whose schedule alone fills the memory, is refused
+# by the parser): denoising steps (FLUX.1-dev runs 28, Wan 50), warm-up calls or runs, and timed repeats.
+MAX_STEPS = 1000
+MAX_WARMUP = 100
+MAX_REPEATS = 1000
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argument type: an integer from ``low`` to ``high``; anything else is refused naming the range."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer from {low} to {high}"
+    return parse
+
+
+steps_int = bounded_int(1, MAX_STEPS)
+
+
 def positive_int(text: str) -> int:
     value = _int(text)
     if value <= 0:

@@ -21,7 +21,7 @@ _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from .common import TINY_MODELS, device_arg, finite_float, non_negative_int, positive_int
+    from .common import MAX_WARMUP, TINY_MODELS, bounded_int, device_arg, finite_float, positive_int, steps_int
 
     compare = sub.add_parser("compare", help="quality of an attention config against a reference: side-by-side "
                                              "image, PSNR, SSIM, per-layer attention error")
@@ -37,7 +37,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     compare.add_argument("--negative-prompt", help="what to steer away from (pipelines that take one)")
     compare.add_argument("--guidance-scale", type=finite_float,
                          help="classifier-free guidance (default: the pipeline's)")
-    compare.add_argument("--steps", type=positive_int, default=4, help="denoising steps")
+    compare.add_argument("--steps", type=steps_int, default=4, help="denoising steps")
     compare.add_argument("--height", type=positive_int, default=64, help="pixels; a multiple the model needs")
     compare.add_argument("--width", type=positive_int, default=64, help="pixels; a multiple the model needs")
     compare.add_argument("--frames", type=positive_int,
@@ -50,7 +50,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                               "models are cast to it when given")
     compare.add_argument("--diff-gain", type=finite_float, default=10.0,
                          help="the difference panel shows |candidate - reference| times this")
-    compare.add_argument("--warmup-runs", type=non_negative_int, default=0,
+    compare.add_argument("--warmup-runs", type=bounded_int(0, MAX_WARMUP), default=0,
                          help="untimed runs of each side first (kernel compilation, plan caches)")
     compare.add_argument("--no-local", action="store_true",
                          help="skip rerunning the reference processor on the candidate's inputs (local_rel_err)")

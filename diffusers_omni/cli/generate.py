@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import TINY_MODELS, UsageError, check_output, write_replacing
+from .common import TINY_MODELS, UsageError, check_output, check_writable, write_replacing
 from .offload import collective_names, installs_nothing, is_collective, offload_config
 
 _VIDEO_SUFFIXES = (".mp4", ".gif")
@@ -35,6 +35,8 @@ def run(args) -> int:
     collective = is_collective(offload)
     rank_hint = int(os.environ.get("RANK", "0")) if collective else 0
     configure_logging(args.verbose, rank_hint)
+    if args.output is not None:
+        check_writable(Path(args.output))
     _check_flag_combinations(args)
     if args.output is not None:
         for path in _written_paths(args, Path(args.output)):

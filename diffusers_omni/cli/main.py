@@ -11,7 +11,8 @@ import sys
 
 from ..config.names import did_you_mean
 from ..utils.versions import omni_version
-from .common import TINY_MODELS, UsageError, check_attention_environment, device_arg, finite_float, positive_int
+from .common import (TINY_MODELS, UsageError, check_attention_environment, device_arg, finite_float, positive_int,
+                     steps_int)
 from .offload import add_offload_arguments
 
 _MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}"
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
     generate.add_argument("--negative-prompt", help="what to steer away from (pipelines that take one)")
     generate.add_argument("--guidance-scale", type=finite_float, help="classifier-free guidance (default: the pipeline's)")
-    generate.add_argument("--steps", type=positive_int,
+    generate.add_argument("--steps", type=steps_int,
                           help="denoising steps (default: the pipeline's, e.g. 28 for FLUX.1-dev; 4 for the tiny models)")
     generate.add_argument("--height", type=positive_int,
                           help="pixels; a multiple the model needs (default: the pipeline's, e.g. 1024 for FLUX.1-dev; "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .common import TINY_MODELS, device_arg, positive_int
+from .common import MAX_REPEATS, MAX_WARMUP, TINY_MODELS, bounded_int, device_arg, positive_int
 from .offload import add_offload_arguments
 
 _MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}"
@@ -24,8 +24,8 @@ def add_parser(sub):
                           help="run the pipeline offloaded while recording its calls (models larger than the GPU)")
     tune.add_argument("--allow-lossy", action="store_true",
                       help="also time lossy kernels (SageAttention INT8) and let auto route to them")
-    tune.add_argument("--warmup", type=positive_int, default=3, help="calls per backend before timing")
-    tune.add_argument("--repeats", type=positive_int, default=7, help="timed rounds, interleaved across backends")
+    tune.add_argument("--warmup", type=bounded_int(1, MAX_WARMUP), default=3, help="calls per backend before timing")
+    tune.add_argument("--repeats", type=bounded_int(1, MAX_REPEATS), default=7, help="timed rounds, interleaved across backends")
     tune.add_argument("--clear", action="store_true", help="delete every tuned table in the cache and exit")
     tune.add_argument("--show", action="store_true", help="print the table auto uses here and exit")
     tune.add_argument("--json", action="store_true", help="machine-readable output")
