@@ -198,6 +198,63 @@ def check_model(model: str, flag: str = "--model") -> None:
             f"{flag}={model!r} is not a model directory{hint}; expected a local pipeline directory, a hub id such "
             f"as 'black-forest-labs/FLUX.1-dev', or one of {', '.join(TINY_MODELS)}"
         )
+    if not hub_like:
+        raise UsageError(f"{flag}={model!r} is neither a local directory nor a hub id (hub ids are 'owner/name', "
+                         f"e.g. 'black-forest-labs/FLUX.1-dev'), nor one of {', '.join(TINY_MODELS)}")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError as exc:
+        raise UsageError(f"{flag}={model!r} is not a valid hub id ({exc})") from None
+
+
+# How long the hub may take to say whether a model exists before it counts as unreachable.
+HUB_PROBE_TIMEOUT_S = 3.0
+_hub_answers: dict[str, str] = {}
+
+
+def check_hub_model(model: str, flag: str = "--model") -> None:
+    """For a hub id (``check_model`` passed, no local directory): within seconds, whether the hub has it, without
+    Diffusers' download retries. ``UsageError`` (exit 2) when the hub answers that there is no such model;
+    ``OSError`` (exit 1) when the hub cannot be reached, or offline (``HF_HUB_OFFLINE=1``), and no copy is in the
+    local cache. With a cached copy and no hub, the rest of the run is switched to the cache (offline mode) with one
+    warning, so that no download is attempted (and retried) later."""
+    if model in TINY_MODELS or Path(model).expanduser().is_dir() or model in _hub_answers:
+        return
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    cached = isinstance(try_to_load_from_cache(model, "model_index.json"), str)
+    if constants.is_offline_mode():
+        if not cached:
+            raise OSError(f"{flag}={model!r}: offline (HF_HUB_OFFLINE=1) and not in the local cache "
+                          f"({constants.HF_HUB_CACHE}); unset HF_HUB_OFFLINE to download it, or give a local "
+                          "pipeline directory")
+        _hub_answers[model] = "cached"
+        return
+    endpoint = constants.ENDPOINT
+    try:
+        HfApi(endpoint=endpoint).model_info(model, timeout=HUB_PROBE_TIMEOUT_S)
+    except GatedRepoError:
+        pass  # it exists; the download says what access it needs
+    except RepositoryNotFoundError:
+        raise UsageError(f"{flag}={model!r}: no such model on the hub ({endpoint}), or a private one this machine "
+                         "is not logged in for (`hf auth login`)") from None
+    except Exception as exc:  # no network, DNS, proxy, timeout, the hub failing: it cannot say
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        if not cached:
+            raise OSError(f"{flag}={model!r}: cannot reach the hub ({endpoint}: {reason}) and it is not in the local "
+                          "cache; check the network (or HF_ENDPOINT, a proxy), or give a local pipeline "
+                          "directory") from None
+        constants.HF_HUB_OFFLINE = True  # read at each request: every later download reads the cache, no retries
+        import sys
+
+        print(f"diffusers-omni: warning: cannot reach the hub ({endpoint}: {reason}); using the cached copy of "
+              f"{model} (as with HF_HUB_OFFLINE=1)", file=sys.stderr)
+        _hub_answers[model] = "cached"
+        return
+    _hub_answers[model] = "hub"
 
 
 def parse_platform(text: str | None):

@@ -11,8 +11,8 @@ import sys
 
 from ..config.names import did_you_mean
 from ..utils.versions import omni_version
-from .common import (TINY_MODELS, UsageError, check_attention_environment, device_arg, finite_float, positive_int,
-                     steps_int)
+from .common import (TINY_MODELS, UsageError, check_attention_environment, check_hub_model, check_model, device_arg,
+                     finite_float, positive_int, steps_int)
 from .offload import add_offload_arguments
 
 _MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}"
@@ -137,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         command = f"diffusers-omni {args.command}"
         # Before any command imports Diffusers (which raises deep in its import on a bad DIFFUSERS_ATTN_BACKEND).
         check_attention_environment()
+        if getattr(args, "model", None) is not None and not getattr(args, "show", False) and not getattr(
+                args, "clear", False):
+            # Before any command imports Diffusers: a model id that is no directory is answered in seconds.
+            check_model(args.model)
+            check_hub_model(args.model)
         if args.command == "info":
             from .info import run
         elif args.command == "models":
