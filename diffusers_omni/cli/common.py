@@ -257,8 +257,14 @@ def check_hub_model(model: str, flag: str = "--model") -> None:
     _hub_answers[model] = "hub"
 
 
+# The compute capabilities of NVIDIA GPUs (CUDA's sm_XY architectures, Maxwell to Blackwell) that --platform simulates.
+KNOWN_SM = ("sm_50", "sm_52", "sm_53", "sm_60", "sm_61", "sm_62", "sm_70", "sm_72", "sm_75", "sm_80", "sm_86",
+            "sm_87", "sm_89", "sm_90", "sm_100", "sm_101", "sm_103", "sm_110", "sm_120", "sm_121")
+
+
 def parse_platform(text: str | None):
-    """``--platform`` values: ``cpu``, ``mps``, or ``sm_XY[,cudnn=N]`` (e.g. ``sm_90,cudnn=91900``)."""
+    """``--platform`` values: ``cpu``, ``mps``, or ``sm_XY[,cudnn=N]`` (e.g. ``sm_90,cudnn=91900``) for a compute
+    capability of ``KNOWN_SM``."""
     from ..attention.platform import Platform
 
     if text is None:
@@ -268,6 +274,9 @@ def parse_platform(text: str | None):
         return Platform(device_type=head, device_name=head.upper())
     if not (head.startswith("sm_") and head[3:].isdigit() and len(head) >= 5):
         raise UsageError(f"--platform={text!r}: expected cpu, mps or sm_XY[,cudnn=N] (e.g. sm_90,cudnn=91900)")
+    if head not in KNOWN_SM:
+        raise UsageError(f"--platform={text!r}: {head} is no NVIDIA GPU's compute capability; allowed: cpu, mps, "
+                         f"{', '.join(KNOWN_SM)}")
     digits = head[3:]
     capability = (int(digits[:-1]), int(digits[-1]))
     cudnn = 91900

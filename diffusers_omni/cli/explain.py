@@ -66,7 +66,7 @@ def run(args) -> int:
         return 0
     print(fit(f"platform: {(platform or current_platform()).describe()}"))
     summary = summarize(rows)
-    print(table(summary, ["role", "category", "backend", "lossy", "source", "modules", "call"]))
+    print(table(summary, ["role", "category", "backend", "lossy", "source", "modules", "call"], keep=["backend"]))
     tables = sorted({row["routing_table"] for row in summary if row.get("routing_table")})
     for label in tables:
         print(fit(f"routing table: {label}"))

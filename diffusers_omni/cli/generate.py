@@ -74,7 +74,7 @@ def run(args) -> int:
         enabled = time.perf_counter()
         backends = summarize(pipe.omni_attention_report())
         if not args.json:
-            say(table(backends, ["role", "category", "backend", "lossy", "source", "modules"]))
+            say(table(backends, ["role", "category", "backend", "lossy", "source", "modules"], keep=["backend"]))
 
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()

@@ -162,6 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`diffusers-omni models | head -3`): stop quietly, as `cat` would, with the
+        # status of a process ended by SIGPIPE; stdout goes to /dev/null so that the interpreter's final flush of
+        # what is still buffered does not fail again.
+        _silence_stdout()
+        return 128 + 13
     except (UsageError, ValueError, TypeError) as exc:
         print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
@@ -169,6 +175,17 @@ def main(argv: list[str] | None = None) -> int:
         # Files and downloads: a model that cannot be read, a hub id that does not exist, a disk that is full.
         print(f"{command}: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor behind sys.stdout (captured in tests)
+        pass
 
 
 if __name__ == "__main__":

@@ -36,15 +36,16 @@ def add_parser(sub):
 def _show(as_json: bool) -> int:
     from ..attention.routing import active_table, is_tuned, table_label
     from ..attention.tuning import cache_dir, environment_key, table_path
+    from ..utils.text import fit
 
     table = active_table()
     if as_json:
         print(json.dumps({"table": table_label(table), "tuned": is_tuned(table), "cache": str(table_path(
             environment_key())), "key": environment_key(), "families": table.get("families", {})}, indent=2))
         return 0
-    print(f"routing table: {table_label(table)}")
+    print(fit(f"routing table: {table_label(table)}"))
     if not is_tuned(table):
-        print(f"no table tuned in this environment under {cache_dir()}; run `diffusers-omni tune --model ...`")
+        print(fit(f"no table tuned in this environment under {cache_dir()}; run `diffusers-omni tune --model ...`"))
     return 0
 
 
