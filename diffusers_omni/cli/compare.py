@@ -1,7 +1,8 @@
 """``diffusers-omni compare``: the same generation under a reference and a candidate attention configuration.
 
-Writes a side-by-side image (reference | candidate | amplified absolute difference; for a video, a grid of a few
-frames with the same three rows) and prints PSNR, SSIM and the per-role attention error of the first transformer
+Writes a labelled side-by-side image (reference | candidate | absolute difference amplified by a stated gain, PSNR
+and SSIM under them; for a video, a grid of a few frames with the same three rows), at the pipeline's own size and
+steps unless given, and prints PSNR, SSIM and the per-role attention error of the first transformer
 call, plus the wall time of each run (``--json``: all of it as JSON). Model loading and the generation arguments are
 ``generate``'s.
 
@@ -37,9 +38,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     compare.add_argument("--negative-prompt", help="what to steer away from (pipelines that take one)")
     compare.add_argument("--guidance-scale", type=finite_float,
                          help="classifier-free guidance (default: the pipeline's)")
-    compare.add_argument("--steps", type=steps_int, default=4, help="denoising steps")
-    compare.add_argument("--height", type=positive_int, default=64, help="pixels; a multiple the model needs")
-    compare.add_argument("--width", type=positive_int, default=64, help="pixels; a multiple the model needs")
+    compare.add_argument("--steps", type=steps_int,
+                         help="denoising steps (default: the pipeline's, as generate; 4 for the tiny models)")
+    compare.add_argument("--height", type=positive_int,
+                         help="pixels; a multiple the model needs (default: the pipeline's; 64 for the tiny models)")
+    compare.add_argument("--width", type=positive_int,
+                         help="pixels; a multiple the model needs (default: the pipeline's; 64 for the tiny models)")
     compare.add_argument("--frames", type=positive_int,
                          help="video pipelines: number of frames (default: 5 for the tiny models, else the pipeline's)")
     compare.add_argument("--image", help="image-to-video pipelines: conditioning image path")
@@ -48,8 +52,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     compare.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                          help="auto = bfloat16 for a local or hub model on an accelerator, else float32; the tiny "
                               "models are cast to it when given")
-    compare.add_argument("--diff-gain", type=finite_float, default=10.0,
-                         help="the difference panel shows |candidate - reference| times this")
+    compare.add_argument("--diff-gain", type=finite_float,
+                         help="the difference panel shows |candidate - reference| times this (default: the gain "
+                              "that shows the largest difference white; the panel states it)")
     compare.add_argument("--warmup-runs", type=bounded_int(0, MAX_WARMUP), default=0,
                          help="untimed runs of each side first (kernel compilation, plan caches)")
     compare.add_argument("--no-local", action="store_true",
@@ -89,7 +94,7 @@ def run(args) -> int:
         raise UsageError(f"--output={args.output!r}: compare writes a still image (side by side, or a frame grid "
                          f"for videos); use one of {', '.join(_IMAGE_SUFFIXES)}")
     check_output(output, args.overwrite)
-    if not (args.diff_gain > 0 and math.isfinite(args.diff_gain)):
+    if args.diff_gain is not None and not (args.diff_gain > 0 and math.isfinite(args.diff_gain)):
         raise UsageError(f"--diff-gain={args.diff_gain}: must be a finite number > 0")
     if args.image is not None and not Path(args.image).is_file():
         raise UsageError(f"--image={args.image!r}: no such file")
@@ -115,13 +120,16 @@ def run(args) -> int:
             raise UsageError(f"{flag}={text!r}: {exc}") from None
     if args.json:
         pipe.set_progress_bar_config(disable=True)
-    report = compare_pipelines(pipe, reference, candidate, seed=args.seed, diff_gain=args.diff_gain,
-                               warmup_runs=args.warmup_runs, local_errors=not args.no_local, **kwargs)
-    replaced = write_replacing(output, report.save_image)
+    report = compare_pipelines(pipe, reference, candidate, seed=args.seed, warmup_runs=args.warmup_runs,
+                               local_errors=not args.no_local, **kwargs)
+    report.diff_gain = args.diff_gain  # None: the gain that shows the largest difference white
+    image, shown = report.annotated()
+    replaced = write_replacing(output, image.save)
     summary = {"model": args.model, "device": str(device),
                "dtype": str(next(iter(pipe.components["transformer"].parameters())).dtype).removeprefix("torch.")
                if "transformer" in pipe.components else None,
-               "output": str(output), "replaced": replaced, **report.to_dict()}
+               "output": str(output), "replaced": replaced, **report.to_dict(),
+               "image": {key: shown[key] for key in ("labels", "footer", "diff_gain", "panel_scale")}}
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0

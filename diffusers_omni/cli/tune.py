@@ -54,7 +54,7 @@ def run(args) -> int:
 
     from ..attention.tuning import CacheNotWritable, check_cache_writable, clear_tuned_tables
     from ..pipelines.registry import omnify
-    from ..utils.text import table
+    from ..utils.text import fit, table
     from .common import UsageError, check_model, configure_logging, load_pipeline
     from .offload import installs_nothing, offload_config
 
@@ -102,5 +102,13 @@ def run(args) -> int:
         return 0
     print(f"tuned in {result.seconds:.1f} s; table written to {result.path}")
     print(table(result.summary(), ["shape", "fastest", "times (ms)", "failed"]))
-    print("`auto` now routes each shape class to its fastest backend here; `diffusers-omni explain` shows the margins")
+    measured = result.table.get("measured", [])
+    timed = sorted({name for shape in measured for name in shape["seconds"]})
+    if all(len(shape["seconds"]) <= 1 for shape in measured):
+        only = ", ".join(timed) or "no backend"
+        print(fit(f"only {only} could run these shapes here: nothing to choose between, so `auto` runs as before "
+                  "(install another backend, e.g. pip install 'diffusers-omni[flash]', and tune again)"))
+    else:
+        print(fit("`auto` now routes each shape class to its fastest backend here; `diffusers-omni explain` shows "
+                  "the margins"))
     return 0
