@@ -501,10 +501,11 @@ class QualityReport:
     def annotated(self, frames: int = GRID_FRAMES):
         """``side_by_side`` with labels: a PIL image and what it shows. Small outputs are enlarged (nearest
         neighbour, by a whole factor) to panels of at least ``_MIN_PANEL`` pixels so that the labels fit; above
-        each panel (images) or left of each row (videos): ``reference``, ``candidate`` and ``|candidate −
-        reference| ×gain`` (``identical`` when there is no difference); under the panels PSNR, SSIM and the largest
-        difference. The dict: ``labels``, ``footer``, ``diff_gain``, ``panel_scale``, ``panel_px`` (a panel's
-        width), ``gap_px``, ``header_px`` (the band above the panels), ``label_px`` (the column left of them)."""
+        each panel (images) or left of each row (videos): ``reference``, ``candidate`` and ``|difference| xG``
+        (``|candidate − reference|`` times the gain ``gain``; ``difference: identical`` when there is none); under
+        the panels PSNR, SSIM and the largest difference. The dict: ``labels``, ``footer``, ``diff_gain``,
+        ``panel_scale``, ``panel_px`` (a panel's width), ``gap_px``, ``header_px`` (the band above the panels),
+        ``label_px`` (the column left of them)."""
         from PIL import Image, ImageDraw, ImageFont
 
         base = self.side_by_side(frames)
@@ -514,8 +515,8 @@ class QualityReport:
             base = base.resize((base.width * scale, base.height * scale), Image.NEAREST)
         identical = self.max_abs_diff == 0
         gain = self.gain
-        labels = ["reference", "candidate",
-                  "|candidate − reference|: identical" if identical else f"|candidate − reference| ×{gain:.3g}"]
+        # ASCII only: the default font has no minus sign or multiplication sign.
+        labels = ["reference", "candidate", "difference: identical" if identical else f"|difference| x{gain:.3g}"]
         footer = f"PSNR {self.psnr_db:.2f} dB, SSIM {self.ssim:.4f}, max |diff| {self.max_abs_diff:.3g}"
         if self.kind == "video":
             footer += f"; frames {', '.join(str(i) for i in self.frame_indices(frames))}"
@@ -525,7 +526,7 @@ class QualityReport:
         panel, gap = width * scale, _SEPARATOR * scale
         if self.kind == "image":
             header, left = line, 0
-            canvas_width = max(base.width, text_width)
+            canvas_width = max(base.width, text_width, 2 * (panel + gap) + int(font.getlength(labels[2])) + 4)
         else:
             header, left = 0, max(int(font.getlength(text)) for text in labels) + 12
             canvas_width = max(base.width + left, text_width)
