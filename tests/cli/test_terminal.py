@@ -192,3 +192,11 @@ def test_a_reader_gone_before_the_output_stops_it_quietly(command):
     err = cli.stderr.decode()
     assert cli.returncode in (0, 141), (cli.returncode, err)
     assert "Broken pipe" not in err and "Traceback" not in err and err == "", err
+
+
+def test_explain_keeps_role_names_whole_in_an_80_column_terminal():
+    config = '{"default": {"backend": "TORCH_SDPA"}, "per_role": {"cross": {"backend": "auto"}}}'
+    text = run_in_terminal("explain", "--model", "tiny-wan-i2v", "--attention", config)
+    assert _too_wide(text, 80) == [], text
+    roles = [line.split()[0] for line in text.splitlines() if line.startswith("wan.")]
+    assert roles == ["wan.self", "wan.image_cross", "wan.cross"], text
