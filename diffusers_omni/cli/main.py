@@ -1,7 +1,8 @@
 """Entry point of the ``diffusers-omni`` command.
 
 Exit status: 0 success, 1 the command ran and failed (``align``: not aligned; a model that cannot be loaded), 2
-invalid input (the message names the flag and the value), 130 interrupted (Ctrl-C).
+invalid input (the message names the flag and the value), 130 interrupted (Ctrl-C), 141 the reader of stdout went
+away (``diffusers-omni models | head -3``; nothing is printed then).
 """
 
 from __future__ import annotations
