@@ -150,3 +150,18 @@ def test_a_cached_model_is_explained_in_a_fresh_process_with_nothing_but_ours(tm
     assert code == 0, err
     line = _one_line(err)  # the one warning of ours, none of the quantizer packages', torch's or the hub's
     assert line.startswith("diffusers-omni: warning: cannot reach the hub") and "cached copy" in line
+
+
+def test_the_default_hub_answers_within_seconds_in_a_fresh_process(tmp_path):
+    """The user's case as it is: the default endpoint. Without a network (as on the test machines) the hub cannot
+    be reached; with one it says that there is no such model. Either is said at once, in one line."""
+    env = {key: value for key, value in os.environ.items() if key not in ("HF_ENDPOINT", "HF_HUB_OFFLINE")}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "diffusers_omni.cli.main", "explain", "--model",
+                           "diffusers-omni-tests/no-such-model"], capture_output=True, text=True, timeout=300,
+                          env={**env, "HF_HUB_CACHE": str(tmp_path / "hub")})
+    seconds = time.monotonic() - started
+    line = _one_line(proc.stderr)
+    assert seconds < 30, (seconds, proc.stderr)
+    assert (proc.returncode, "cannot reach the hub" in line) == (1, True) or \
+           (proc.returncode, "no such model on the hub" in line) == (2, True), proc.stderr
