@@ -51,6 +51,8 @@ SSIM_WINDOW = 11
 SSIM_SIGMA = 1.5
 _RESERVED_CALL_KWARGS = ("generator", "output_type", "return_dict")
 _SEPARATOR = 2  # white pixels between the panels of the side-by-side image
+_MIN_PANEL = 192  # the labelled image enlarges smaller panels to at least this many pixels wide
+_LABEL_FONT = 14  # pixels
 
 
 # Image metrics ----------------------------------------------------------------------------------------------------
@@ -452,7 +454,8 @@ class QualityReport:
     first_call_inputs_equal: bool
     reference_output: np.ndarray = field(repr=False)
     candidate_output: np.ndarray = field(repr=False)
-    diff_gain: float = DEFAULT_DIFF_GAIN
+    # ``None``: the gain that shows the largest difference white (``gain``).
+    diff_gain: float | None = DEFAULT_DIFF_GAIN
     call: dict[str, Any] = field(default_factory=dict)
     per_frame: dict[str, list[float]] = field(default_factory=dict)
     attention_step: str = "first transformer call (denoising step 0; its conditional pass under CFG)"
@@ -478,7 +481,7 @@ class QualityReport:
 
         ref = self.reference_output[0].astype(np.float64)
         cand = self.candidate_output[0].astype(np.float64)
-        diff = np.abs(cand - ref) * self.diff_gain
+        diff = np.abs(cand - ref) * self.gain
         if self.kind == "image":
             return Image.fromarray(_panel_row([_to_uint8(_rgb(x)) for x in (ref, cand, diff)]))
         shown = self.frame_indices(frames)
@@ -486,10 +489,67 @@ class QualityReport:
         gap = np.full((_SEPARATOR, rows[0].shape[1], 3), 255, dtype=np.uint8)
         return Image.fromarray(np.concatenate([rows[0], gap, rows[1], gap, rows[2]], axis=0))
 
+    @property
+    def gain(self) -> float:
+        """The difference panel's gain: ``diff_gain``, or when it is ``None`` the one that shows the largest
+        difference white (1 when the outputs are identical), at most 10^6."""
+        if self.diff_gain is not None:
+            return float(self.diff_gain)
+        largest = self.max_abs_diff
+        return 1.0 if largest == 0 else float(min(1.0 / largest, 1e6))
+
+    def annotated(self, frames: int = GRID_FRAMES):
+        """``side_by_side`` with labels: a PIL image and what it shows. Small outputs are enlarged (nearest
+        neighbour, by a whole factor) to panels of at least ``_MIN_PANEL`` pixels so that the labels fit; above
+        each panel (images) or left of each row (videos): ``reference``, ``candidate`` and ``|difference| xG``
+        (``|candidate − reference|`` times the gain ``gain``; ``difference: identical`` when there is none); under
+        the panels PSNR, SSIM and the largest difference. The dict: ``labels``, ``footer``, ``diff_gain``,
+        ``panel_scale``, ``panel_px`` (a panel's width), ``gap_px``, ``header_px`` (the band above the panels),
+        ``label_px`` (the column left of them)."""
+        from PIL import Image, ImageDraw, ImageFont
+
+        base = self.side_by_side(frames)
+        width = self.reference_output.shape[-2]
+        scale = max(1, math.ceil(_MIN_PANEL / width))
+        if scale > 1:
+            base = base.resize((base.width * scale, base.height * scale), Image.NEAREST)
+        identical = self.max_abs_diff == 0
+        gain = self.gain
+        # ASCII only: the default font has no minus sign or multiplication sign.
+        labels = ["reference", "candidate", "difference: identical" if identical else f"|difference| x{gain:.3g}"]
+        footer = f"PSNR {self.psnr_db:.2f} dB, SSIM {self.ssim:.4f}, max |diff| {self.max_abs_diff:.3g}"
+        if self.kind == "video":
+            footer += f"; frames {', '.join(str(i) for i in self.frame_indices(frames))}"
+        font = ImageFont.load_default(size=_LABEL_FONT)
+        line = _LABEL_FONT + 8
+        text_width = max(int(font.getlength(text)) for text in [*labels, footer]) + 8
+        panel, gap = width * scale, _SEPARATOR * scale
+        if self.kind == "image":
+            header, left = line, 0
+            canvas_width = max(base.width, text_width, 2 * (panel + gap) + int(font.getlength(labels[2])) + 4)
+        else:
+            header, left = 0, max(int(font.getlength(text)) for text in labels) + 12
+            canvas_width = max(base.width + left, text_width)
+        canvas = Image.new("RGB", (canvas_width, header + base.height + line), "white")
+        canvas.paste(base, (left, header))
+        draw = ImageDraw.Draw(canvas)
+        if self.kind == "image":
+            for index, text in enumerate(labels):
+                x = index * (panel + gap)
+                draw.text((x + 2, 3), text, fill="black", font=font)
+        else:
+            row = base.height // 3
+            for index, text in enumerate(labels):
+                draw.text((4, index * row + row // 2 - _LABEL_FONT // 2), text, fill="black", font=font)
+        draw.text((4, header + base.height + 3), footer, fill="black", font=font)
+        return canvas, {"labels": labels, "footer": footer, "diff_gain": gain, "panel_scale": scale,
+                        "panel_px": panel, "gap_px": gap, "header_px": header, "label_px": left}
+
     def save_image(self, path: str | Path) -> Path:
+        """Write ``annotated()``'s image to ``path``."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.side_by_side().save(path)
+        self.annotated()[0].save(path)
         return path
 
     def to_dict(self) -> dict[str, Any]:
@@ -501,7 +561,7 @@ class QualityReport:
             "per_frame": self.per_frame,
             "shown_frames": self.frame_indices() if self.kind == "video" else None,
             "output_shape": list(self.reference_output.shape),
-            "diff_gain": self.diff_gain,
+            "diff_gain": self.gain,
             "wall_s": self.wall_s,
             "reference": self.reference,
             "candidate": self.candidate,

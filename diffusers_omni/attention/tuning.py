@@ -27,6 +27,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Mapping
 
+import logging
+
 import torch
 
 from ..utils.versions import installed_version
@@ -34,6 +36,7 @@ from .platform import Platform, current_platform, detected_platform
 
 ENV_CACHE_DIR = "DIFFUSERS_OMNI_CACHE_DIR"
 TABLE_FORMAT = "diffusers-omni tuned routing table v1"
+logger = logging.getLogger("diffusers_omni.attention.tuning")
 # Distributions whose version changes a kernel's speed (any of them changing invalidates a tuned table).
 KERNEL_DISTRIBUTIONS = (
     "fa3-fwd",
@@ -110,7 +113,11 @@ _tuned_read = False
 
 def tuned_table(platform: Platform | None = None) -> dict | None:
     """The tuned table for ``platform`` if it is the GPU this process runs on and a table measured in this exact
-    environment (``environment_key``) is in the cache; ``None`` otherwise (a simulated platform never has one)."""
+    environment (``environment_key``) is in the cache; ``None`` otherwise (a simulated platform never has one).
+
+    A cache file that cannot be used (unreadable, not UTF-8 text, empty, truncated or nested past the JSON reader's
+    limit, not a table, another format, measured in another environment, or with fields routing cannot read) is
+    named in one warning and the shipped table decides."""
     global _tuned, _tuned_read
     platform = platform or current_platform()
     if platform != detected_platform():
@@ -121,20 +128,94 @@ def tuned_table(platform: Platform | None = None) -> dict | None:
         path = table_path(key)
         _tuned = None
         if path.is_file():
-            try:
-                table = json.loads(path.read_text())
-            except (OSError, ValueError):
-                table = None
-            if isinstance(table, dict) and table.get("format") == TABLE_FORMAT and table.get("key") == key:
+            table, problem = _read_table(path, key)
+            if problem is None:
                 table["path"] = str(path)
                 _tuned = table
+            elif str(path) not in _warned:
+                _warned.add(str(path))
+                logger.warning("ignoring the tuned routing table %s: %s; the shipped table decides (`diffusers-omni "
+                               "tune` measures and rewrites it, `diffusers-omni tune --clear` removes it)", path,
+                               problem)
     return _tuned
+
+
+# Unusable cache files already named since the cache was last (re)read: one warning per file.
+_warned: set[str] = set()
+
+
+def _read_table(path: Path, key: Mapping) -> tuple[dict | None, str | None]:
+    """The table in ``path`` and ``None``, or ``None`` and why it cannot be used here."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        return None, f"it cannot be read ({exc.strerror or exc})"
+    if not data.strip():
+        return None, "the file is empty"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "it is not text (not UTF-8: a binary file)"
+    try:
+        table = json.loads(text)
+    except RecursionError:
+        return None, "its JSON nests too deeply to be a routing table"
+    except ValueError as exc:
+        return None, f"it is not valid JSON, e.g. truncated ({exc})"
+    return (table, None) if (problem := table_problem(table, key)) is None else (None, problem)
+
+
+def table_problem(table: object, key: Mapping | None = None) -> str | None:
+    """Why ``table`` cannot serve as this environment's tuned table (``key``: the environment it must have been
+    measured in), or ``None``: the fields routing reads have the types it reads them as."""
+    if not isinstance(table, dict):
+        return f"it holds a JSON {_json_type(table)}, not a table (an object)"
+    if table.get("format") != TABLE_FORMAT:
+        return (f"its format is {table.get('format')!r}, not {TABLE_FORMAT!r} (written by another version of "
+                "diffusers-omni)")
+    if key is not None and table.get("key") != key:
+        stored = table.get("key") if isinstance(table.get("key"), dict) else {}
+        differ = sorted(name for name in set(key) | set(stored) if stored.get(name) != key.get(name))
+        return f"it was measured in another environment (differs in: {', '.join(differ) or 'key'})"
+    families = table.get("families")
+    if not isinstance(families, dict):
+        return f"'families' is a JSON {_json_type(families)}, expected an object of platform families"
+    for family, rules in families.items():
+        if not isinstance(rules, dict):
+            return f"'families.{family}' is a JSON {_json_type(rules)}, expected an object of shape classes"
+        for rule_key, rule in rules.items():
+            where = f"'families.{family}.{rule_key}"
+            if not isinstance(rule, dict):
+                return f"{where}' is a JSON {_json_type(rule)}, expected an object"
+            ranking = rule.get("ranking")
+            if not isinstance(ranking, list) or not all(isinstance(name, str) for name in ranking):
+                return f"{where}.ranking' is a JSON {_json_type(ranking)}, expected a list of backend names"
+            for field_name in ("worst_ratio", "kernel_worst_ratio", "in_model_seconds"):
+                values = rule.get(field_name, {})
+                if not isinstance(values, dict) or not all(_is_number(v) for v in values.values()):
+                    return f"{where}.{field_name}' is not an object of numbers"
+    tolerance = table.get("tolerance", 0.0)
+    if not _is_number(tolerance) or not 0 <= tolerance < 1:
+        return f"'tolerance' is {tolerance!r}, expected a number from 0 to below 1"
+    if not isinstance(table.get("allow_lossy", False), bool):
+        return f"'allow_lossy' is {table.get('allow_lossy')!r}, expected true or false"
+    return None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _json_type(value: object) -> str:
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def forget_tuned_table() -> None:
     """Read the cache again on the next ``tuned_table`` call (after ``tune`` wrote one, or a version changed)."""
     global _tuned, _tuned_read
     _tuned, _tuned_read = None, False
+    _warned.clear()
 
 
 @contextlib.contextmanager
@@ -327,10 +408,38 @@ def build_table(platform: Platform, timings: list[ShapeTiming], rule_key, *, all
     return table
 
 
+class CacheNotWritable(OSError):
+    """The cache directory of tuned tables cannot be written; the message names ``DIFFUSERS_OMNI_CACHE_DIR``."""
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+
+def check_cache_writable() -> Path:
+    """The folder tuned tables are written to, created if missing and checked writable (``tune`` calls this before
+    measuring anything); ``CacheNotWritable`` naming the folder and ``DIFFUSERS_OMNI_CACHE_DIR`` otherwise."""
+    import tempfile
+
+    folder = cache_dir() / "routing"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if isinstance(exc, (NotADirectoryError, FileExistsError)):
+            reason = "a file stands where a folder is needed"
+        source = (f"{ENV_CACHE_DIR}={os.environ[ENV_CACHE_DIR]}" if os.environ.get(ENV_CACHE_DIR, "").strip()
+                  else f"the default cache {cache_dir()}")
+        raise CacheNotWritable(f"cannot write tuned routing tables under {folder} ({reason}; from {source}); set "
+                               f"{ENV_CACHE_DIR} to a writable folder") from None
+    return folder
+
+
 def save_table(table: dict) -> Path:
     """Write ``table`` to its cache file (atomically) and make this process use it."""
     path = table_path(table["key"])
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_cache_writable()
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(table, indent=2) + "\n")
     os.replace(tmp, path)

@@ -22,7 +22,7 @@ _SIDE_HELP = "'stock' (Diffusers' processors), a backend name, or JSON {'default
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from .common import TINY_MODELS, device_arg, finite_float, non_negative_int, positive_int
+    from .common import TINY_MODELS, device_arg, finite_float, non_negative_int, positive_int, steps_int
 
     align = sub.add_parser("align", help="per-layer comparison of a transformer call under two configurations")
     align.add_argument("--model", default="tiny-flux", help=f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}")
@@ -36,7 +36,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     align.add_argument("--record", help="write the recorded transformer inputs here")
     align.add_argument("--call-index", type=non_negative_int, default=0, help="which transformer forward to record (0 = first step)")
     align.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
-    align.add_argument("--steps", type=positive_int, default=2)
+    align.add_argument("--steps", type=steps_int, default=2)
     align.add_argument("--height", type=positive_int, default=32)
     align.add_argument("--width", type=positive_int, default=32)
     align.add_argument("--frames", type=positive_int, default=5, help="video pipelines: number of frames")

@@ -21,6 +21,29 @@ class UsageError(ValueError):
 
 # Argument types: argparse turns ArgumentTypeError into "argument --steps: <message>" and exit status 2.
 
+# Upper bounds of the counts (a run that could never finish, or whose schedule alone fills the memory, is refused
+# by the parser): denoising steps (FLUX.1-dev runs 28, Wan 50), warm-up calls or runs, and timed repeats.
+MAX_STEPS = 1000
+MAX_WARMUP = 100
+MAX_REPEATS = 1000
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argument type: an integer from ``low`` to ``high``; anything else is refused naming the range."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer from {low} to {high}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer from {low} to {high}"
+    return parse
+
+
+steps_int = bounded_int(1, MAX_STEPS)
+
+
 def positive_int(text: str) -> int:
     value = _int(text)
     if value <= 0:
@@ -116,6 +139,45 @@ def check_writable(path: Path, flag: str = "--output") -> None:
         raise UsageError(f"{flag}={str(path)!r}: cannot write there ({exc.strerror or exc})") from None
 
 
+def check_output(path: Path, overwrite: bool, flag: str = "--output") -> bool:
+    """``check_writable``, and an existing file refused unless ``overwrite`` (``--overwrite``): nothing is replaced
+    by surprise. Returns whether the run will replace a file."""
+    check_writable(path, flag)
+    if path.exists():
+        if not overwrite:
+            raise UsageError(f"{flag}={str(path)!r} exists; pass --overwrite to replace it, or give another {flag}")
+        return True
+    return False
+
+
+def write_replacing(path: Path, write: Callable[[Path], None]) -> bool:
+    """Write ``path`` through ``write(temporary path)`` (a file of the same suffix in the same folder) renamed over
+    it: a reader of the old file keeps it whole and a failed write leaves the old file as it was. Returns whether a
+    file was replaced."""
+    import os
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replaced = path.exists()
+    if replaced:
+        mode = path.stat().st_mode & 0o7777
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    handle, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(handle)
+    temporary = Path(name)
+    try:
+        write(temporary)
+        os.chmod(temporary, mode)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return replaced
+
+
 def check_model(model: str, flag: str = "--model") -> None:
     """A tiny model name, a Diffusers pipeline directory, or something that looks like a hub id."""
     if model in TINY_MODELS:
@@ -136,10 +198,73 @@ def check_model(model: str, flag: str = "--model") -> None:
             f"{flag}={model!r} is not a model directory{hint}; expected a local pipeline directory, a hub id such "
             f"as 'black-forest-labs/FLUX.1-dev', or one of {', '.join(TINY_MODELS)}"
         )
+    if not hub_like:
+        raise UsageError(f"{flag}={model!r} is neither a local directory nor a hub id (hub ids are 'owner/name', "
+                         f"e.g. 'black-forest-labs/FLUX.1-dev'), nor one of {', '.join(TINY_MODELS)}")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError as exc:
+        raise UsageError(f"{flag}={model!r} is not a valid hub id ({exc})") from None
+
+
+# How long the hub may take to say whether a model exists before it counts as unreachable.
+HUB_PROBE_TIMEOUT_S = 3.0
+_hub_answers: dict[str, str] = {}
+
+
+def check_hub_model(model: str, flag: str = "--model") -> None:
+    """For a hub id (``check_model`` passed, no local directory): within seconds, whether the hub has it, without
+    Diffusers' download retries. ``UsageError`` (exit 2) when the hub answers that there is no such model;
+    ``OSError`` (exit 1) when the hub cannot be reached, or offline (``HF_HUB_OFFLINE=1``), and no copy is in the
+    local cache. With a cached copy and no hub, the rest of the run is switched to the cache (offline mode) with one
+    warning, so that no download is attempted (and retried) later."""
+    if model in TINY_MODELS or Path(model).expanduser().is_dir() or model in _hub_answers:
+        return
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    cached = isinstance(try_to_load_from_cache(model, "model_index.json"), str)
+    if constants.is_offline_mode():
+        if not cached:
+            raise OSError(f"{flag}={model!r}: offline (HF_HUB_OFFLINE=1) and not in the local cache "
+                          f"({constants.HF_HUB_CACHE}); unset HF_HUB_OFFLINE to download it, or give a local "
+                          "pipeline directory")
+        _hub_answers[model] = "cached"
+        return
+    endpoint = constants.ENDPOINT
+    try:
+        HfApi(endpoint=endpoint).model_info(model, timeout=HUB_PROBE_TIMEOUT_S)
+    except GatedRepoError:
+        pass  # it exists; the download says what access it needs
+    except RepositoryNotFoundError:
+        raise UsageError(f"{flag}={model!r}: no such model on the hub ({endpoint}), or a private one this machine "
+                         "is not logged in for (`hf auth login`)") from None
+    except Exception as exc:  # no network, DNS, proxy, timeout, the hub failing: it cannot say
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        if not cached:
+            raise OSError(f"{flag}={model!r}: cannot reach the hub ({endpoint}: {reason}) and it is not in the local "
+                          "cache; check the network (or HF_ENDPOINT, a proxy), or give a local pipeline "
+                          "directory") from None
+        constants.HF_HUB_OFFLINE = True  # read at each request: every later download reads the cache, no retries
+        import sys
+
+        print(f"diffusers-omni: warning: cannot reach the hub ({endpoint}: {reason}); using the cached copy of "
+              f"{model} (as with HF_HUB_OFFLINE=1)", file=sys.stderr)
+        _hub_answers[model] = "cached"
+        return
+    _hub_answers[model] = "hub"
+
+
+# The compute capabilities of NVIDIA GPUs (CUDA's sm_XY architectures, Maxwell to Blackwell) that --platform simulates.
+KNOWN_SM = ("sm_50", "sm_52", "sm_53", "sm_60", "sm_61", "sm_62", "sm_70", "sm_72", "sm_75", "sm_80", "sm_86",
+            "sm_87", "sm_89", "sm_90", "sm_100", "sm_101", "sm_103", "sm_110", "sm_120", "sm_121")
 
 
 def parse_platform(text: str | None):
-    """``--platform`` values: ``cpu``, ``mps``, or ``sm_XY[,cudnn=N]`` (e.g. ``sm_90,cudnn=91900``)."""
+    """``--platform`` values: ``cpu``, ``mps``, or ``sm_XY[,cudnn=N]`` (e.g. ``sm_90,cudnn=91900``) for a compute
+    capability of ``KNOWN_SM``."""
     from ..attention.platform import Platform
 
     if text is None:
@@ -149,6 +274,9 @@ def parse_platform(text: str | None):
         return Platform(device_type=head, device_name=head.upper())
     if not (head.startswith("sm_") and head[3:].isdigit() and len(head) >= 5):
         raise UsageError(f"--platform={text!r}: expected cpu, mps or sm_XY[,cudnn=N] (e.g. sm_90,cudnn=91900)")
+    if head not in KNOWN_SM:
+        raise UsageError(f"--platform={text!r}: {head} is no NVIDIA GPU's compute capability; allowed: cpu, mps, "
+                         f"{', '.join(KNOWN_SM)}")
     digits = head[3:]
     capability = (int(digits[:-1]), int(digits[-1]))
     cudnn = 91900
@@ -163,6 +291,24 @@ def parse_platform(text: str | None):
 _HANDLER_NAME = "diffusers-omni-cli"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record (not the stream of the first call: ``main`` may run
+    several times in one process, each with its own stderr)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property
+    def stream(self):
+        import sys
+
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure_logging(verbose: int | bool = 0, rank: int = 0) -> None:
     """Diffusers-style logging for the CLI: our warnings by default, ``-v`` INFO, ``-vv`` DEBUG (Diffusers' too).
 
@@ -174,7 +320,7 @@ def configure_logging(verbose: int | bool = 0, rank: int = 0) -> None:
         level = logging.ERROR
     logger = logging.getLogger("diffusers_omni")
     if not any(getattr(h, "name", None) == _HANDLER_NAME for h in logger.handlers):
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.set_name(_HANDLER_NAME)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logger.addHandler(handler)

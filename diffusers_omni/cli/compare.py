@@ -1,7 +1,8 @@
 """``diffusers-omni compare``: the same generation under a reference and a candidate attention configuration.
 
-Writes a side-by-side image (reference | candidate | amplified absolute difference; for a video, a grid of a few
-frames with the same three rows) and prints PSNR, SSIM and the per-role attention error of the first transformer
+Writes a labelled side-by-side image (reference | candidate | absolute difference amplified by a stated gain, PSNR
+and SSIM under them; for a video, a grid of a few frames with the same three rows), at the pipeline's own size and
+steps unless given, and prints PSNR, SSIM and the per-role attention error of the first transformer
 call, plus the wall time of each run (``--json``: all of it as JSON). Model loading and the generation arguments are
 ``generate``'s.
 
@@ -21,7 +22,7 @@ _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    from .common import TINY_MODELS, device_arg, finite_float, non_negative_int, positive_int
+    from .common import MAX_WARMUP, TINY_MODELS, bounded_int, device_arg, finite_float, positive_int, steps_int
 
     compare = sub.add_parser("compare", help="quality of an attention config against a reference: side-by-side "
                                              "image, PSNR, SSIM, per-layer attention error")
@@ -31,14 +32,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
     compare.add_argument("--candidate", required=True, help="candidate attention, same forms as --reference")
     compare.add_argument("--output", default="compare.png",
                          help="side-by-side image (a frame grid for videos): .png, .jpg or .webp")
+    compare.add_argument("--overwrite", action="store_true", help="replace --output when it exists (default: refuse)")
     compare.add_argument("--json", action="store_true", help="print the summary as JSON instead of the tables")
     compare.add_argument("--prompt", default="a lighthouse on a cliff at dawn", help="the prompt of both runs")
     compare.add_argument("--negative-prompt", help="what to steer away from (pipelines that take one)")
     compare.add_argument("--guidance-scale", type=finite_float,
                          help="classifier-free guidance (default: the pipeline's)")
-    compare.add_argument("--steps", type=positive_int, default=4, help="denoising steps")
-    compare.add_argument("--height", type=positive_int, default=64, help="pixels; a multiple the model needs")
-    compare.add_argument("--width", type=positive_int, default=64, help="pixels; a multiple the model needs")
+    compare.add_argument("--steps", type=steps_int,
+                         help="denoising steps (default: the pipeline's, as generate; 4 for the tiny models)")
+    compare.add_argument("--height", type=positive_int,
+                         help="pixels; a multiple the model needs (default: the pipeline's; 64 for the tiny models)")
+    compare.add_argument("--width", type=positive_int,
+                         help="pixels; a multiple the model needs (default: the pipeline's; 64 for the tiny models)")
     compare.add_argument("--frames", type=positive_int,
                          help="video pipelines: number of frames (default: 5 for the tiny models, else the pipeline's)")
     compare.add_argument("--image", help="image-to-video pipelines: conditioning image path")
@@ -47,9 +52,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     compare.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                          help="auto = bfloat16 for a local or hub model on an accelerator, else float32; the tiny "
                               "models are cast to it when given")
-    compare.add_argument("--diff-gain", type=finite_float, default=10.0,
-                         help="the difference panel shows |candidate - reference| times this")
-    compare.add_argument("--warmup-runs", type=non_negative_int, default=0,
+    compare.add_argument("--diff-gain", type=finite_float,
+                         help="the difference panel shows |candidate - reference| times this (default: the gain "
+                              "that shows the largest difference white; the panel states it)")
+    compare.add_argument("--warmup-runs", type=bounded_int(0, MAX_WARMUP), default=0,
                          help="untimed runs of each side first (kernel compilation, plan caches)")
     compare.add_argument("--no-local", action="store_true",
                          help="skip rerunning the reference processor on the candidate's inputs (local_rel_err)")
@@ -79,7 +85,7 @@ def run(args) -> int:
     from ..alignment.quality import check_attention, compare_pipelines
     from ..pipelines.registry import omnify
     from ..utils.text import table
-    from .common import TINY_MODELS, UsageError, check_writable, configure_logging, load_pipeline
+    from .common import TINY_MODELS, UsageError, check_output, configure_logging, load_pipeline, write_replacing
     from .generate import call_kwargs, preflight, torch_dtype
 
     configure_logging(args.verbose)
@@ -87,8 +93,8 @@ def run(args) -> int:
     if output.suffix.lower() not in _IMAGE_SUFFIXES:
         raise UsageError(f"--output={args.output!r}: compare writes a still image (side by side, or a frame grid "
                          f"for videos); use one of {', '.join(_IMAGE_SUFFIXES)}")
-    check_writable(output)
-    if not (args.diff_gain > 0 and math.isfinite(args.diff_gain)):
+    check_output(output, args.overwrite)
+    if args.diff_gain is not None and not (args.diff_gain > 0 and math.isfinite(args.diff_gain)):
         raise UsageError(f"--diff-gain={args.diff_gain}: must be a finite number > 0")
     if args.image is not None and not Path(args.image).is_file():
         raise UsageError(f"--image={args.image!r}: no such file")
@@ -114,13 +120,16 @@ def run(args) -> int:
             raise UsageError(f"{flag}={text!r}: {exc}") from None
     if args.json:
         pipe.set_progress_bar_config(disable=True)
-    report = compare_pipelines(pipe, reference, candidate, seed=args.seed, diff_gain=args.diff_gain,
-                               warmup_runs=args.warmup_runs, local_errors=not args.no_local, **kwargs)
-    report.save_image(output)
+    report = compare_pipelines(pipe, reference, candidate, seed=args.seed, warmup_runs=args.warmup_runs,
+                               local_errors=not args.no_local, **kwargs)
+    report.diff_gain = args.diff_gain  # None: the gain that shows the largest difference white
+    image, shown = report.annotated()
+    replaced = write_replacing(output, image.save)
     summary = {"model": args.model, "device": str(device),
                "dtype": str(next(iter(pipe.components["transformer"].parameters())).dtype).removeprefix("torch.")
                if "transformer" in pipe.components else None,
-               "output": str(output), **report.to_dict()}
+               "output": str(output), "replaced": replaced, **report.to_dict(),
+               "image": {key: shown[key] for key in ("labels", "footer", "diff_gain", "panel_scale")}}
     if args.json:
         print(json.dumps(summary, indent=2, default=str))
         return 0
@@ -131,5 +140,5 @@ def run(args) -> int:
     print()
     print(report.table())
     print(f"model: {model} ({summary['call']['pipeline']}, {summary['dtype']}, seed {args.seed})")
-    print(f"wrote {output}")
+    print(f"{'replaced' if replaced else 'wrote'} {output}")
     return 0

@@ -66,7 +66,7 @@ def run(args) -> int:
         return 0
     print(fit(f"platform: {(platform or current_platform()).describe()}"))
     summary = summarize(rows)
-    print(table(summary, ["role", "category", "backend", "lossy", "source", "modules", "call"]))
+    print(table(summary, ["role", "category", "backend", "lossy", "source", "modules", "call"], keep=["backend"]))
     tables = sorted({row["routing_table"] for row in summary if row.get("routing_table")})
     for label in tables:
         print(fit(f"routing table: {label}"))
@@ -93,7 +93,27 @@ def run(args) -> int:
 
 def dits_from_configs(model: str, dtype) -> dict:
     """The DiTs of a saved or hub pipeline built from their configs on the meta device: explaining a 12B-parameter
-    model reads a few JSON files and allocates no weights."""
+    model reads a few JSON files and allocates no weights. Third-party notices of the imports and the config reads
+    (quantizer packages, Diffusers' float32-modules note about weights that do not exist here, huggingface_hub's
+    deprecation of an argument Diffusers passes) are kept off the screen."""
+    import logging
+    import warnings
+
+    from diffusers.utils import logging as diffusers_logging
+
+    from ..utils.quiet import quiet_third_party_imports
+
+    previous = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity(logging.ERROR)
+    try:
+        with quiet_third_party_imports(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*")
+            return _dits_from_configs(model, dtype)
+    finally:
+        diffusers_logging.set_verbosity(previous)
+
+
+def _dits_from_configs(model: str, dtype) -> dict:
     import importlib
 
     import diffusers
@@ -102,11 +122,8 @@ def dits_from_configs(model: str, dtype) -> dict:
 
     from ..pipelines.registry import omni_pipeline_class
 
-    from ..utils.quiet import quiet_torchvision_fallback
-
     index = DiffusionPipeline.load_config(model)
-    with quiet_torchvision_fallback():
-        pipeline_cls = getattr(diffusers, index["_class_name"])
+    pipeline_cls = getattr(diffusers, index["_class_name"])
     omni_cls = omni_pipeline_class(pipeline_cls)
     dits = {}
     for path in omni_cls._dit_modules:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import TINY_MODELS, UsageError, check_writable
+from .common import TINY_MODELS, UsageError, check_output, check_writable, write_replacing
 from .offload import collective_names, installs_nothing, is_collective, offload_config
 
 _VIDEO_SUFFIXES = (".mp4", ".gif")
@@ -38,6 +38,9 @@ def run(args) -> int:
     if args.output is not None:
         check_writable(Path(args.output))
     _check_flag_combinations(args)
+    if args.output is not None:
+        for path in _written_paths(args, Path(args.output)):
+            check_output(path, args.overwrite)
     if args.image is not None:
         _check_image(args.image)
 
@@ -63,12 +66,15 @@ def run(args) -> int:
             pipe.set_progress_bar_config(disable=True)
         kwargs = _call_kwargs(args, pipe, rank, world_size)
         output = _output_path(args, video=_accepts(pipe, "num_frames"))
+        if args.output is None:  # the default name, known once the pipeline says image or video
+            for path in _written_paths(args, output):
+                check_output(path, args.overwrite)
         if not installs_nothing(config):
             pipe.enable_omni_offload(config if rank == 0 else dataclasses.replace(config, show_progress=False))
         enabled = time.perf_counter()
         backends = summarize(pipe.omni_attention_report())
         if not args.json:
-            say(table(backends, ["role", "category", "backend", "lossy", "source", "modules"]))
+            say(table(backends, ["role", "category", "backend", "lossy", "source", "modules"], keep=["backend"]))
 
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
@@ -79,8 +85,7 @@ def run(args) -> int:
             output = output.with_name(f"{output.stem}.rank{rank}{output.suffix}")
         elif rank != 0:
             return 0
-        output.parent.mkdir(parents=True, exist_ok=True)
-        _write(result, output)
+        replaced = write_replacing(output, lambda path: _write(result, path))
         summary = {
             "model": args.model,
             "pipeline": type(pipe).__name__,
@@ -94,6 +99,7 @@ def run(args) -> int:
             "guidance_scale": kwargs.get("guidance_scale"),
             "seed": kwargs["generator"].initial_seed(),
             "output": str(output),
+            "replaced": replaced,
             "timings_s": {"load": loaded - started, "enable": enabled - loaded, "generate": done - enabled},
             "peak_device_memory_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
             "peak_host_rss_bytes": _peak_rss(),
@@ -109,10 +115,19 @@ def run(args) -> int:
         print(f"model: {model} ({summary['pipeline']}, {summary['dtype']})")
         print(f"load {loaded - started:.2f} s, enable {enabled - loaded:.2f} s, generate {done - enabled:.2f} s "
               f"({kwargs['width']}×{kwargs['height']}, {args.steps} steps on {device}" + (f", peak device memory {peak / 2**30:.2f} GiB)" if peak else ")"))
-        print(f"wrote {output}" + (f" (rank {rank}/{world_size}, seed {summary['seed']})" if world_size > 1 else ""))
+        print(f"{'replaced' if replaced else 'wrote'} {output}" + (f" (rank {rank}/{world_size}, seed {summary['seed']})" if world_size > 1 else ""))
         return 0
     finally:
         _teardown(own_group)
+
+
+def _written_paths(args, output: Path) -> list[Path]:
+    """The files a run writes for ``output``: one, or one per rank with ``--per-rank-outputs`` (``WORLD_SIZE``)."""
+    if args.per_rank_outputs and is_collective(args.offload):
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size > 1:
+            return [output.with_name(f"{output.stem}.rank{rank}{output.suffix}") for rank in range(world_size)]
+    return [output]
 
 
 def _check_flag_combinations(args) -> None:

@@ -1,7 +1,8 @@
 """Entry point of the ``diffusers-omni`` command.
 
 Exit status: 0 success, 1 the command ran and failed (``align``: not aligned; a model that cannot be loaded), 2
-invalid input (the message names the flag and the value), 130 interrupted (Ctrl-C).
+invalid input (the message names the flag and the value), 130 interrupted (Ctrl-C), 141 the reader of stdout went
+away (``diffusers-omni models | head -3``; nothing is printed then).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import sys
 
 from ..config.names import did_you_mean
 from ..utils.versions import omni_version
-from .common import TINY_MODELS, UsageError, check_attention_environment, device_arg, finite_float, positive_int
+from .common import (TINY_MODELS, UsageError, check_attention_environment, check_hub_model, check_model, device_arg,
+                     finite_float, positive_int, steps_int)
 from .offload import add_offload_arguments
 
 _MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}"
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", default="a lighthouse on a cliff at dawn")
     generate.add_argument("--negative-prompt", help="what to steer away from (pipelines that take one)")
     generate.add_argument("--guidance-scale", type=finite_float, help="classifier-free guidance (default: the pipeline's)")
-    generate.add_argument("--steps", type=positive_int,
+    generate.add_argument("--steps", type=steps_int,
                           help="denoising steps (default: the pipeline's, e.g. 28 for FLUX.1-dev; 4 for the tiny models)")
     generate.add_argument("--height", type=positive_int,
                           help="pixels; a multiple the model needs (default: the pipeline's, e.g. 1024 for FLUX.1-dev; "
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "(the tiny models are float32)")
     generate.add_argument("--output", help="where to write: .png/.jpg for images, .mp4 or .gif for videos (default: "
                                            "omni.png, or omni.mp4 for a video — omni.gif without a video encoder)")
+    generate.add_argument("--overwrite", action="store_true", help="replace --output when it exists (default: refuse)")
     generate.add_argument("--json", action="store_true",
                           help="print a JSON summary (timings, peak memory, backends) instead of the tables")
     generate.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG")
@@ -135,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         command = f"diffusers-omni {args.command}"
         # Before any command imports Diffusers (which raises deep in its import on a bad DIFFUSERS_ATTN_BACKEND).
         check_attention_environment()
+        if getattr(args, "model", None) is not None and not getattr(args, "show", False) and not getattr(
+                args, "clear", False):
+            # Before any command imports Diffusers: a model id that is no directory is answered in seconds.
+            check_model(args.model)
+            check_hub_model(args.model)
         if args.command == "info":
             from .info import run
         elif args.command == "models":
@@ -155,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`diffusers-omni models | head -3`): stop quietly, as `cat` would, with the
+        # status of a process ended by SIGPIPE; stdout goes to /dev/null so that the interpreter's final flush of
+        # what is still buffered does not fail again.
+        _silence_stdout()
+        return 128 + 13
     except (UsageError, ValueError, TypeError) as exc:
         print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
@@ -162,6 +176,17 @@ def main(argv: list[str] | None = None) -> int:
         # Files and downloads: a model that cannot be read, a hub id that does not exist, a disk that is full.
         print(f"{command}: error: {exc}", file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor behind sys.stdout (captured in tests)
+        pass
 
 
 if __name__ == "__main__":

@@ -96,9 +96,12 @@ def add_offload_arguments(parser: argparse.ArgumentParser, *, collective: bool =
     entries = offload_entries(collective)
     names = [cli_name(entry.name) for entry in entries]
     launched = [cli_name(entry.name) for entry in entries if entry.config.collective]
+    help = f"{help}: {', '.join(names)}"
     if launched:
         help = f"{help}; {', '.join(launched)} run{'s' * (len(launched) == 1)} under torchrun"
-    parser.add_argument("--offload", choices=names, default=cli_name(OffloadStrategy.NONE), help=help)
+    # STRATEGY in the usage line: the choices listed there made it wider than an 80-column terminal.
+    parser.add_argument("--offload", choices=names, metavar="STRATEGY", default=cli_name(OffloadStrategy.NONE),
+                        help=help)
     for flag in offload_flags(collective):
         text = f"{', '.join(flag.strategies)}: {flag.help}"
         if flag.kind == "bool":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from .common import TINY_MODELS, device_arg, positive_int
+from .common import MAX_REPEATS, MAX_WARMUP, TINY_MODELS, bounded_int, device_arg, positive_int
 from .offload import add_offload_arguments
 
 _MODEL_HELP = f"a local model directory, a hub id, or one of {', '.join(TINY_MODELS)}"
@@ -24,8 +24,8 @@ def add_parser(sub):
                           help="run the pipeline offloaded while recording its calls (models larger than the GPU)")
     tune.add_argument("--allow-lossy", action="store_true",
                       help="also time lossy kernels (SageAttention INT8) and let auto route to them")
-    tune.add_argument("--warmup", type=positive_int, default=3, help="calls per backend before timing")
-    tune.add_argument("--repeats", type=positive_int, default=7, help="timed rounds, interleaved across backends")
+    tune.add_argument("--warmup", type=bounded_int(1, MAX_WARMUP), default=3, help="calls per backend before timing")
+    tune.add_argument("--repeats", type=bounded_int(1, MAX_REPEATS), default=7, help="timed rounds, interleaved across backends")
     tune.add_argument("--clear", action="store_true", help="delete every tuned table in the cache and exit")
     tune.add_argument("--show", action="store_true", help="print the table auto uses here and exit")
     tune.add_argument("--json", action="store_true", help="machine-readable output")
@@ -36,25 +36,26 @@ def add_parser(sub):
 def _show(as_json: bool) -> int:
     from ..attention.routing import active_table, is_tuned, table_label
     from ..attention.tuning import cache_dir, environment_key, table_path
+    from ..utils.text import fit
 
     table = active_table()
     if as_json:
         print(json.dumps({"table": table_label(table), "tuned": is_tuned(table), "cache": str(table_path(
             environment_key())), "key": environment_key(), "families": table.get("families", {})}, indent=2))
         return 0
-    print(f"routing table: {table_label(table)}")
+    print(fit(f"routing table: {table_label(table)}"))
     if not is_tuned(table):
-        print(f"no table tuned in this environment under {cache_dir()}; run `diffusers-omni tune --model ...`")
+        print(fit(f"no table tuned in this environment under {cache_dir()}; run `diffusers-omni tune --model ...`"))
     return 0
 
 
 def run(args) -> int:
     import torch
 
-    from ..attention.tuning import clear_tuned_tables
+    from ..attention.tuning import CacheNotWritable, check_cache_writable, clear_tuned_tables
     from ..pipelines.registry import omnify
-    from ..utils.text import table
-    from .common import check_model, configure_logging, load_pipeline
+    from ..utils.text import fit, table
+    from .common import UsageError, check_model, configure_logging, load_pipeline
     from .offload import installs_nothing, offload_config
 
     configure_logging(args.verbose)
@@ -65,6 +66,10 @@ def run(args) -> int:
     if args.show:
         return _show(args.json)
     check_model(args.model)
+    try:  # before anything loads or is measured: where the table will go
+        check_cache_writable()
+    except CacheNotWritable as exc:
+        raise UsageError(str(exc)) from None
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     config = offload_config(args, device, collective=False)  # validated before anything loads
     tiny = args.model in TINY_MODELS
@@ -97,5 +102,13 @@ def run(args) -> int:
         return 0
     print(f"tuned in {result.seconds:.1f} s; table written to {result.path}")
     print(table(result.summary(), ["shape", "fastest", "times (ms)", "failed"]))
-    print("`auto` now routes each shape class to its fastest backend here; `diffusers-omni explain` shows the margins")
+    measured = result.table.get("measured", [])
+    timed = sorted({name for shape in measured for name in shape["seconds"]})
+    if all(len(shape["seconds"]) <= 1 for shape in measured):
+        only = ", ".join(timed) or "no backend"
+        print(fit(f"only {only} could run these shapes here: nothing to choose between, so `auto` runs as before "
+                  "(install another backend, e.g. pip install 'diffusers-omni[flash]', and tune again)"))
+    else:
+        print(fit("`auto` now routes each shape class to its fastest backend here; `diffusers-omni explain` shows "
+                  "the margins"))
     return 0

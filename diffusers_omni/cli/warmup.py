@@ -46,7 +46,7 @@ def run(args) -> int:
     configure_logging(False)
     dims, dtypes = _parse(args)
     if not torch.cuda.is_available():
-        raise ValueError("warmup compiles CUDA kernels; no CUDA device is available here")
+        raise ValueError("no CUDA device here (warmup compiles CUDA kernels)")
     from ..attention.backends.rainfusion.block_sparse import BlockSparseRunner, SparseLayout
     from ..attention.backends.flash.fp8_quant import quantize_qkv
 

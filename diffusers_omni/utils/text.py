@@ -38,15 +38,20 @@ def output_width(stream: TextIO | None = None) -> int | None:
 GAP = 2
 
 
-def _column_widths(cells: Sequence[Sequence[str]], width: int) -> list[int] | None:
+def _column_widths(cells: Sequence[Sequence[str]], width: int, keep: Sequence[int] = (0,)) -> list[int] | None:
     """Widths for columns of ``cells`` (header first) within ``width``: ``None`` when every column fits whole or when
-    even their longest words do not fit (then rich folds words). Otherwise each column gets its longest word and the
-    room left is shared in proportion to what each still needs, so that no word is split."""
+    even the squeezed columns below cannot fit. Where the longest words fit, each column gets its longest word and
+    the room left is shared in proportion to what each still needs, so that no word is split. Where they do not, the
+    columns of ``keep`` (indices; the first column, which names the row) keep their longest word and the others are
+    narrowed, the widest first, down to a common width (their words are then broken after a separator:
+    ``_break_words``)."""
     longest = [max((len(line) for text in column for line in text.split("\n")), default=0) for column in cells]
     shortest = [max((len(word) for text in column for word in text.split()), default=0) for column in cells]
     room = width - GAP * (len(cells) - 1)
-    if sum(longest) <= room or sum(shortest) > room:
+    if sum(longest) <= room:
         return None
+    if sum(shortest) > room:
+        return _squeezed(shortest, room, keep)
     spare, needs = room - sum(shortest), [high - low for high, low in zip(longest, shortest)]
     widths = [low + spare * need // sum(needs) for low, need in zip(shortest, needs)]
     for index in sorted(range(len(cells)), key=lambda i: widths[i] - longest[i])[: room - sum(widths)]:
@@ -54,13 +59,51 @@ def _column_widths(cells: Sequence[Sequence[str]], width: int) -> list[int] | No
     return widths
 
 
-def table(rows: Sequence[dict], columns: Sequence[str], *, width: Width = "terminal", row_gap: bool = False) -> str:
+# Narrowest a squeezed column may get; below it rich folds every word as it likes.
+_MIN_SQUEEZED = 4
+# Characters a word too long for its column is broken after (names such as "transformer.blocks.0.attn").
+_SEPARATORS = "._/-=,:['"
+
+
+def _squeezed(shortest: list[int], room: int, keep: Sequence[int]) -> list[int] | None:
+    others = [i for i in range(len(shortest)) if i not in keep]
+    left = room - sum(shortest[i] for i in range(len(shortest)) if i in keep)
+    cap = max((shortest[i] for i in others), default=0)
+    while cap >= _MIN_SQUEEZED and sum(min(shortest[i], cap) for i in others) > left:
+        cap -= 1
+    if cap < _MIN_SQUEEZED:
+        return None
+    return [shortest[i] if i in keep else min(shortest[i], cap) for i in range(len(shortest))]
+
+
+def _break_words(text: str, width: int) -> str:
+    """``text`` with every word longer than ``width`` broken into lines, each after the last separator that fits
+    (``_SEPARATORS``), mid-word only where a piece has none."""
+    lines = []
+    for line in text.split("\n"):
+        words = []
+        for word in line.split(" "):
+            pieces = []
+            while len(word) > width:
+                cut = max(word.rfind(sep, 0, width) for sep in _SEPARATORS) + 1
+                cut = cut if cut > 0 else width
+                pieces.append(word[:cut])
+                word = word[cut:]
+            words.append("\n".join([*pieces, word]))
+        lines.append(" ".join(words))
+    return "\n".join(lines)
+
+
+def table(rows: Sequence[dict], columns: Sequence[str], *, width: Width = "terminal", row_gap: bool = False,
+          keep: Sequence[str] = ()) -> str:
     """``rows`` restricted to ``columns`` as a plain-text table (rendered by ``rich``, no colour codes).
 
     ``width``: the most columns a line may take; ``None``: no limit, each column as wide as its widest cell;
     ``"terminal"`` (default): ``output_width()``, the terminal's width or no limit when not on a terminal. Cells
-    that do not fit wrap inside their column at spaces; a word is split only when the longest words of all columns
-    together do not fit. ``row_gap``: a blank line between rows (for cells of several lines).
+    that do not fit wrap inside their column at spaces; where the longest words of all columns together do not fit,
+    the first column and those named in ``keep`` (names such as roles and backends) stay whole and the other
+    columns' long words are broken after a separator (``.``, ``_``, ``/`` ...). ``row_gap``: a blank line between
+    rows (for cells of several lines).
     """
     from rich import box
     from rich.console import Console
@@ -69,10 +112,13 @@ def table(rows: Sequence[dict], columns: Sequence[str], *, width: Width = "termi
 
     cells = [[str(column)] + [str(row.get(column, "")) for row in rows] for column in columns]
     width = output_width() if width == "terminal" else width
-    widths = _column_widths(cells, width) if width is not None else None
+    kept = [0] + [index for index, column in enumerate(columns) if column in keep]
+    widths = _column_widths(cells, width, kept) if width is not None else None
+    if widths is not None:
+        cells = [[_break_words(text, size) for text in column] for column, size in zip(cells, widths)]
     grid = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True, show_lines=row_gap)
-    for index, column in enumerate(columns):
-        grid.add_column(column, overflow="fold", width=widths[index] if widths else None)
+    for index in range(len(columns)):
+        grid.add_column(cells[index][0], overflow="fold", width=widths[index] if widths else None)
     for row in zip(*(column[1:] for column in cells)):
         # Text, not markup: a cell such as "per_role['cross']" is printed as it is.
         grid.add_row(*(Text(value) for value in row))

@@ -12,6 +12,9 @@ from diffusers_omni.attention.registry import register_backend, reset_backend
 from diffusers_omni.cli.main import main
 
 SMALL = ["--steps", "2", "--height", "32", "--width", "32"]
+# The labelled image of 32-pixel outputs: panels enlarged ×6 (to 192 pixels, for the labels), 2-pixel gaps ×6, a
+# 22-pixel label band above and the PSNR/SSIM line under them (tests/cli/test_compare_panels.py).
+LABELLED_32 = (3 * 32 * 6 + 2 * 2 * 6, 32 * 6 + 2 * 22)
 
 
 def _json(capsys) -> dict:
@@ -27,7 +30,7 @@ def test_exact_candidate_json(tmp_path, capsys):
     assert summary["attention"]["rel_err_max"] == 0 and summary["attention"]["modules"] == 2
     assert set(summary["wall_s"]) >= {"reference", "candidate"} and summary["candidate"]["attention"] == "stock"
     assert summary["reference"]["attention"]["default"]["backend"] == "TORCH_SDPA"  # "native"
-    assert Image.open(out).size == (3 * 32 + 2 * 2, 32)
+    assert Image.open(out).size == LABELLED_32
 
 
 def test_lossy_candidate_tables(tmp_path, capsys):
@@ -44,7 +47,7 @@ def test_lossy_candidate_tables(tmp_path, capsys):
     psnr_db = float(line.split("PSNR ")[1].split(" dB")[0])
     ssim = float(line.split("SSIM ")[1].split(",")[0])
     assert 20 < psnr_db < 200 and 0 < ssim < 1
-    assert Image.open(out).size == (3 * 32 + 2 * 2, 32)
+    assert Image.open(out).size == LABELLED_32
 
 
 def test_video_frame_grid(tmp_path, capsys):
@@ -54,7 +57,8 @@ def test_video_frame_grid(tmp_path, capsys):
     summary = _json(capsys)
     assert summary["kind"] == "video" and summary["shown_frames"] == [0, 3, 5, 8]
     assert len(summary["per_frame"]["ssim"]) == 9 and summary["ssim"] == 1.0
-    assert Image.open(out).size == (4 * 32 + 3 * 2, 3 * 32 + 2 * 2)
+    with Image.open(out) as image:  # a label column left of the rows, enlarged ×6 like the images
+        assert image.width > 6 * (4 * 32 + 3 * 2) and image.height == 6 * (3 * 32 + 2 * 2) + 22
 
 
 @pytest.mark.parametrize(

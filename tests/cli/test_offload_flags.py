@@ -26,8 +26,8 @@ def _help(command: str, capsys) -> str:
 
 def test_generate_offers_every_registered_strategy_and_field(capsys):
     out = _help("generate", capsys)
-    assert "--offload {none,model-level,layerwise,distributed-layerwise} offload strategy; distributed-layerwise " \
-           "runs under torchrun (default: none)" in out
+    assert "--offload STRATEGY offload strategy: none, model-level, layerwise, distributed-layerwise; " \
+           "distributed-layerwise runs under torchrun (default: none)" in out
     assert "--max-device-memory MAX_DEVICE_MEMORY layerwise: weight bytes allowed on the device, every component " \
            "counted, e.g. 12GiB (DiT blocks that fit stay)" in out
     assert "--dits-only layerwise: stream the DiTs only; text/image encoders and VAEs stay on the device" in out
@@ -48,7 +48,8 @@ def test_generate_offers_every_registered_strategy_and_field(capsys):
 
 def test_tune_offers_the_strategies_of_one_process(capsys):
     out = _help("tune", capsys)
-    assert "--offload {none,model-level,layerwise} run the pipeline offloaded while recording its calls" in out
+    assert "--offload STRATEGY run the pipeline offloaded while recording its calls (models larger than the GPU): " \
+           "none, model-level, layerwise" in out
     assert "--max-device-memory" in out and "--prefetch-depth PREFETCH_DEPTH layerwise: blocks" in out
     assert "--no-allgather" not in out and "--resident-layers" not in out
 

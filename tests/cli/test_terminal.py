@@ -156,3 +156,47 @@ def test_quiet_imports_drops_only_the_known_notice_and_only_inside(name):
         logger.removeHandler(handler)
         logger.setLevel(level)
     assert [r.getMessage() for r in records] == ["something else went wrong", samples[name]]
+
+
+def test_tune_show_and_generate_help_fit_an_80_column_terminal():
+    for args in (("tune", "--show"), ("generate", "--help"), ("compare", "--help"), ("tune", "--help")):
+        text = run_in_terminal(*args)
+        assert _too_wide(text, 80) == [], text
+    assert "no table tuned in this environment" in run_in_terminal("tune", "--show")
+
+
+def test_models_piped_into_head_stops_quietly():
+    """``diffusers-omni models | head -3``: head exits after three lines; the CLI stops without a traceback or a
+    "Broken pipe" message, with status 0 or the conventional SIGPIPE one (141)."""
+    cli = subprocess.Popen([sys.executable, "-m", "diffusers_omni.cli.main", "models"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "80"})
+    head = subprocess.run(["head", "-3"], stdin=cli.stdout, capture_output=True, timeout=300)
+    cli.stdout.close()
+    err = cli.stderr.read().decode()
+    cli.wait(timeout=300)
+    assert len(head.stdout.decode().splitlines()) == 3
+    assert cli.returncode in (0, 141, -13), (cli.returncode, err)
+    assert err == "", err
+
+
+@pytest.mark.parametrize("command", [["models"], ["info"], ["models", "--json"]])
+def test_a_reader_gone_before_the_output_stops_it_quietly(command):
+    """The deterministic form of ``| head``: the pipe's reading end is closed before the CLI writes a byte."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        cli = subprocess.run([sys.executable, "-m", "diffusers_omni.cli.main", *command], stdout=write_end,
+                             stderr=subprocess.PIPE, timeout=300)
+    finally:
+        os.close(write_end)
+    err = cli.stderr.decode()
+    assert cli.returncode in (0, 141), (cli.returncode, err)
+    assert "Broken pipe" not in err and "Traceback" not in err and err == "", err
+
+
+def test_explain_keeps_role_names_whole_in_an_80_column_terminal():
+    config = '{"default": {"backend": "TORCH_SDPA"}, "per_role": {"cross": {"backend": "auto"}}}'
+    text = run_in_terminal("explain", "--model", "tiny-wan-i2v", "--attention", config)
+    assert _too_wide(text, 80) == [], text
+    roles = [line.split()[0] for line in text.splitlines() if line.startswith("wan.")]
+    assert roles == ["wan.self", "wan.image_cross", "wan.cross"], text

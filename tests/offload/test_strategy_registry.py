@@ -113,7 +113,7 @@ def test_it_appears_in_the_cli_choices_and_flags(sideways, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "--offload {none,model-level,sideways,layerwise,distributed-layerwise}" in out
+    assert "--offload STRATEGY offload strategy: none, model-level, sideways, layerwise, distributed-layerwise" in out
     assert "--lanes LANES sideways: test-only: a count of its own (default: 2)" in out
     assert "--no-keep-going sideways: test-only: what --no-keep-going turns off" in out
     assert "--prefetch-depth PREFETCH_DEPTH sideways, layerwise, distributed-layerwise: blocks prefetched" in out
@@ -121,7 +121,7 @@ def test_it_appears_in_the_cli_choices_and_flags(sideways, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["tune", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "--offload {none,model-level,sideways,layerwise}" in out and "--lanes" in out
+    assert "larger than the GPU): none, model-level, sideways, layerwise" in out and "--lanes" in out
     assert "--no-allgather" not in out
 
 
