@@ -31,7 +31,7 @@ class OmniNextStep11Pipeline(NextStepComponents, OmniPipelineMixin, NextStep11Pi
         from ..config.offload import ModelLevelOffloadConfig
 
         if isinstance(config, ModelLevelOffloadConfig):
-            raise NotImplementedError(
+            raise ValueError(
                 "NextStep11Pipeline does not support model-level offload: its one backbone ('model') reads the "
                 "prompt and writes every image token, so it would never leave the device. Use layerwise offload "
                 "(enable_layerwise_offload), which streams its decoder layers."

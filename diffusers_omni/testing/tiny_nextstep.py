@@ -23,7 +23,10 @@ from ..architectures.nextstep.vae import autoencoder_config_from_published
 from .tiny import _build_model
 from .tiny_qwenimage import tiny_qwen2_tokenizer
 
-__all__ = ["TINY_NEXTSTEP_VAE", "tiny_nextstep_components", "tiny_nextstep_pipeline", "tiny_nextstep_tokenizer"]
+__all__ = [
+    "TINY_NEXTSTEP_VAE", "tiny_nextstep_components", "tiny_nextstep_parts", "tiny_nextstep_pipeline",
+    "tiny_nextstep_tokenizer",
+]
 
 IMAGE_TOKENS = ("<|image_area|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image_placeholder|>")
 
@@ -79,6 +82,16 @@ def tiny_nextstep_components(seed: int = 0) -> dict[str, Any]:
         "model": _build_model(seed, lambda: tiny_nextstep_model(tokenizer)),
         "vae": _build_model(seed, lambda: AutoencoderKL(**autoencoder_config_from_published(TINY_NEXTSTEP_VAE))),
     }
+
+
+def tiny_nextstep_parts():
+    """``(pipeline class, VAE factory, backbone factory taking the VAE)``, unseeded (``tiny_pipeline_parts``)."""
+    tokenizer = tiny_nextstep_tokenizer()
+    return (
+        NextStep11Pipeline,
+        lambda: AutoencoderKL(**autoencoder_config_from_published(TINY_NEXTSTEP_VAE)),
+        lambda vae: tiny_nextstep_model(tokenizer),
+    )
 
 
 def tiny_nextstep_pipeline(seed: int = 0, pipeline_cls: type | None = None) -> NextStep11Pipeline:

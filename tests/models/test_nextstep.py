@@ -49,7 +49,7 @@ def test_layerwise_offload_keeps_bitwise_parity():
 
 def test_model_level_offload_is_refused_with_the_reason():
     pipe = omnify(_factory(), "TORCH_SDPA")
-    with pytest.raises(NotImplementedError, match="does not support model-level offload.*layerwise"):
+    with pytest.raises(ValueError, match="does not support model-level offload.*layerwise"):
         pipe.enable_model_level_offload(device="cpu")
     # Nothing was enabled: layerwise still works afterwards.
     pipe.enable_layerwise_offload(device="cpu")
