@@ -46,5 +46,7 @@ NEXTSTEP = register_transformer(
         display_name="NextStep-1.1",
         example_checkpoint="stepfun-ai/NextStep-1.1",
         roles=(CAUSAL,),
+        # One backbone reads the prompt and writes every token: OmniNextStep11Pipeline refuses model-level offload.
+        model_level_offload=False,
     )
 )

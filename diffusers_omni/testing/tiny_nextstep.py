@@ -85,7 +85,7 @@ def tiny_nextstep_components(seed: int = 0) -> dict[str, Any]:
 
 
 def tiny_nextstep_parts():
-    """``(pipeline class, VAE factory, backbone factory taking the VAE)``, unseeded (``tiny_pipeline_parts``)."""
+    """``(pipeline class, VAE factory, backbone factory taking the VAE)``, unseeded, as ``testing.tiny.tiny_pipeline_parts`` gives them for the other tiny models."""
     tokenizer = tiny_nextstep_tokenizer()
     return (
         NextStep11Pipeline,
