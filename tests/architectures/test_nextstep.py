@@ -133,3 +133,16 @@ def test_published_layout_needs_nextstep_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type='llama'; expected 'nextstep'"):
         NextStep11Pipeline.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("omni", [False, True])
+def test_save_pretrained_round_trip(pipe, tmp_path, omni):
+    from diffusers_omni.pipelines.nextstep import OmniNextStep11Pipeline
+
+    pipe.save_pretrained(tmp_path)
+    loaded = (OmniNextStep11Pipeline if omni else NextStep11Pipeline).from_pretrained(tmp_path)
+    loaded.set_progress_bar_config(disable=True)
+    kwargs = dict(height=16, width=16, num_inference_steps=2, guidance_scale=2.0, output_type="pt")
+    a = pipe("a cat", generator=torch.Generator().manual_seed(5), **kwargs).images
+    b = loaded("a cat", generator=torch.Generator().manual_seed(5), **kwargs).images
+    assert torch.equal(a, b)

@@ -422,9 +422,9 @@ class NextStepModel(ModelMixin, ConfigMixin):
     def reset_buffers(self) -> None:
         """Compute the non-persistent buffers (rotary frequencies, generation positions), e.g. after a load that
         built the model on the meta device."""
-        device = self.embed_tokens.weight.device
+        device = self.inv_freq.device
         if device.type == "meta":
-            return  # built for a load: the loader calls this again once the weights are real
+            return  # built on the meta device for a load: the loader calls this again with real buffers
         dim = self._head_dim
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float32) / dim
         self.inv_freq = 1.0 / (self.config.rope_theta**exponents)

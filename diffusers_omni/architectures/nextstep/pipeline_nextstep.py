@@ -101,6 +101,11 @@ class NextStep11Pipeline(DiffusionPipeline):
         with torch.device("meta"):
             model = NextStepModel(**config_from_published(published))
         model.load_state_dict(state_dict, strict=True, assign=True)
+        for name, buffer in list(model.named_buffers()):
+            if buffer.device.type == "meta":  # non-persistent buffers: real (empty) tensors, then computed
+                module, _, attr = name.rpartition(".")
+                owner = model.get_submodule(module) if module else model
+                owner.register_buffer(attr, torch.empty_like(buffer, device="cpu"), persistent=False)
         model.reset_buffers()
         if torch_dtype is not None:
             model = model.to(torch_dtype)
