@@ -146,3 +146,30 @@ def test_save_pretrained_round_trip(pipe, tmp_path, omni):
     a = pipe("a cat", generator=torch.Generator().manual_seed(5), **kwargs).images
     b = loaded("a cat", generator=torch.Generator().manual_seed(5), **kwargs).images
     assert torch.equal(a, b)
+
+
+def test_a_processor_run_twice_in_one_forward_leaves_the_cache_as_once(pipe, golden):
+    """Tools that re-run an attention module on the same inputs (``diffusers-omni compare``) must not grow the
+    cache twice."""
+    model = pipe.model
+    embeds, mask = golden["backbone.embeds"], golden["backbone.mask"]
+    attention = model.layers[0].self_attn
+
+    def again(module, args, kwargs, output):
+        module.processor(module, *args, **kwargs)
+
+    def run():
+        cache = NextStepKVCache(len(model.layers))
+        with torch.no_grad():
+            model(embeds[:, :6], attention_mask=mask[:, :6], kv_cache=cache)
+            out = model(embeds[:, 6:7], attention_mask=mask[:, :7], kv_cache=cache).last_hidden_state
+        return out, cache.seq_length()
+
+    expected = run()
+    handle = attention.register_forward_hook(again, with_kwargs=True)
+    try:
+        twice = run()
+    finally:
+        handle.remove()
+    assert twice[1] == expected[1] == 7
+    assert torch.equal(twice[0], expected[0])

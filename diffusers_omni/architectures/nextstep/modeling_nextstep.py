@@ -42,6 +42,9 @@ class NextStepKVCache:
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        # Cached tokens before the running forward: its new keys go after them. An update repeated within one
+        # forward (a tool re-running a processor) rewrites the same slots instead of appending twice.
+        self.offset = 0
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -50,9 +53,9 @@ class NextStepKVCache:
         return 0 if self.keys[0] is None else int(self.keys[0].shape[1])
 
     def update(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer_idx] is not None:
-            key = torch.cat([self.keys[layer_idx].to(key.device), key], dim=1)
-            value = torch.cat([self.values[layer_idx].to(value.device), value], dim=1)
+        if self.offset:
+            key = torch.cat([self.keys[layer_idx][:, : self.offset].to(key.device), key], dim=1)
+            value = torch.cat([self.values[layer_idx][:, : self.offset].to(value.device), value], dim=1)
         self.keys[layer_idx] = key
         self.values[layer_idx] = value
         return key, value
@@ -491,6 +494,8 @@ class NextStepModel(ModelMixin, ConfigMixin):
         """
         batch, length, _ = inputs_embeds.shape
         past = kv_cache.seq_length() if kv_cache is not None else 0
+        if kv_cache is not None:
+            kv_cache.offset = past
         device = inputs_embeds.device
         if attention_mask is not None and attention_mask.shape != (batch, past + length):
             raise ValueError(
