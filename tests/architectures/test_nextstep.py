@@ -114,10 +114,14 @@ def test_bad_arguments_are_refused(pipe, kwargs, message):
     assert message in str(info.value)
 
 
-def test_published_layout_round_trip(pipe, tmp_path):
+@pytest.mark.parametrize("omni", [False, True])
+def test_published_layout_round_trip(pipe, tmp_path, omni):
+    from diffusers_omni.pipelines.nextstep import OmniNextStep11Pipeline
+
     pipe.save_published(tmp_path)
     assert sorted(p.name for p in (tmp_path / "vae").iterdir()) == ["checkpoint.pt", "config.json"]
-    loaded = NextStep11Pipeline.from_pretrained(tmp_path)
+    loaded = (OmniNextStep11Pipeline if omni else NextStep11Pipeline).from_pretrained(tmp_path)
+    assert type(loaded) is (OmniNextStep11Pipeline if omni else NextStep11Pipeline)
     loaded.set_progress_bar_config(disable=True)
     public = lambda config: {k: v for k, v in config.items() if not k.startswith("_")}  # noqa: E731
     assert public(loaded.model.config) == public(pipe.model.config)
@@ -173,3 +177,13 @@ def test_a_processor_run_twice_in_one_forward_leaves_the_cache_as_once(pipe, gol
         handle.remove()
     assert twice[1] == expected[1] == 7
     assert torch.equal(twice[0], expected[0])
+
+
+def test_published_layout_loads_in_the_dtype_asked(pipe, tmp_path):
+    pipe.save_published(tmp_path)
+    loaded = NextStep11Pipeline.from_pretrained(tmp_path, torch_dtype=torch.bfloat16)
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in loaded.vae.parameters()} == {torch.bfloat16}
+    image = loaded("a cat", height=16, width=16, num_inference_steps=1, output_type="pt",
+                   generator=torch.Generator().manual_seed(0)).images
+    assert image.shape == (1, 3, 16, 16) and torch.isfinite(image).all()
