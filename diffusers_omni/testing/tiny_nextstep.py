@@ -49,7 +49,7 @@ def _randomize(module: torch.nn.Module, std: float = 0.1) -> None:
                 param.copy_(std * torch.randn_like(param))
 
 
-def tiny_nextstep_model(tokenizer: Qwen2Tokenizer) -> NextStepModel:
+def tiny_nextstep_model(tokenizer: Qwen2Tokenizer, use_gen_pos_embed: bool = False) -> NextStepModel:
     ids = tokenizer.convert_tokens_to_ids
     model = NextStepModel(
         vocab_size=len(tokenizer),
@@ -70,16 +70,19 @@ def tiny_nextstep_model(tokenizer: Qwen2Tokenizer) -> NextStepModel:
         boi=ids("<|begin_of_image|>"),
         eoi=ids("<|end_of_image|>"),
         image_placeholder_id=ids("<|image_placeholder|>"),
+        use_gen_pos_embed=use_gen_pos_embed,
+        base_image_grid_size=8,
     )
     _randomize(model)
     return model
 
 
-def tiny_nextstep_components(seed: int = 0) -> dict[str, Any]:
+def tiny_nextstep_components(seed: int = 0, use_gen_pos_embed: bool = False) -> dict[str, Any]:
+    """Components of the tiny pipeline; ``use_gen_pos_embed`` adds the generation position table (8 x 8)."""
     tokenizer = tiny_nextstep_tokenizer()
     return {
         "tokenizer": tokenizer,
-        "model": _build_model(seed, lambda: tiny_nextstep_model(tokenizer)),
+        "model": _build_model(seed, lambda: tiny_nextstep_model(tokenizer, use_gen_pos_embed)),
         "vae": _build_model(seed, lambda: AutoencoderKL(**autoencoder_config_from_published(TINY_NEXTSTEP_VAE))),
     }
 
@@ -94,6 +97,8 @@ def tiny_nextstep_parts():
     )
 
 
-def tiny_nextstep_pipeline(seed: int = 0, pipeline_cls: type | None = None) -> NextStep11Pipeline:
+def tiny_nextstep_pipeline(
+    seed: int = 0, pipeline_cls: type | None = None, use_gen_pos_embed: bool = False
+) -> NextStep11Pipeline:
     """Tiny ``NextStep11Pipeline`` (or ``pipeline_cls``) built from :func:`tiny_nextstep_components`."""
-    return (pipeline_cls or NextStep11Pipeline)(**tiny_nextstep_components(seed))
+    return (pipeline_cls or NextStep11Pipeline)(**tiny_nextstep_components(seed, use_gen_pos_embed))

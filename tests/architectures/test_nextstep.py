@@ -187,3 +187,13 @@ def test_published_layout_loads_in_the_dtype_asked(pipe, tmp_path):
     image = loaded("a cat", height=16, width=16, num_inference_steps=1, output_type="pt",
                    generator=torch.Generator().manual_seed(0)).images
     assert image.shape == (1, 3, 16, 16) and torch.isfinite(image).all()
+
+
+def test_generation_position_table_matches_reference(golden):
+    pipe = tiny_nextstep_pipeline(0, use_gen_pos_embed=True)
+    pipe.set_progress_bar_config(disable=True)
+    image = pipe(
+        "a red cat", positive_prompt="best quality.", height=16, width=16, num_inference_steps=2,
+        generator=torch.Generator().manual_seed(0), output_type="pt", **CASES["cfg"],
+    ).images
+    torch.testing.assert_close(image, golden["pipeline.gen_pos_embed"], rtol=1e-4, atol=1e-4)

@@ -9,6 +9,7 @@ vLLM itself is not needed: its tensor-parallel linears are replaced below by sin
 q/k/v and gate/up weights, loaded through the reference load_weights from our checkpoint-named tensors).
 """
 import sys, types, os
+import sys, types, os
 import torch, torch.nn as nn
 SRC = os.environ["VLLM_OMNI_SRC"]
 
@@ -95,7 +96,7 @@ def golden(path):
     from diffusers.image_processor import VaeImageProcessor
     from diffusers_omni.testing.tiny_nextstep import tiny_nextstep_pipeline, TINY_NEXTSTEP_VAE
     from diffusers_omni.architectures.nextstep.vae import nextstep_vae_state_dict
-    
+
     ours = tiny_nextstep_pipeline(0)
     mc = ours.model.config
     cfg = NextStepConfig(vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
@@ -111,7 +112,7 @@ def golden(path):
     assert not missing, missing
     ae = RefAE(AutoEncoderParams(**TINY_NEXTSTEP_VAE)).eval()
     r = ae.load_state_dict(nextstep_vae_state_dict(ours.vae), strict=True)
-    
+
     out = {}
     with torch.no_grad():
         # 1. backbone: left-padded prefill of 6 tokens, then two single-token steps (static cache, as the reference pipeline).
@@ -152,6 +153,19 @@ def golden(path):
             req = types.SimpleNamespace(prompts=[{"prompt": "a red cat", "negative_prompt": kw["negative_prompt"]}], sampling_params=sp)
             raw = p.forward(req).output
             out[f"pipeline.{case}"] = VaeImageProcessor(vae_scale_factor=2).postprocess(raw, output_type="pt")
+    # 5. the generation position table (use_gen_pos_embed, an 8 x 8 grid): same run as "cfg".
+    posed = tiny_nextstep_pipeline(0, use_gen_pos_embed=True)
+    cfg.use_gen_pos_embed = True; cfg.base_image_grid_size = 8
+    ref2 = RefModel(cfg).eval()
+    ref2.load_weights(list(posed.model.state_dict().items()))
+    p.model = ref2
+    with torch.no_grad():
+        sp = types.SimpleNamespace(height=16, width=16, num_inference_steps=2, guidance_scale_provided=True,
+            guidance_scale=3.0, num_outputs_per_prompt=1, seed=0, guidance_scale_2=None,
+            extra_args={"timesteps_shift": 1.0, "use_norm": True, "cfg_schedule": "constant", "positive_prompt": "best quality."})
+        req = types.SimpleNamespace(prompts=[{"prompt": "a red cat", "negative_prompt": "blurry"}], sampling_params=sp)
+        raw = p.forward(req).output
+        out["pipeline.gen_pos_embed"] = VaeImageProcessor(vae_scale_factor=2).postprocess(raw, output_type="pt")
     from safetensors.torch import save_file
     save_file({k: v.contiguous().float() if v.is_floating_point() else v.contiguous() for k, v in out.items()},
               path)
