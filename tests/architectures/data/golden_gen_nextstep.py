@@ -9,7 +9,6 @@ vLLM itself is not needed: its tensor-parallel linears are replaced below by sin
 q/k/v and gate/up weights, loaded through the reference load_weights from our checkpoint-named tensors).
 """
 import sys, types, os
-import sys, types, os
 import torch, torch.nn as nn
 SRC = os.environ["VLLM_OMNI_SRC"]
 
