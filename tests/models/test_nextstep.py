@@ -9,7 +9,7 @@ from diffusers_omni import omnify
 from diffusers_omni.pipelines.nextstep import OmniNextStep11Pipeline
 from diffusers_omni.testing.tiny_nextstep import tiny_nextstep_pipeline
 
-from .harness import ModelCase, check_offload_parity, standard_tests
+from .harness import ModelCase, standard_tests
 
 ROLES = {"nextstep.causal": "self"}
 CALL = {
