@@ -238,7 +238,9 @@ def _config_skeleton(model: str) -> _Skeleton | None:
     from ..pipelines.registry import omni_pipeline_class
 
     index = _read_config(model, "model_index.json")
-    if index is None or "_class_name" not in index:
+    if index is None:
+        return published_skeleton(model)
+    if "_class_name" not in index:
         return None
     pipeline_cls = getattr(diffusers, index["_class_name"], None)
     if pipeline_cls is None:
@@ -259,6 +261,27 @@ def _config_skeleton(model: str) -> _Skeleton | None:
     return _Skeleton(omni_cls, pipe, dit, vae_config)
 
 
+def published_skeleton(model: str) -> _Skeleton | None:
+    """The skeleton of a repository published without model_index.json (``PUBLISHED_LAYOUTS``), from its configs."""
+    import torch
+
+    from ..pipelines.registry import omni_pipeline_class
+    from .common import published_layout_class
+
+    pipeline_cls = published_layout_class(model)
+    if pipeline_cls is None:
+        return None
+    omni_cls = omni_pipeline_class(pipeline_cls)
+    try:
+        with torch.device("meta"):
+            vae, dit = pipeline_cls.skeleton_components(_read_config(model, "config.json"),
+                                                        _read_config(model, "vae/config.json"))
+    except Exception:  # an unreadable config: the load reports it
+        return _Skeleton(omni_cls)
+    pipe = _build_skeleton(pipeline_cls, {"vae": vae, omni_cls._dit_modules[0]: dit})
+    return _Skeleton(omni_cls, pipe, dit, dict(vae.config))
+
+
 def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
     """Refuse, before any weights load, every argument the pipeline's configs already rule out: the output type
     (image or video, an installed mp4 encoder), flags the pipeline takes no value for, height/width against its
@@ -271,6 +294,9 @@ def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
     if plan is None:
         return None
     name = plan.omni_cls.__name__
+    if args.offload == "model-level" and not getattr(plan.omni_cls, "_model_level_offload", True):
+        raise UsageError(f"--offload model-level: {name} does not support model-level offload (its one backbone "
+                         "would never leave the device); use --offload layerwise")
     takes = inspect.signature(plan.omni_cls.__call__).parameters
     video = "num_frames" in takes
     if args.output is not None:

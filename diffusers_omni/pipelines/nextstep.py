@@ -27,6 +27,8 @@ class NextStepComponents:
 class OmniNextStep11Pipeline(NextStepComponents, OmniPipelineMixin, NextStep11Pipeline):
     """``NextStep11Pipeline`` (text-to-image) with omni attention and layerwise offload."""
 
+    _model_level_offload = False  # read by the CLI to refuse ``--offload model-level`` before loading
+
     def enable_omni_offload(self, config: Any) -> Any:
         from ..config.offload import ModelLevelOffloadConfig
 

@@ -118,6 +118,15 @@ class NextStep11Pipeline(DiffusionPipeline):
         tokenizer = AutoTokenizer.from_pretrained(path, **tokenizer_kwargs)
         return cls(tokenizer=tokenizer, model=model, vae=vae)
 
+    @staticmethod
+    def skeleton_components(published_config: dict, published_vae_config: dict | None):
+        """``(vae, model)`` built from the published configs alone (under ``torch.device("meta")`` they hold no
+        storage), for tools that check arguments before loading weights."""
+        from .vae import autoencoder_config_from_published
+
+        vae = AutoencoderKL(**autoencoder_config_from_published(published_vae_config or {}))
+        return vae, NextStepModel(**config_from_published(published_config))
+
     def save_published(self, path: str | os.PathLike, published_config: dict | None = None) -> None:
         """Write this pipeline in the published repository layout (what ``from_published`` reads)."""
         from safetensors.torch import save_file
