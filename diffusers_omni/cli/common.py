@@ -12,7 +12,42 @@ from typing import Any
 from ..attention.selector import environment_backend
 from ..config.names import did_you_mean
 
-TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v")
+TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-nextstep")
+
+
+# Repositories published without a model_index.json whose layout a pipeline class of this package reads itself:
+# the ``model_type`` of their config.json -> (module, pipeline class).
+PUBLISHED_LAYOUTS = {"nextstep": ("diffusers_omni.architectures.nextstep", "NextStep11Pipeline")}
+
+
+def read_model_json(model: str, name: str) -> dict | None:
+    """A JSON file of a local model folder or of a hub repository (that one file is downloaded); ``None`` when it
+    cannot be read (offline, no such file or repository, unreadable JSON: the load reports it)."""
+    import json
+
+    root = Path(model).expanduser()
+    try:
+        if root.is_dir():
+            return json.loads((root / name).read_text()) if (root / name).is_file() else None
+        if model in TINY_MODELS or model.count("/") != 1:
+            return None
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(model, name)).read_text())
+    except Exception:
+        return None
+
+
+def published_layout_class(model: str) -> type | None:
+    """The pipeline class that reads ``model`` as published (a local folder or hub id with no model_index.json whose
+    config.json names a ``model_type`` of ``PUBLISHED_LAYOUTS``), else ``None``."""
+    import importlib
+
+    config = read_model_json(model, "config.json")
+    entry = PUBLISHED_LAYOUTS.get(config.get("model_type")) if isinstance(config, dict) else None
+    if entry is None or read_model_json(model, "model_index.json") is not None:
+        return None
+    return getattr(importlib.import_module(entry[0]), entry[1])
 
 
 class UsageError(ValueError):
@@ -184,7 +219,7 @@ def check_model(model: str, flag: str = "--model") -> None:
         return
     path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / "model_index.json").is_file():
+        if not (path / "model_index.json").is_file() and published_layout_class(model) is None:
             raise UsageError(
                 f"{flag}={model!r} is a directory without model_index.json; expected a pipeline saved with "
                 "save_pretrained (or a hub snapshot), a hub id, or one of " + ", ".join(TINY_MODELS)
@@ -366,10 +401,17 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False, transformer
         return testing.tiny_wan_pipeline()
     if model == "tiny-wan-i2v":
         return testing.tiny_wan_i2v_pipeline()
+    if model == "tiny-nextstep":
+        from ..testing.tiny_nextstep import tiny_nextstep_pipeline
+
+        return tiny_nextstep_pipeline()
     from diffusers import DiffusionPipeline
 
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}
+    published = published_layout_class(model)
     with quiet_torchvision_fallback():
+        if published is not None:
+            return published.from_pretrained(model, **kwargs)
         return DiffusionPipeline.from_pretrained(model, **kwargs)
 
 

@@ -117,11 +117,20 @@ def _dits_from_configs(model: str, dtype) -> dict:
     import importlib
 
     import diffusers
+    import torch
     from accelerate import init_empty_weights
     from diffusers import DiffusionPipeline
 
     from ..pipelines.registry import omni_pipeline_class
 
+    from .common import published_layout_class, read_model_json
+
+    published = published_layout_class(model)
+    if published is not None:  # published without model_index.json (NextStep-1.1)
+        with torch.device("meta"):
+            _, dit = published.skeleton_components(read_model_json(model, "config.json"),
+                                                    read_model_json(model, "vae/config.json"))
+        return {omni_pipeline_class(published)._dit_modules[0]: dit.to(dtype)}
     index = DiffusionPipeline.load_config(model)
     pipeline_cls = getattr(diffusers, index["_class_name"])
     omni_cls = omni_pipeline_class(pipeline_cls)

@@ -233,7 +233,12 @@ def _tiny_skeleton(model: str) -> _Skeleton:
     from ..pipelines.registry import omni_pipeline_class
     from ..testing.tiny import tiny_pipeline_parts
 
-    pipeline_cls, vae_factory, dit_factory = tiny_pipeline_parts(model)
+    if model == "tiny-nextstep":
+        from ..testing.tiny_nextstep import tiny_nextstep_parts
+
+        pipeline_cls, vae_factory, dit_factory = tiny_nextstep_parts()
+    else:
+        pipeline_cls, vae_factory, dit_factory = tiny_pipeline_parts(model)
     omni_cls = omni_pipeline_class(pipeline_cls)
     with torch.device("meta"):
         vae = vae_factory()
@@ -248,7 +253,9 @@ def _config_skeleton(model: str) -> _Skeleton | None:
     from ..pipelines.registry import omni_pipeline_class
 
     index = _read_config(model, "model_index.json")
-    if index is None or "_class_name" not in index:
+    if index is None:
+        return published_skeleton(model)
+    if "_class_name" not in index:
         return None
     pipeline_cls = getattr(diffusers, index["_class_name"], None)
     if pipeline_cls is None:
@@ -269,6 +276,27 @@ def _config_skeleton(model: str) -> _Skeleton | None:
     return _Skeleton(omni_cls, pipe, dit, vae_config)
 
 
+def published_skeleton(model: str) -> _Skeleton | None:
+    """The skeleton of a repository published without model_index.json (``PUBLISHED_LAYOUTS``), from its configs."""
+    import torch
+
+    from ..pipelines.registry import omni_pipeline_class
+    from .common import published_layout_class
+
+    pipeline_cls = published_layout_class(model)
+    if pipeline_cls is None:
+        return None
+    omni_cls = omni_pipeline_class(pipeline_cls)
+    try:
+        with torch.device("meta"):
+            vae, dit = pipeline_cls.skeleton_components(_read_config(model, "config.json"),
+                                                        _read_config(model, "vae/config.json"))
+    except Exception:  # an unreadable config: the load reports it
+        return _Skeleton(omni_cls)
+    pipe = _build_skeleton(pipeline_cls, {"vae": vae, omni_cls._dit_modules[0]: dit})
+    return _Skeleton(omni_cls, pipe, dit, dict(vae.config))
+
+
 def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
     """Refuse, before any weights load, every argument the pipeline's configs already rule out: the output type
     (image or video, an installed mp4 encoder), flags the pipeline takes no value for, height/width against its
@@ -281,6 +309,9 @@ def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
     if plan is None:
         return None
     name = plan.omni_cls.__name__
+    if args.offload == "model-level" and not getattr(plan.omni_cls, "_model_level_offload", True):
+        raise UsageError(f"--offload model-level: {name} does not support model-level offload (its one backbone "
+                         "would never leave the device); use --offload layerwise")
     takes = inspect.signature(plan.omni_cls.__call__).parameters
     video = "num_frames" in takes
     if args.output is not None:
@@ -313,6 +344,8 @@ def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
 
 # The tiny models' sizes: small enough that the README's first command runs in seconds on a CPU.
 TINY_DEFAULTS = {"height": 64, "width": 64, "steps": 4, "frames": 5}
+# Autoregressive tiny models write one token per 4 x 4 pixels: a smaller image keeps them as quick.
+TINY_MODEL_DEFAULTS = {"tiny-nextstep": {"height": 16, "width": 16, "steps": 2}}
 
 
 def pipeline_defaults(pipeline_cls: type, pipe: Any = None) -> dict[str, Any]:
@@ -345,7 +378,7 @@ def fill_defaults(args, pipeline_cls: type, pipe: Any = None) -> None:
     ``num_frames``; ``--guidance-scale`` only for those taking ``guidance_scale``. Flags given are never changed."""
     parameters = inspect.signature(pipeline_cls.__call__).parameters
     own = pipeline_defaults(pipeline_cls, pipe)
-    tiny = TINY_DEFAULTS if args.model in TINY_MODELS else {}
+    tiny = {**TINY_DEFAULTS, **TINY_MODEL_DEFAULTS.get(args.model, {})} if args.model in TINY_MODELS else {}
     for flag, key in (("steps", "steps"), ("height", "height"), ("width", "width"), ("frames", "frames"),
                       ("guidance_scale", "guidance_scale")):
         if getattr(args, flag, None) is not None:
@@ -485,7 +518,7 @@ def _spatial_multiple(pipe, dit) -> tuple[int, str]:
                                                "vae_scale_factor") if isinstance(getattr(pipe, a, None), int)), 8)
     patch: Any = 1
     if dit is not None:
-        patch = getattr(dit.config, "patch_size", None) or 1
+        patch = getattr(dit.config, "patch_size", None) or getattr(dit.config, "latent_patch_size", None) or 1
         patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
     if hasattr(pipe, "_pack_latents"):
         patch = max(int(patch), 2)

@@ -19,7 +19,6 @@ END = "<!-- END GENERATED: supported-models -->"
 
 # Diffusion pipelines vLLM-Omni serves that are not Diffusers 0.42 pipelines, so omnify cannot wrap them.
 NOT_DIFFUSERS_PIPELINES = {
-    "NextStep-1.1": "autoregressive image model with its own generation loop; no Diffusers pipeline",
     "SoulX-Singer": "singing-voice synthesis; no Diffusers pipeline",
     "BAGEL": "unified multimodal model served by its own inference code; no Diffusers pipeline",
 }
@@ -44,7 +43,7 @@ def supported_models() -> list[dict]:
                     f"{role.role} ({role.category}{', masked' if role.masked else ''}{', GQA' if role.gqa else ''})"
                     for role in declaration.roles
                 ],
-                "model_level_offload": True,
+                "model_level_offload": declaration.model_level_offload,
                 "layerwise_offload": streamable,
                 "distributed_layerwise_offload": streamable,
                 "blocks_attrs": list(declaration.blocks_attrs),

@@ -61,6 +61,8 @@ class TransformerDeclaration:
             self-attention sequence (prefix rows, latent grid), read by block-sparse backends (``RAINFUSION_ATTN``).
         tail_attrs: modules the forward calls only after its last block (final norm, output projection): layerwise
             offload streams their weights with the last block instead of keeping them on the device throughout.
+        model_level_offload: whether the pipelines of this DiT take model-level offload (``False``: their Omni
+            class refuses it, e.g. a single backbone that never leaves the device).
     """
 
     name: str
@@ -74,6 +76,7 @@ class TransformerDeclaration:
     example_checkpoint: str = ""
     video_geometry: Callable[[nn.Module, tuple, dict], Any] | None = None
     tail_attrs: tuple[str, ...] = ()
+    model_level_offload: bool = True
 
 
 # The output layers of most DiTs: called once, after the last block.

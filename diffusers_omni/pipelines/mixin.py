@@ -61,11 +61,15 @@ def sharing_components() -> Iterator[None]:
 _in_tracked_call: contextvars.ContextVar[bool] = contextvars.ContextVar("omni_in_tracked_call", default=False)
 
 
+_PIPELINE_MODULES = ("diffusers.", "diffusers_omni.architectures.")
+
+
 def diffusers_pipeline_class(cls: type) -> type | None:
-    """The Diffusers pipeline class an Omni pipeline class extends (the first class from ``diffusers`` in its
-    MRO), or ``None`` for the mixins themselves."""
+    """The Diffusers pipeline class an Omni pipeline class extends (the first class from ``diffusers``, or from
+    this package's ``architectures`` for systems Diffusers lacks, in its MRO), or ``None`` for the mixins
+    themselves."""
     for base in cls.__mro__:
-        if base.__module__.startswith("diffusers.") and base.__name__.endswith("Pipeline"):
+        if base.__module__.startswith(_PIPELINE_MODULES) and base.__name__.endswith("Pipeline"):
             return base
     return None
 

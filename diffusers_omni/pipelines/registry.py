@@ -26,6 +26,7 @@ PIPELINE_FAMILIES: dict[str, tuple[str, ...]] = {
     "flux2": ("Flux2Pipeline", "Flux2KleinPipeline", "Flux2KleinKVPipeline", "Flux2KleinInpaintPipeline"),
     "hunyuanvideo15": ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline"),
     "longcat": ("LongCatImagePipeline", "LongCatImageEditPipeline"),
+    "nextstep": ("NextStep11Pipeline",),
     "ltx2": ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "LTX2ConditionPipeline", "LTX2InContextPipeline",
              "LTX2HDRPipeline", "LTX2DFRPipeline", "LTX2DFRTemporalRefinePipeline"),
     "ovis": ("OvisImagePipeline",),
