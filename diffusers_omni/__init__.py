@@ -53,6 +53,9 @@ _LAZY = {
     "load_gguf_mmap": "diffusers_omni.offload.loading",
     "check_same_steps": "diffusers_omni.offload.dataparallel",
     # Every Omni<Name>Pipeline class; importing one imports only its family's module.
+    "BagelPipeline": "diffusers_omni.architectures.bagel",
+    "BagelModel": "diffusers_omni.architectures.bagel",
+    "Qwen2MoTModel": "diffusers_omni.architectures.bagel",
     **OMNI_CLASS_MODULES,
 }
 

@@ -59,11 +59,16 @@ def sharing_components() -> Iterator[None]:
 _in_tracked_call: contextvars.ContextVar[bool] = contextvars.ContextVar("omni_in_tracked_call", default=False)
 
 
+# Where the pipeline classes an Omni class may extend live: Diffusers, and this package's own ``architectures`` (for
+# systems Diffusers has no class for).
+_PIPELINE_MODULES = ("diffusers.", "diffusers_omni.architectures.")
+
+
 def diffusers_pipeline_class(cls: type) -> type | None:
     """The Diffusers pipeline class an Omni pipeline class extends (the first class from ``diffusers`` in its
     MRO), or ``None`` for the mixins themselves."""
     for base in cls.__mro__:
-        if base.__module__.startswith("diffusers.") and base.__name__.endswith("Pipeline"):
+        if base.__module__.startswith(_PIPELINE_MODULES) and base.__name__.endswith("Pipeline"):
             return base
     return None
 
