@@ -19,6 +19,7 @@ from .mixin import OmniPipelineMixin
 
 class BagelComponents:
     _omni_family = "bagel"
+    _model_level_offload = False  # refused: see enable_omni_model_cpu_offload
     _dit_modules = ("bagel.language_model.model",)
     _encoder_modules = ()
     _vae_modules = ("vae",)
@@ -38,7 +39,7 @@ class OmniBagelPipeline(BagelComponents, OmniPipelineMixin, BagelPipeline):
     """``BagelPipeline`` with omni attention and layerwise offload."""
 
     def enable_omni_model_cpu_offload(self, config: Any) -> Any:
-        raise NotImplementedError(
+        raise ValueError(
             "model-level offload is not supported for BagelPipeline: BAGEL's language model "
             "(bagel.language_model.model) is both its prompt encoder and its denoiser, so it runs in every phase "
             "and there is no component to swap out; use layerwise offload (enable_layerwise_offload, or "
