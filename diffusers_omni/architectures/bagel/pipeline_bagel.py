@@ -89,13 +89,15 @@ class BagelPipeline(DiffusionPipeline):
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @classmethod
-    def from_bagel_checkpoint(cls, path: str, torch_dtype: torch.dtype | None = None) -> "BagelPipeline":
+    def from_bagel_checkpoint(cls, path: str, torch_dtype: torch.dtype | None = None,
+                              vae_config: dict | None = None) -> "BagelPipeline":
         """Build the pipeline from a directory in the published BAGEL layout. The language model's config is
         ``llm_config.json``; the vision tower's is ``vit_config.json`` less its last layer (BAGEL runs one layer
         fewer); ``latent_patch_size`` and ``vit_max_num_patch_per_side`` come from ``config.json`` and
         ``max_latent_size`` from the ``latent_pos_embed`` table in ``ema.safetensors`` (BAGEL's own loaders do
         the same: the value in ``config.json`` can be stale). ``ae.safetensors`` (FLUX's VAE in its original key
-        names) is converted with Diffusers' LDM VAE conversion."""
+        names) is converted with Diffusers' LDM VAE conversion into an ``AutoencoderKL`` of ``vae_config``
+        (default: FLUX's)."""
         import json
         import math
         import os
@@ -122,13 +124,13 @@ class BagelPipeline(DiffusionPipeline):
         side = math.isqrt(positions)
         if side * side != positions:
             raise ValueError(f"latent_pos_embed.pos_embed has {positions} rows in {weights_path}; a square is needed")
-        vae_config = top.get("vae_config") or {}
+        latent = top.get("vae_config") or {}
         with torch.device("meta"):
             bagel = BagelModel(
                 llm_config={key: llm[key] for key in llm_keys if key in llm},
                 vit_config=vit_config,
-                latent_channels=int(vae_config.get("z_channels", 16)),
-                vae_downsample=int(vae_config.get("downsample", 8)),
+                latent_channels=int(latent.get("z_channels", 16)),
+                vae_downsample=int(latent.get("downsample", 8)),
                 latent_patch_size=int(top.get("latent_patch_size", 2)),
                 max_latent_size=side,
                 vit_max_num_patch_per_side=int(top.get("vit_max_num_patch_per_side", 70)),
@@ -139,13 +141,21 @@ class BagelPipeline(DiffusionPipeline):
         if missing or unexpected:
             raise ValueError(f"{weights_path} does not match BagelModel: missing {sorted(missing)[:8]}, "
                              f"unexpected {sorted(unexpected)[:8]}")
+        for name, buffer in list(bagel.named_buffers()):
+            # Buffers not in the checkpoint (SigLIP's position ids) were made on the meta device: make them here.
+            if buffer.is_meta:
+                if not name.endswith("position_ids"):
+                    raise ValueError(f"BagelModel buffer {name!r} is not in {weights_path} and cannot be rebuilt")
+                owner = bagel.get_submodule(name.rpartition(".")[0])
+                owner.register_buffer("position_ids", torch.arange(buffer.shape[-1]).expand(buffer.shape),
+                                      persistent=False)
         bagel.eval()
-        vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=int(vae_config.get("z_channels", 16)),
-            down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(128, 256, 512, 512), layers_per_block=2, scaling_factor=0.3611, shift_factor=0.1159,
-            use_quant_conv=False, use_post_quant_conv=False,
-        )
+        vae = AutoencoderKL.from_config(vae_config or {
+            "in_channels": 3, "out_channels": 3, "latent_channels": int(latent.get("z_channels", 16)),
+            "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+            "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "scaling_factor": 0.3611,
+            "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False,
+        })
         vae_state = convert_ldm_vae_checkpoint(load_file(os.path.join(path, "ae.safetensors")), vae.config)
         vae.load_state_dict(vae_state, strict=True)
         vae.eval()
