@@ -218,7 +218,12 @@ def _tiny_skeleton(model: str) -> _Skeleton:
     from ..pipelines.registry import omni_pipeline_class
     from ..testing.tiny import tiny_pipeline_parts
 
-    pipeline_cls, vae_factory, dit_factory = tiny_pipeline_parts(model)
+    if model == "tiny-bagel":
+        from ..testing.tiny_bagel import tiny_bagel_parts
+
+        pipeline_cls, vae_factory, dit_factory = tiny_bagel_parts()
+    else:
+        pipeline_cls, vae_factory, dit_factory = tiny_pipeline_parts(model)
     omni_cls = omni_pipeline_class(pipeline_cls)
     with torch.device("meta"):
         vae = vae_factory()

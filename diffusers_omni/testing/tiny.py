@@ -391,10 +391,6 @@ def tiny_pipeline_parts(name: str) -> tuple[type[DiffusionPipeline], Callable[[]
         "tiny-wan-i2v": (WanImageToVideoPipeline, _wan_vae,
                          lambda vae: _wan_transformer(2 * _WAN_LATENT_CHANNELS + 4, image_dim=_CLIP_VISION_DIM)),
     }
-    if name == "tiny-bagel":
-        from .tiny_bagel import tiny_bagel_parts
-
-        return tiny_bagel_parts()
     if name not in parts:
         raise ValueError(f"tiny model {name!r} is not one of {', '.join(parts)}")
     return parts[name]
