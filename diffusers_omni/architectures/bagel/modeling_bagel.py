@@ -414,7 +414,8 @@ class BagelModel(ModelMixin, ConfigMixin):
         llm_config: ``Qwen2MoTModel`` arguments (BAGEL's ``llm_config.json`` keys that the model uses).
         vit_config: ``SiglipVisionConfig`` arguments, with the layer count BAGEL runs (one less than its
             ``vit_config.json`` says: BAGEL drops SigLIP's last layer).
-        latent_channels, vae_downsample: the VAE's latent channels and spatial downsampling.
+        latent_channels: the VAE's latent channels.
+        vae_downsample: the VAE's spatial downsampling.
         latent_patch_size: latent pixels per side of one generation token.
         max_latent_size: generation tokens per side of the largest image (``latent_pos_embed`` has its square).
         vit_max_num_patch_per_side: the same for ViT patches (``vit_pos_embed``).

@@ -280,15 +280,18 @@ class BagelPipeline(DiffusionPipeline):
 
         Args:
             prompt: the prompt, or a list (one image each, generated one after another).
-            height, width: multiples of 16 up to 1024 for the published checkpoint (``max_latent_size`` 64).
+            height: a multiple of 16 up to 1024 for the published checkpoint (``max_latent_size`` 64).
+            width: as ``height``.
             num_inference_steps: points of BAGEL's schedule (its ``num_timesteps``): ``num_inference_steps - 1``
                 Euler steps, each one model forward (two while guidance applies).
             guidance_scale: BAGEL's ``cfg_text_scale``: guidance against the empty context; 1 or less turns it
                 off.
             timestep_shift: the schedule's shift.
             cfg_interval: guidance applies at timesteps ``low < t <= high``.
-            cfg_renorm_type, cfg_renorm_min: BAGEL's renormalisation of the guided velocity (see
-                ``guided_velocity``).
+            cfg_renorm_type: BAGEL's renormalisation of the guided velocity (see ``guided_velocity``):
+                ``"global"``, ``"channel"`` or ``"text_channel"``.
+            cfg_renorm_min: the least the renormalisation may scale the guided velocity by.
+            return_dict: an ``ImagePipelineOutput`` (else a tuple).
             generator: seeds the packed noise (``[tokens, patch_dim]`` per image, drawn in prompt order).
             latents: packed noise ``[prompts, tokens, patch_dim]`` instead of drawing it.
             output_type: ``"pil"``, ``"np"``, ``"pt"`` or ``"latent"`` (the VAE latents ``[prompts, c, h, w]``).
