@@ -21,7 +21,7 @@ __all__ = ["TINY_BAGEL_LLM", "TINY_BAGEL_VIT", "tiny_bagel_model", "tiny_bagel_c
            "tiny_bagel_pipeline"]
 
 TINY_BAGEL_VIT = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                  "image_size": 28, "patch_size": 14, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
+                  "image_size": 56, "patch_size": 14, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}
 
 
 def tiny_bagel_llm(vocab_size: int) -> dict[str, Any]:

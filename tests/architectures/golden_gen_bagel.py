@@ -40,7 +40,7 @@ llm = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hi
                   num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0, pad_token_id=None, qk_norm=True,
                   tie_word_embeddings=False, layer_module="Qwen2MoTDecoderLayer")
 vit = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         image_size=28, patch_size=14, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
+                         image_size=56, patch_size=14, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6)
 vit.rope = False
 vit.num_hidden_layers -= 1
 cfg = BagelConfig(visual_gen=True, visual_und=True, llm_config=llm, vit_config=vit,
@@ -100,6 +100,32 @@ with torch.no_grad():
         outputs[f"latents_cfg4_{renorm}"] = final
     final = model.generate_image(**latent_in, num_timesteps=4, cfg_text_scale=1.0, **common)[0]
     outputs["latents_nocfg"] = final
+
+    # Understanding: an image (pixels given directly, [-1, 1], 28 x 42: 2 x 3 ViT patches), then the prompt, then
+    # greedy decoding from <|im_start|> (Bagel.generate_text), and the logits of the first decoding step.
+    pixels = torch.rand(3, 28, 42, generator=torch.Generator().manual_seed(99)) * 2 - 1
+    from copy import deepcopy
+    vit_in, kv_lens, ropes = model.prepare_vit_images([0], [0], ["-"], lambda image: pixels.clone(), new_ids)
+    cache = model.forward_cache_update_vit(NaiveCache(2), **vit_in)
+    text_in, kv_lens, ropes = model.prepare_prompts(kv_lens, ropes, ["-"], Ids(), new_ids)
+    cache = model.forward_cache_update_text(cache, **text_in)
+    start = model.prepare_start_tokens(kv_lens, ropes, new_ids)
+    first = model.language_model.forward_inference(
+        packed_query_sequence=model.language_model.model.embed_tokens(start["packed_start_tokens"]),
+        query_lens=torch.tensor([1]), packed_query_position_ids=start["packed_query_position_ids"],
+        packed_query_indexes=torch.tensor([kv_lens[0]]), past_key_values=deepcopy(cache),
+        key_values_lens=start["key_values_lens"], packed_key_value_indexes=start["packed_key_value_indexes"],
+        update_past_key_values=True, is_causal=True, mode="und").packed_query_sequence
+    # (the pixels are not stored: the test draws them with the same generator)
+    outputs["image_first_logits"] = model.language_model.lm_head(first)
+    outputs["image_text_ids"] = model.generate_text(past_key_values=cache, max_length=8, do_sample=False,
+                                                    end_token_id=eos, **start)[:, 0]
+    # Text only: the prompt, then greedy decoding.
+    text_in, kv_lens, ropes = model.prepare_prompts([0], [0], ["-"], Ids(), new_ids)
+    cache = model.forward_cache_update_text(NaiveCache(2), **text_in)
+    start = model.prepare_start_tokens(kv_lens, ropes, new_ids)
+    outputs["text_text_ids"] = model.generate_text(past_key_values=cache, max_length=8, do_sample=False,
+                                                   end_token_id=eos, **start)[:, 0]
 
 save_file({k: v.contiguous().float() if v.is_floating_point() else v.contiguous() for k, v in outputs.items()}, out)
 print({k: tuple(v.shape) for k, v in outputs.items()})

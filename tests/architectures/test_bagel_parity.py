@@ -28,7 +28,7 @@ def golden():
 
 
 @pytest.fixture(scope="module")
-def pipe():
+def pipe():  # noqa: D103
     components = tiny_bagel_components()
     bagel = tiny_bagel_model(len(components["tokenizer"]), max_latent_size=8).eval()  # the goldens' config
     fill_golden_weights(bagel)
@@ -81,3 +81,37 @@ def test_denoising_loop_matches_reference(pipe, golden, name, scale, renorm):
     # The guidance is real: it moves the result away from the unguided one.
     if scale > 1:
         assert not torch.allclose(latents, golden["latents_nocfg"], atol=1e-3)
+
+
+def _golden_prompt(pipe, golden, monkeypatch) -> str:
+    """A prompt that encodes to the goldens' ids (the tokenizer's byte mapping is not what is compared here)."""
+    ids = golden["prompt_ids"].tolist()
+    monkeypatch.setattr(pipe, "encode_prompt", lambda text: ids if text == "golden prompt" else None)
+    return "golden prompt"
+
+
+def _reference_answer(pipe, ids) -> str:
+    # The reference decodes the generated ids (starting with <|im_start|>) and keeps what follows it.
+    return pipe.tokenizer.decode(ids.tolist()).split("<|im_end|>")[0].split("<|im_start|>")[1]
+
+
+@torch.no_grad()
+def test_image_understanding_matches_reference(pipe, golden, monkeypatch):
+    """An image through the SigLIP tower and the connector, then the prompt, then greedy decoding."""
+    pixels = torch.rand(3, 28, 42, generator=torch.Generator().manual_seed(99)) * 2 - 1  # as golden_gen_bagel.py
+    special = pipe._special_ids()
+    markers = torch.tensor([special["<|vision_start|>"], special["<|vision_end|>"]])
+    cache = pipe.bagel.prefill_image(pixels, markers, BagelKVCache.empty(2), 0)
+    assert cache.length == 2 * 3 + 2
+    ids = golden["prompt_ids"]
+    cache = pipe.bagel.prefill(ids, cache, 1)  # the image takes one rotary position
+    logits, _ = pipe.bagel.next_token_logits(torch.tensor(special["<|im_start|>"]), cache, 1 + len(ids))
+    torch.testing.assert_close(logits[None], golden["image_first_logits"], atol=ATOL, rtol=RTOL)
+    answer = pipe.understand(_golden_prompt(pipe, golden, monkeypatch), image=pixels, max_new_tokens=8)
+    assert answer == _reference_answer(pipe, golden["image_text_ids"])
+
+
+@torch.no_grad()
+def test_text_understanding_matches_reference(pipe, golden, monkeypatch):
+    answer = pipe.understand(_golden_prompt(pipe, golden, monkeypatch), max_new_tokens=8)
+    assert answer == _reference_answer(pipe, golden["text_text_ids"])

@@ -119,6 +119,7 @@ class BagelMoTAttnProcessor:
         gen_indexes: torch.Tensor | None = None,
         text_indexes: torch.Tensor | None = None,
         past_key_value: tuple[torch.Tensor, torch.Tensor] | None = None,
+        causal: bool = True,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         heads, kv_heads, head_dim = attn.num_heads, attn.num_key_value_heads, attn.head_dim
         cos, sin = position_embeddings
@@ -147,7 +148,7 @@ class BagelMoTAttnProcessor:
         past = 0 if past_key_value is None else past_key_value[0].shape[0]
 
         attn_mask, is_causal = None, False
-        if mode == UNDERSTANDING:
+        if mode == UNDERSTANDING and causal:
             if past == 0:
                 is_causal = True
             else:  # query i sees the whole cache and the new tokens up to itself
@@ -200,9 +201,9 @@ class BagelMoTAttention(nn.Module, AttentionModuleMixin):
         self.set_processor(processor or BagelMoTAttnProcessor())
 
     def forward(self, hidden_states, position_embeddings, mode=UNDERSTANDING, gen_indexes=None, text_indexes=None,
-                past_key_value=None):
+                past_key_value=None, causal=True):
         return self.processor(self, hidden_states, position_embeddings, mode=mode, gen_indexes=gen_indexes,
-                              text_indexes=text_indexes, past_key_value=past_key_value)
+                              text_indexes=text_indexes, past_key_value=past_key_value, causal=causal)
 
 
 class Qwen2MoTDecoderLayer(nn.Module):
@@ -219,7 +220,7 @@ class Qwen2MoTDecoderLayer(nn.Module):
         self.hidden_size = hidden_size
 
     def forward(self, hidden_states, position_embeddings, mode=UNDERSTANDING, gen_indexes=None, text_indexes=None,
-                past_key_value=None):
+                past_key_value=None, causal=True):
         residual = hidden_states
         if mode == UNDERSTANDING:
             hidden_states = self.input_layernorm(hidden_states)
@@ -228,7 +229,7 @@ class Qwen2MoTDecoderLayer(nn.Module):
                                    text_indexes)
         hidden_states, key_value = self.self_attn(hidden_states, position_embeddings, mode=mode,
                                                   gen_indexes=gen_indexes, text_indexes=text_indexes,
-                                                  past_key_value=past_key_value)
+                                                  past_key_value=past_key_value, causal=causal)
         hidden_states = residual + hidden_states
         residual = hidden_states
         if mode == UNDERSTANDING:
@@ -246,7 +247,8 @@ class Qwen2MoTModel(ModelMixin, ConfigMixin):
 
     ``forward`` runs new packed tokens of one sample against its cache (see the module docstring) and returns
     ``(hidden_states, new_cache)``; ``new_cache`` holds the keys and values of cache plus new tokens when
-    ``update_cache`` is true, else ``None``.
+    ``update_cache`` is true, else ``None``. ``causal=False`` (understanding mode) lets the new tokens see each
+    other both ways, as BAGEL runs an input image's ViT tokens.
     """
 
     _layerwise_offload_blocks_attrs = ("layers",)
@@ -289,6 +291,7 @@ class Qwen2MoTModel(ModelMixin, ConfigMixin):
         text_indexes: torch.Tensor | None = None,
         past_key_values: BagelKVCache | None = None,
         update_cache: bool = False,
+        causal: bool = True,
     ) -> tuple[torch.Tensor, BagelKVCache | None]:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not a BAGEL mode; allowed: {list(MODES)}")
@@ -304,7 +307,7 @@ class Qwen2MoTModel(ModelMixin, ConfigMixin):
                 past = (past_key_values.keys[index], past_key_values.values[index])
             hidden_states, (key, value) = layer(hidden_states, position_embeddings, mode=mode,
                                                 gen_indexes=gen_indexes, text_indexes=text_indexes,
-                                                past_key_value=past)
+                                                past_key_value=past, causal=causal)
             if new_cache is not None:
                 new_cache.keys[index], new_cache.values[index] = key, value
         if mode == UNDERSTANDING:
@@ -404,6 +407,14 @@ class BagelVisionModel(nn.Module):
         self.vision_model.embeddings.patch_embedding = nn.Linear(config.num_channels * config.patch_size**2,
                                                                  config.hidden_size)
 
+    def forward(self, patches: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """One image's patches ``[N, patch² · channels]`` (channel-last) at flattened positions ``[N]`` (rows of
+        ``vit_max_num_patch_per_side``) to ``[N, hidden]``: every patch attends to every other."""
+        embeddings = self.vision_model.embeddings
+        hidden = embeddings.patch_embedding(patches) + embeddings.position_embedding(position_ids)
+        hidden = self.vision_model.encoder(inputs_embeds=hidden[None]).last_hidden_state[0]
+        return self.vision_model.post_layernorm(hidden)
+
 
 class BagelModel(ModelMixin, ConfigMixin):
     """BAGEL: the ``language_model`` (``Qwen2MoTForCausalLM``), the generation modules (``time_embedder``,
@@ -448,6 +459,7 @@ class BagelModel(ModelMixin, ConfigMixin):
         self.vit_model = BagelVisionModel(vit_config)
         self.connector = MLPConnector(self.vit_model.config.hidden_size, hidden, connector_act)
         self.vit_pos_embed = PositionEmbedding(vit_max_num_patch_per_side, hidden)
+        self.vit_max_num_patch_per_side = vit_max_num_patch_per_side
 
     @property
     def backbone(self) -> Qwen2MoTModel:
@@ -466,6 +478,41 @@ class BagelModel(ModelMixin, ConfigMixin):
         _, new_cache = self.backbone(embeds, positions, mode=UNDERSTANDING, past_key_values=cache,
                                      update_cache=True)
         return new_cache
+
+    def prefill_image(self, pixel_values: torch.Tensor, marker_ids: torch.Tensor, cache: BagelKVCache,
+                      rope_position: int) -> BagelKVCache:
+        """Run an image ``[channels, H, W]`` (normalised to [-1, 1], sides multiples of the ViT patch) through the
+        vision tower and, as ``[start_of_image, ViT tokens..., end_of_image]`` (``marker_ids``) all at rotary
+        position ``rope_position``, through the language model in understanding mode, bidirectionally after
+        ``cache``; returns the extended cache (the image takes one rotary position)."""
+        patch = self.vit_model.config.patch_size
+        channels, height, width = pixel_values.shape
+        rows, cols = height // patch, width // patch
+        patches = pixel_values.reshape(channels, rows, patch, cols, patch)
+        patches = torch.einsum("chpwq->hwpqc", patches).reshape(-1, patch * patch * channels)
+        device = pixel_values.device
+        position_ids = (torch.arange(rows, device=device)[:, None] * self.vit_max_num_patch_per_side
+                        + torch.arange(cols, device=device)).flatten()
+        dtype = self.connector.fc1.weight.dtype
+        tokens = self.connector(self.vit_model(patches.to(dtype), position_ids)) + self.vit_pos_embed(position_ids)
+        markers = self.backbone.embed_tokens(marker_ids)
+        num = tokens.shape[0]
+        sequence = markers.new_zeros((num + 2, self.hidden_size))
+        sequence[torch.tensor([0, num + 1], device=device)] = markers
+        sequence[1:num + 1] = tokens.to(sequence.dtype)
+        positions = torch.full((num + 2,), rope_position, dtype=torch.long, device=device)
+        _, new_cache = self.backbone(sequence, positions, mode=UNDERSTANDING, past_key_values=cache,
+                                     update_cache=True, causal=False)
+        return new_cache
+
+    def next_token_logits(self, token_id: torch.Tensor, cache: BagelKVCache,
+                          rope_position: int) -> tuple[torch.Tensor, BagelKVCache]:
+        """Logits ``[vocab]`` after one more text token (understanding mode), and the cache extended by it."""
+        embeds = self.backbone.embed_tokens(token_id.reshape(1))
+        positions = torch.tensor([rope_position], device=embeds.device)
+        hidden, new_cache = self.backbone(embeds, positions, mode=UNDERSTANDING, past_key_values=cache,
+                                          update_cache=True)
+        return self.language_model.lm_head(hidden)[0], new_cache
 
     def predict_velocity(self, latents: torch.Tensor, timestep: torch.Tensor, marker_ids: torch.Tensor,
                          latent_position_ids: torch.Tensor, rope_position: int,

@@ -46,6 +46,23 @@ def guided_velocity(v: torch.Tensor, v_uncond: torch.Tensor, scale: float, renor
     return guided * factor
 
 
+def _bagel_resize(size: tuple[int, int], longest: int, shortest: int, stride: int) -> tuple[int, int]:
+    """BAGEL's input resize rule: ``(width, height)`` scaled so the long side is at most ``longest`` and the short
+    side at least ``shortest``, each side rounded to a multiple of ``stride``, the long side capped again."""
+    def scaled(w, h, scale):
+        return (max(stride, int(round(round(w * scale) / stride) * stride)),
+                max(stride, int(round(round(h * scale) / stride) * stride)))
+
+    width, height = size
+    scale = max(min(longest / max(width, height), 1.0), shortest / min(width, height))
+    width, height = scaled(width, height, scale)
+    if width * height > 14 * 14 * 9 * 1024:  # BAGEL's pixel budget
+        width, height = scaled(width, height, 14 * 14 * 9 * 1024 / (width * height))
+    if max(width, height) > longest:
+        width, height = scaled(width, height, longest / max(width, height))
+    return width, height
+
+
 class BagelPipeline(DiffusionPipeline):
     """BAGEL (``ByteDance-Seed/BAGEL-7B-MoT``) text-to-image.
 
@@ -189,6 +206,70 @@ class BagelPipeline(DiffusionPipeline):
         cache = BagelKVCache.empty(len(self.bagel.backbone.layers))
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         return self.bagel.prefill(ids, cache, 0), len(token_ids)
+
+    def prepare_image(self, image) -> torch.Tensor:
+        """An input image as BAGEL reads it for understanding: RGB, resized (bicubic) as its VAE transform resizes
+        inputs (long side at most 1024, short side at least 512, multiples of 16), then as its ViT transform does
+        (at most 980 and at least 224, multiples of the ViT patch, 14), scaled to [-1, 1]: ``[3, H, W]``."""
+        import numpy as np
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            raise TypeError(f"image must be a PIL.Image.Image, got {type(image).__name__}")
+        image = image.convert("RGB")
+        patch = self.bagel.vit_model.config.patch_size
+        for longest, shortest, stride in ((1024, 512, 16), (980, 224, patch)):
+            image = image.resize(_bagel_resize(image.size, longest, shortest, stride), Image.BICUBIC)
+        array = torch.from_numpy(np.asarray(image, dtype=np.float32).copy()) / 255.0
+        return ((array - 0.5) / 0.5).permute(2, 0, 1).contiguous()
+
+    @torch.no_grad()
+    def understand(self, prompt: str, image=None, max_new_tokens: int = 500, do_sample: bool = False,
+                   temperature: float = 0.3, generator: torch.Generator | None = None) -> str:
+        """BAGEL's understanding path (vLLM-Omni's text output): answer ``prompt`` about ``image`` as text.
+
+        ``image``: optional; a PIL image (resized as BAGEL resizes inputs, ``prepare_image``) or a ``[3, H, W]``
+        tensor already in [-1, 1] with sides multiples of the ViT patch. The image (when given), then the prompt,
+        fill the cache; decoding starts from ``<|im_start|>`` and stops at ``<|im_end|>`` or after
+        ``max_new_tokens`` tokens (greedy, or sampled at ``temperature`` with ``do_sample``)."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} is not allowed: a positive integer")
+        if do_sample and not temperature > 0:
+            raise ValueError(f"temperature={temperature!r} is not allowed with do_sample: it must be > 0")
+        device = self._execution_device
+        special = self._special_ids()
+        cache, rope = BagelKVCache.empty(len(self.bagel.backbone.layers)), 0
+        if image is not None:
+            pixels = image if isinstance(image, torch.Tensor) else self.prepare_image(image)
+            patch = self.bagel.vit_model.config.patch_size
+            largest = patch * self.bagel.vit_max_num_patch_per_side
+            if (pixels.ndim != 3 or pixels.shape[0] != 3 or pixels.shape[1] % patch or pixels.shape[2] % patch
+                    or max(pixels.shape[1:]) > largest or min(pixels.shape[1:]) < patch):
+                raise ValueError(f"image tensor of shape {tuple(pixels.shape)} is not allowed: [3, H, W] with H and W "
+                                 f"multiples of {patch} (the ViT patch) between {patch} and {largest}")
+            pixels = pixels.to(device)
+            markers = torch.tensor([special["<|vision_start|>"], special["<|vision_end|>"]], device=device)
+            cache, rope = self.bagel.prefill_image(pixels, markers, cache, rope), rope + 1
+        ids = self.encode_prompt(prompt)
+        cache = self.bagel.prefill(torch.tensor(ids, device=device), cache, rope)
+        rope += len(ids)
+        token = torch.tensor(special["<|im_start|>"], device=device)
+        generated = []
+        for _ in range(max_new_tokens):
+            generated.append(int(token))
+            logits, cache = self.bagel.next_token_logits(token, cache, rope)
+            rope += 1
+            if do_sample:
+                probs = torch.softmax(logits.float() / temperature, dim=-1)
+                token = torch.multinomial(probs.cpu(), num_samples=1, generator=generator)[0].to(device)
+            else:
+                token = torch.argmax(logits, dim=-1)
+            if int(token) == special["<|im_end|>"]:
+                break
+        text = self.tokenizer.decode(generated)
+        return text.split("<|im_end|>")[0].split("<|im_start|>")[-1]
 
     def denoise(self, latents: torch.Tensor, height: int, width: int, context: tuple[BagelKVCache, int],
                 uncond_context: tuple[BagelKVCache, int] | None, num_inference_steps: int, timestep_shift: float,
