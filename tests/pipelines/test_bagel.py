@@ -144,3 +144,44 @@ def test_published_bagel_layout_loads(tmp_path):
     loaded.set_progress_bar_config(disable=True)
     assert loaded.bagel.max_latent_size == 16
     assert torch.equal(_run(loaded), expected)
+
+
+def test_understanding_answers_text_deterministically_and_reads_the_image():
+    from PIL import Image
+
+    pipe = _pipe()
+    image = Image.fromarray((torch.rand(50, 100, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy())
+    pixels = pipe.prepare_image(image)
+    # Published sizes scaled to the tiny tables: VAE resize to at most 64 (short side 32), then ViT to at most 56.
+    assert pixels.shape == (3, 28, 56) and -1 <= pixels.min() and pixels.max() <= 1
+    answer = pipe.understand("what is this?", image=image, max_new_tokens=6)
+    assert isinstance(answer, str)
+    assert pipe.understand("what is this?", image=image, max_new_tokens=6) == answer
+    assert pipe.understand("what is this?", image=pixels, max_new_tokens=6) == answer
+    text_only = pipe.understand("what is this?", max_new_tokens=6)
+    assert isinstance(text_only, str)
+    sampled = pipe.understand("what is this?", max_new_tokens=6, do_sample=True, temperature=1.0,
+                              generator=torch.Generator().manual_seed(1))
+    assert sampled == pipe.understand("what is this?", max_new_tokens=6, do_sample=True, temperature=1.0,
+                                      generator=torch.Generator().manual_seed(1))
+
+
+def test_understanding_under_layerwise_offload_gives_the_same_answer():
+    from PIL import Image
+
+    image = Image.new("RGB", (40, 30), (200, 30, 90))
+    expected = _pipe().understand("describe", image=image, max_new_tokens=6)
+    pipe = omnify(_pipe(), "TORCH_SDPA")
+    pipe.enable_layerwise_offload(device="cpu")
+    assert pipe.understand("describe", image=image, max_new_tokens=6) == expected
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"max_new_tokens": 0}, ValueError, r"max_new_tokens=0 is not allowed"),
+    ({"do_sample": True, "temperature": 0.0}, ValueError, r"temperature=0.0 is not allowed with do_sample"),
+    ({"image": torch.zeros(3, 20, 28)}, ValueError, r"image tensor of shape \(3, 20, 28\) is not allowed"),
+    ({"image": "cat.png"}, TypeError, r"image must be a PIL.Image.Image, got str"),
+])
+def test_understanding_refuses_bad_inputs(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        _pipe().understand("hi", **kwargs)

@@ -210,7 +210,9 @@ class BagelPipeline(DiffusionPipeline):
     def prepare_image(self, image) -> torch.Tensor:
         """An input image as BAGEL reads it for understanding: RGB, resized (bicubic) as its VAE transform resizes
         inputs (long side at most 1024, short side at least 512, multiples of 16), then as its ViT transform does
-        (at most 980 and at least 224, multiples of the ViT patch, 14), scaled to [-1, 1]: ``[3, H, W]``."""
+        (at most 980 and at least 224, multiples of the ViT patch, 14), scaled to [-1, 1]: ``[3, H, W]``. Those are
+        the published model's sizes; they follow its tables (``max_latent_size`` × 16, ``vit_max_num_patch_per_side``
+        × 14), so a smaller model gets proportionally smaller ones."""
         import numpy as np
         from PIL import Image
 
@@ -218,7 +220,11 @@ class BagelPipeline(DiffusionPipeline):
             raise TypeError(f"image must be a PIL.Image.Image, got {type(image).__name__}")
         image = image.convert("RGB")
         patch = self.bagel.vit_model.config.patch_size
-        for longest, shortest, stride in ((1024, 512, 16), (980, 224, patch)):
+        vae_longest = self.bagel.max_latent_size * self.bagel.latent_downsample
+        vit_longest = self.bagel.vit_max_num_patch_per_side * patch
+        sizes = ((vae_longest, vae_longest // 2, self.bagel.latent_downsample),
+                 (vit_longest, max(patch, round(vit_longest * 224 / 980)), patch))
+        for longest, shortest, stride in sizes:
             image = image.resize(_bagel_resize(image.size, longest, shortest, stride), Image.BICUBIC)
         array = torch.from_numpy(np.asarray(image, dtype=np.float32).copy()) / 255.0
         return ((array - 0.5) / 0.5).permute(2, 0, 1).contiguous()
