@@ -34,3 +34,25 @@ def test_explain_tiny_bagel_lists_both_roles(capsys):
     assert main(["explain", "--model", "tiny-bagel", "--attention", "TORCH_SDPA", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {row["role"] for row in rows} == {"bagel.understanding", "bagel.generation"}
+
+
+def test_generate_from_a_saved_bagel_directory(tmp_path, capsys):
+    from diffusers_omni.cli.common import own_pipeline_class
+    from diffusers_omni.testing.tiny_bagel import tiny_bagel_pipeline
+
+    model = tmp_path / "bagel"
+    tiny_bagel_pipeline().save_pretrained(model)
+    assert own_pipeline_class(str(model)).__name__ == "BagelPipeline"
+    saved, tiny = tmp_path / "saved.png", tmp_path / "tiny.png"
+    assert main([*ARGS[:2], str(model), *ARGS[3:], "--output", str(saved)]) == 0
+    assert main([*ARGS, "--output", str(tiny)]) == 0
+    assert saved.read_bytes() == tiny.read_bytes()
+
+
+def test_published_bagel_layout_is_recognised(tmp_path):
+    from diffusers_omni.cli.common import check_model, own_pipeline_class
+
+    (tmp_path / "llm_config.json").write_text("{}")
+    (tmp_path / "ema.safetensors").write_bytes(b"")
+    check_model(str(tmp_path))  # no model_index.json, but BAGEL's published files
+    assert own_pipeline_class(str(tmp_path)).__name__ == "BagelPipeline"
