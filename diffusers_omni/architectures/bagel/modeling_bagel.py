@@ -48,9 +48,6 @@ class BagelKVCache:
     def length(self) -> int:
         return 0 if not self.keys or self.keys[0] is None else int(self.keys[0].shape[0])
 
-    def copy(self) -> "BagelKVCache":
-        return BagelKVCache(list(self.keys), list(self.values))
-
 
 class Qwen2MoTRMSNorm(nn.Module):
     """Qwen2's RMS norm: statistics in float32, the result cast back before the weight multiplies it."""
