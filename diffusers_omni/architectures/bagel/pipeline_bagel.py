@@ -64,7 +64,8 @@ def _bagel_resize(size: tuple[int, int], longest: int, shortest: int, stride: in
 
 
 class BagelPipeline(DiffusionPipeline):
-    """BAGEL (``ByteDance-Seed/BAGEL-7B-MoT``) text-to-image.
+    """BAGEL (``ByteDance-Seed/BAGEL-7B-MoT``): text-to-image (``__call__``) and understanding (``understand``:
+    an image and a prompt, or a prompt alone, to text).
 
     Components:
         bagel: ``BagelModel`` (the Qwen2 mixture-of-transformers language model with BAGEL's generation and vision
@@ -75,7 +76,8 @@ class BagelPipeline(DiffusionPipeline):
 
     ``from_pretrained`` loads a Diffusers-layout directory (as ``save_pretrained`` writes it) or the published
     BAGEL layout (``config.json``, ``llm_config.json``, ``vit_config.json``, ``ema.safetensors``,
-    ``ae.safetensors`` and the tokenizer files); see ``from_bagel_checkpoint``.
+    ``ae.safetensors`` and the tokenizer files, a local directory: download the repository first); see
+    ``from_bagel_checkpoint``.
     """
 
     model_cpu_offload_seq = "bagel->vae"
