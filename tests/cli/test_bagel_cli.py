@@ -56,3 +56,15 @@ def test_published_bagel_layout_is_recognised(tmp_path):
     (tmp_path / "ema.safetensors").write_bytes(b"")
     check_model(str(tmp_path))  # no model_index.json, but BAGEL's published files
     assert own_pipeline_class(str(tmp_path)).__name__ == "BagelPipeline"
+
+
+def test_explain_reads_a_bagel_directory_without_loading_weights(tmp_path, capsys):
+    from diffusers_omni.testing.tiny_bagel import tiny_bagel_pipeline
+
+    tiny_bagel_pipeline().save_pretrained(tmp_path)
+    for weights in tmp_path.rglob("*.safetensors"):
+        weights.unlink()  # explain needs the configs only
+    assert main(["explain", "--model", str(tmp_path), "--attention", "TORCH_SDPA", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["role"] for row in rows} == {"bagel.understanding", "bagel.generation"}
+    assert {row["module"] for row in rows} == {f"bagel.language_model.model.layers.{i}.self_attn" for i in (0, 1)}

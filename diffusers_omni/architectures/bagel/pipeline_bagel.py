@@ -117,44 +117,16 @@ class BagelPipeline(DiffusionPipeline):
         the same: the value in ``config.json`` can be stale). ``ae.safetensors`` (FLUX's VAE in its original key
         names) is converted with Diffusers' LDM VAE conversion into an ``AutoencoderKL`` of ``vae_config``
         (default: FLUX's)."""
-        import json
-        import math
         import os
 
         from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-        from safetensors import safe_open
         from safetensors.torch import load_file
         from transformers import AutoTokenizer
 
-        def read(name):
-            with open(os.path.join(path, name), encoding="utf-8") as handle:
-                return json.load(handle)
-
-        llm, vit, top = read("llm_config.json"), read("vit_config.json"), read("config.json")
-        llm_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "rms_norm_eps", "rope_theta", "hidden_act", "max_position_embeddings")
-        vit_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
-                    "image_size", "patch_size", "hidden_act", "layer_norm_eps")
-        vit_config = {key: vit[key] for key in vit_keys if key in vit}
-        vit_config["num_hidden_layers"] = vit_config["num_hidden_layers"] - 1
         weights_path = os.path.join(path, "ema.safetensors")
-        with safe_open(weights_path, framework="pt") as handle:
-            positions = handle.get_slice("latent_pos_embed.pos_embed").get_shape()[0]
-        side = math.isqrt(positions)
-        if side * side != positions:
-            raise ValueError(f"latent_pos_embed.pos_embed has {positions} rows in {weights_path}; a square is needed")
-        latent = top.get("vae_config") or {}
+        config = cls.bagel_config(path)
         with torch.device("meta"):
-            bagel = BagelModel(
-                llm_config={key: llm[key] for key in llm_keys if key in llm},
-                vit_config=vit_config,
-                latent_channels=int(latent.get("z_channels", 16)),
-                vae_downsample=int(latent.get("downsample", 8)),
-                latent_patch_size=int(top.get("latent_patch_size", 2)),
-                max_latent_size=side,
-                vit_max_num_patch_per_side=int(top.get("vit_max_num_patch_per_side", 70)),
-                connector_act=top.get("connector_act", "gelu_pytorch_tanh"),
-            )
+            bagel = BagelModel(**config)
         state = load_file(weights_path)
         missing, unexpected = bagel.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
@@ -170,7 +142,7 @@ class BagelPipeline(DiffusionPipeline):
                                       persistent=False)
         bagel.eval()
         vae = AutoencoderKL.from_config(vae_config or {
-            "in_channels": 3, "out_channels": 3, "latent_channels": int(latent.get("z_channels", 16)),
+            "in_channels": 3, "out_channels": 3, "latent_channels": config["latent_channels"],
             "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
             "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "scaling_factor": 0.3611,
             "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False,
@@ -183,6 +155,56 @@ class BagelPipeline(DiffusionPipeline):
         if torch_dtype is not None:
             pipe.to(dtype=torch_dtype)
         return pipe
+
+    @staticmethod
+    def bagel_config(path: str) -> dict[str, Any]:
+        """``BagelModel``'s arguments for a checkpoint directory, read from its config files alone: the published
+        layout's (see ``from_bagel_checkpoint``; ``max_latent_size`` from the header of ``ema.safetensors``) or
+        ``bagel/config.json`` of a Diffusers-layout directory."""
+        import json
+        import math
+        import os
+
+        from safetensors import safe_open
+
+        def read(name):
+            with open(os.path.join(path, name), encoding="utf-8") as handle:
+                return json.load(handle)
+
+        if os.path.exists(os.path.join(path, "model_index.json")):
+            saved = read(os.path.join("bagel", "config.json"))
+            return {key: value for key, value in saved.items() if not key.startswith("_")}
+        llm, vit, top = read("llm_config.json"), read("vit_config.json"), read("config.json")
+        llm_keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "rms_norm_eps", "rope_theta", "hidden_act", "max_position_embeddings")
+        vit_keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_channels",
+                    "image_size", "patch_size", "hidden_act", "layer_norm_eps")
+        vit_config = {key: vit[key] for key in vit_keys if key in vit}
+        vit_config["num_hidden_layers"] = vit_config["num_hidden_layers"] - 1
+        weights_path = os.path.join(path, "ema.safetensors")
+        with safe_open(weights_path, framework="pt") as handle:
+            positions = handle.get_slice("latent_pos_embed.pos_embed").get_shape()[0]
+        side = math.isqrt(positions)
+        if side * side != positions:
+            raise ValueError(f"latent_pos_embed.pos_embed has {positions} rows in {weights_path}; a square is needed")
+        latent = top.get("vae_config") or {}
+        return {
+            "llm_config": {key: llm[key] for key in llm_keys if key in llm},
+            "vit_config": vit_config,
+            "latent_channels": int(latent.get("z_channels", 16)),
+            "vae_downsample": int(latent.get("downsample", 8)),
+            "latent_patch_size": int(top.get("latent_patch_size", 2)),
+            "max_latent_size": side,
+            "vit_max_num_patch_per_side": int(top.get("vit_max_num_patch_per_side", 70)),
+            "connector_act": top.get("connector_act", "gelu_pytorch_tanh"),
+        }
+
+    @classmethod
+    def meta_components(cls, path: str) -> dict[str, Any]:
+        """The weight-holding components that run attention, built on the meta device from ``path``'s configs (no
+        weights read): ``{"bagel": BagelModel}``."""
+        with torch.device("meta"):
+            return {"bagel": BagelModel(**cls.bagel_config(path))}
 
     # Pieces of a call ------------------------------------------------------------------------------------------
 
