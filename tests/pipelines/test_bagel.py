@@ -185,3 +185,14 @@ def test_understanding_under_layerwise_offload_gives_the_same_answer():
 def test_understanding_refuses_bad_inputs(kwargs, error, message):
     with pytest.raises(error, match=message):
         _pipe().understand("hi", **kwargs)
+
+
+def test_step_callback_sees_every_step_and_the_packed_latents():
+    seen = []
+
+    def callback(pipe, step, timestep, tensors):
+        seen.append((step, float(timestep), tuple(tensors["latents"].shape)))
+
+    _pipe()(**CALL, output_type="latent", callback_on_step_end=callback)
+    # 3 schedule points, shift 3: Euler steps at t = 1 and t = 0.75; 12 packed tokens of 16 channels.
+    assert seen == [(0, 1.0, (12, 16)), (1, 0.75, (12, 16))]

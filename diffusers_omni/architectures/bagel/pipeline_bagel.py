@@ -10,7 +10,7 @@ VAE decodes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from diffusers import AutoencoderKL
@@ -385,7 +385,7 @@ class BagelPipeline(DiffusionPipeline):
         latents: torch.Tensor | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
-        callback_on_step_end=None,
+        callback_on_step_end: Callable[[Any, int, torch.Tensor, dict], Any] | None = None,
     ):
         """Generate one image per prompt.
 
