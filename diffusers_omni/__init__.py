@@ -55,6 +55,9 @@ _LAZY = {
     "NextStep11Pipeline": "diffusers_omni.architectures.nextstep",
     "NextStepModel": "diffusers_omni.architectures.nextstep",
     # Every Omni<Name>Pipeline class; importing one imports only its family's module.
+    "BagelPipeline": "diffusers_omni.architectures.bagel",
+    "BagelModel": "diffusers_omni.architectures.bagel",
+    "Qwen2MoTModel": "diffusers_omni.architectures.bagel",
     **OMNI_CLASS_MODULES,
 }
 

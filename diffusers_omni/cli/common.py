@@ -12,7 +12,7 @@ from typing import Any
 from ..attention.selector import environment_backend
 from ..config.names import did_you_mean
 
-TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-nextstep")
+TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-nextstep", "tiny-bagel")
 
 
 # Repositories published without a model_index.json whose layout a pipeline class of this package reads itself:
@@ -213,13 +213,44 @@ def write_replacing(path: Path, write: Callable[[Path], None]) -> bool:
     return replaced
 
 
+# Pipelines of this package's own architectures (Diffusers cannot resolve them from a model_index.json), by the
+# class name a saved directory records; the published layouts they also load are recognised by their files.
+OWN_PIPELINES = {"BagelPipeline": "diffusers_omni.architectures.bagel"}
+_PUBLISHED_LAYOUTS = {"BagelPipeline": ("llm_config.json", "ema.safetensors")}  # ByteDance-Seed/BAGEL-7B-MoT
+
+
+def own_pipeline_class(model: str) -> type | None:
+    """The pipeline class of this package that loads the local directory ``model`` (saved with
+    ``save_pretrained``, or in a published layout it reads), else ``None``."""
+    import importlib
+    import json
+
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return None
+    name = None
+    index = path / "model_index.json"
+    if index.is_file():
+        try:
+            name = json.loads(index.read_text()).get("_class_name")
+        except (OSError, ValueError):
+            return None
+    else:
+        name = next((cls for cls, files in _PUBLISHED_LAYOUTS.items()
+                     if all((path / file).is_file() for file in files)), None)
+    if name not in OWN_PIPELINES:
+        return None
+    return getattr(importlib.import_module(OWN_PIPELINES[name]), name)
+
+
 def check_model(model: str, flag: str = "--model") -> None:
     """A tiny model name, a Diffusers pipeline directory, or something that looks like a hub id."""
     if model in TINY_MODELS:
         return
     path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / "model_index.json").is_file() and published_layout_class(model) is None:
+        if (not (path / "model_index.json").is_file() and published_layout_class(model) is None
+                and own_pipeline_class(model) is None):
             raise UsageError(
                 f"{flag}={model!r} is a directory without model_index.json; expected a pipeline saved with "
                 "save_pretrained (or a hub snapshot), a hub id, or one of " + ", ".join(TINY_MODELS)
@@ -405,13 +436,17 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False, transformer
         from ..testing.tiny_nextstep import tiny_nextstep_pipeline
 
         return tiny_nextstep_pipeline()
+    if model == "tiny-bagel":
+        from ..testing.tiny_bagel import tiny_bagel_pipeline
+
+        return tiny_bagel_pipeline()
     from diffusers import DiffusionPipeline
 
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}
-    published = published_layout_class(model)
+    own = published_layout_class(model) or own_pipeline_class(model)
     with quiet_torchvision_fallback():
-        if published is not None:
-            return published.from_pretrained(model, **kwargs)
+        if own is not None:
+            return own.from_pretrained(model, **kwargs)
         return DiffusionPipeline.from_pretrained(model, **kwargs)
 
 

@@ -14,9 +14,10 @@ from ..attention.plan import AttentionPlan
 def explain_pipeline(pipe, config=None, platform=None) -> list[dict]:
     """One row per (attention module, role): the chosen backend, its source and rejected candidates."""
     from ..pipelines.registry import omni_pipeline_class
+    from ..utils.modules import get_submodule_path
 
     omni_cls = omni_pipeline_class(type(pipe))
-    dits = {path: getattr(pipe, path, None) for path in omni_cls._dit_modules}
+    dits = {path: get_submodule_path(pipe, path) for path in omni_cls._dit_modules}  # dotted paths too
     return explain_dits({path: model for path, model in dits.items() if model is not None}, config, platform)
 
 
@@ -52,13 +53,23 @@ def run(args) -> int:
     import torch
 
     from ..utils.text import fit, table
-    from .common import TINY_MODELS, check_model, configure_logging, load_pipeline, parse_platform
+    from .common import TINY_MODELS, check_model, configure_logging, load_pipeline, own_pipeline_class, parse_platform
 
     configure_logging(args.verbose)
     platform = parse_platform(args.platform)
     check_model(args.model)
+    own = None if args.model in TINY_MODELS else own_pipeline_class(args.model)
     if args.model in TINY_MODELS:
         rows = explain_pipeline(load_pipeline(args.model), args.attention, platform)
+    elif own is not None:  # this package's own pipelines: their DiTs on the meta device from the configs
+        from types import SimpleNamespace
+
+        from ..pipelines.registry import omni_pipeline_class
+        from ..utils.modules import get_submodule_path
+
+        components = SimpleNamespace(**own.meta_components(args.model))
+        rows = explain_dits({path: get_submodule_path(components, path)
+                             for path in omni_pipeline_class(own)._dit_modules}, args.attention, platform)
     else:
         rows = explain_dits(dits_from_configs(args.model, getattr(torch, args.dtype)), args.attention, platform)
     if args.json:

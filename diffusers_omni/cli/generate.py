@@ -237,6 +237,10 @@ def _tiny_skeleton(model: str) -> _Skeleton:
         from ..testing.tiny_nextstep import tiny_nextstep_parts
 
         pipeline_cls, vae_factory, dit_factory = tiny_nextstep_parts()
+    elif model == "tiny-bagel":
+        from ..testing.tiny_bagel import tiny_bagel_parts
+
+        pipeline_cls, vae_factory, dit_factory = tiny_bagel_parts()
     else:
         pipeline_cls, vae_factory, dit_factory = tiny_pipeline_parts(model)
     omni_cls = omni_pipeline_class(pipeline_cls)

@@ -20,15 +20,17 @@ END = "<!-- END GENERATED: supported-models -->"
 # Diffusion pipelines vLLM-Omni serves that are not Diffusers 0.42 pipelines, so omnify cannot wrap them.
 NOT_DIFFUSERS_PIPELINES = {
     "SoulX-Singer": "singing-voice synthesis; no Diffusers pipeline",
-    "BAGEL": "unified multimodal model served by its own inference code; no Diffusers pipeline",
 }
 
 
 def supported_models() -> list[dict]:
     """One row per transformer declaration, with the Omni pipelines that drive it."""
     pipelines_by_family: dict[str, list[str]] = {}
+    model_level: dict[str, bool] = {}  # a family refuses model-level offload with ``_model_level_offload = False``
     for omni_cls in omni_pipelines().values():
         pipelines_by_family.setdefault(omni_cls._omni_family, []).append(omni_cls.__name__)
+        model_level[omni_cls._omni_family] = model_level.get(omni_cls._omni_family, True) and getattr(
+            omni_cls, "_model_level_offload", True)
     rows = []
     # Sorted: registration order depends on which model modules were imported first.
     for declaration in sorted(declarations(), key=lambda d: (d.display_name or d.name).lower()):
@@ -43,7 +45,7 @@ def supported_models() -> list[dict]:
                     f"{role.role} ({role.category}{', masked' if role.masked else ''}{', GQA' if role.gqa else ''})"
                     for role in declaration.roles
                 ],
-                "model_level_offload": declaration.model_level_offload,
+                "model_level_offload": declaration.model_level_offload and model_level.get(declaration.name, True),
                 "layerwise_offload": streamable,
                 "distributed_layerwise_offload": streamable,
                 "blocks_attrs": list(declaration.blocks_attrs),

@@ -61,6 +61,8 @@ def sharing_components() -> Iterator[None]:
 _in_tracked_call: contextvars.ContextVar[bool] = contextvars.ContextVar("omni_in_tracked_call", default=False)
 
 
+# Where the pipeline classes an Omni class may extend live: Diffusers, and this package's own ``architectures`` (for
+# systems Diffusers has no class for).
 _PIPELINE_MODULES = ("diffusers.", "diffusers_omni.architectures.")
 
 

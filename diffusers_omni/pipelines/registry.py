@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PIPELINE_FAMILIES: dict[str, tuple[str, ...]] = {
+    "bagel": ("BagelPipeline",),
     "chroma": ("ChromaPipeline", "ChromaImg2ImgPipeline", "ChromaInpaintPipeline"),
     "cosmos3": ("Cosmos3OmniPipeline",),
     "flux": ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline", "FluxFillPipeline", "FluxKontextPipeline",
