@@ -12,7 +12,7 @@ from typing import Any
 from ..attention.selector import environment_backend
 from ..config.names import did_you_mean
 
-TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v")
+TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-soulx-singer")
 
 
 class UsageError(ValueError):
@@ -220,6 +220,10 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False, transformer
         return testing.tiny_wan_pipeline()
     if model == "tiny-wan-i2v":
         return testing.tiny_wan_i2v_pipeline()
+    if model == "tiny-soulx-singer":
+        from ..testing.tiny_soulx_singer import tiny_soulx_singer_pipeline
+
+        return tiny_soulx_singer_pipeline()
     from diffusers import DiffusionPipeline
 
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}
