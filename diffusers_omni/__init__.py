@@ -52,6 +52,8 @@ _LAZY = {
     "load_transformer_mmap": "diffusers_omni.offload.loading",
     "load_gguf_mmap": "diffusers_omni.offload.loading",
     "check_same_steps": "diffusers_omni.offload.dataparallel",
+    "SoulXSingerPipeline": "diffusers_omni.architectures.soulx_singer",
+    "SoulXSingerSVCPipeline": "diffusers_omni.architectures.soulx_singer",
     # Every Omni<Name>Pipeline class; importing one imports only its family's module.
     **OMNI_CLASS_MODULES,
 }

@@ -14,9 +14,10 @@ from ..config.attention import AttentionConfig
 def explain_pipeline(pipe, config=None, platform=None) -> list[dict]:
     """One row per (attention module, role): the chosen backend, its source and rejected candidates."""
     from ..pipelines.registry import omni_pipeline_class
+    from ..utils.modules import get_submodule_path
 
     omni_cls = omni_pipeline_class(type(pipe))
-    dits = {path: getattr(pipe, path, None) for path in omni_cls._dit_modules}
+    dits = {path: get_submodule_path(pipe, path) for path in omni_cls._dit_modules}  # dotted paths allowed
     return explain_dits({path: model for path, model in dits.items() if model is not None}, config, platform)
 
 

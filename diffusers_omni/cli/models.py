@@ -20,7 +20,6 @@ END = "<!-- END GENERATED: supported-models -->"
 # Diffusion pipelines vLLM-Omni serves that are not Diffusers 0.42 pipelines, so omnify cannot wrap them.
 NOT_DIFFUSERS_PIPELINES = {
     "NextStep-1.1": "autoregressive image model with its own generation loop; no Diffusers pipeline",
-    "SoulX-Singer": "singing-voice synthesis; no Diffusers pipeline",
     "BAGEL": "unified multimodal model served by its own inference code; no Diffusers pipeline",
 }
 

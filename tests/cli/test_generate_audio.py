@@ -52,3 +52,13 @@ def test_audio_model_refuses_image_flags(extra, message, capsys):
 def test_image_model_refuses_a_wav(tmp_path, capsys):
     assert main(["generate", "--output", str(tmp_path / "x.wav")]) == 2
     assert ".wav is for audio models" in capsys.readouterr().err
+
+
+def test_explain_lists_the_soulx_singer_role(capsys):
+    import json
+
+    assert main(["explain", "--model", "tiny-soulx-singer", "--attention", "TORCH_SDPA", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(row["role"], row["backend"]) for row in rows} == {("soulx_singer.self", "TORCH_SDPA")}
+    assert sorted(row["module"] for row in rows) == [
+        f"cfm_decoder.model.diff_estimator.layers.{i}.self_attn" for i in range(2)]
