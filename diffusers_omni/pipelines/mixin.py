@@ -61,9 +61,11 @@ _in_tracked_call: contextvars.ContextVar[bool] = contextvars.ContextVar("omni_in
 
 def diffusers_pipeline_class(cls: type) -> type | None:
     """The Diffusers pipeline class an Omni pipeline class extends (the first class from ``diffusers`` in its
-    MRO), or ``None`` for the mixins themselves."""
+    MRO, or from ``diffusers_omni.architectures``: the pipelines of systems Diffusers has no class for), or ``None``
+    for the mixins themselves."""
     for base in cls.__mro__:
-        if base.__module__.startswith("diffusers.") and base.__name__.endswith("Pipeline"):
+        if (base.__module__.startswith(("diffusers.", "diffusers_omni.architectures."))
+                and base.__name__.endswith("Pipeline")):
             return base
     return None
 
