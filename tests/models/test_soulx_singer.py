@@ -98,3 +98,14 @@ def test_components_and_block_attributes_are_declared():
     assert pipe._encoder_modules == ("whisper_encoder", "condition_encoder", "mel")
     assert pipe._vae_modules == ("vocoder",) and pipe._resident_modules == ("cfm_decoder.model.cond_emb",)
     assert pipe.cfm_decoder.model.diff_estimator._layerwise_offload_blocks_attrs == ("layers",)
+
+
+def test_omni_save_pretrained_names_the_architecture_class_and_loads_back(tmp_path):
+    import json
+
+    pipe = omnify(tiny_soulx_singer_pipeline(), "TORCH_SDPA")
+    pipe.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "model_index.json").read_text())["_class_name"] == "SoulXSingerPipeline"
+    loaded = OmniSoulXSingerPipeline.from_pretrained(tmp_path)
+    assert type(loaded) is OmniSoulXSingerPipeline
+    assert torch.equal(CASES[0].run(loaded), CASES[0].run(pipe))
