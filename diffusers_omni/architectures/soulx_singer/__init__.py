@@ -14,6 +14,7 @@ from .modeling_soulx_singer import (
     slaney_mel_filterbank,
 )
 from .pipeline_soulx_singer import SoulXSingerPipeline, SoulXSingerPipelineOutput, SoulXSingerSVCPipeline
+from .processing_soulx_singer import SoulXSingerScoreProcessor
 
 __all__ = [
     "DiffLlama",
@@ -26,6 +27,7 @@ __all__ = [
     "SoulXSingerPipeline",
     "SoulXSingerPipelineOutput",
     "SoulXSingerSVCPipeline",
+    "SoulXSingerScoreProcessor",
     "SoulXSingerVocoder",
     "f0_to_coarse",
     "slaney_mel_filterbank",
