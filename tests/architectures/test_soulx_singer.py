@@ -254,3 +254,26 @@ def test_diffusers_layout_round_trip(svs, tmp_path):
     a = svs(**tiny_soulx_singer_inputs(), generator=torch.Generator().manual_seed(3), **kwargs).audios
     b = loaded(**tiny_soulx_singer_inputs(), generator=torch.Generator().manual_seed(3), **kwargs).audios
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("key", "orig"), [("y_24k_16k", 24000), ("y_16k_16k", 16000), ("y_44k_16k", 44100)])
+def test_resample_matches_torchaudio(key, orig):
+    """golden_resample.pt: ``torchaudio.functional.resample`` (2.11.1, its Python code run alone: the package's
+    compiled part does not load beside this torch) on 480 random samples (``torch.randn`` seeded 1234, times 0.3)."""
+    from diffusers_omni.architectures.soulx_singer.pipeline_soulx_singer import resample
+
+    data = torch.load(DATA / "golden_resample.pt", weights_only=True)
+    out = resample(data["x"], orig, 16000)
+    assert out.shape == data[key].shape
+    assert torch.equal(out, data[key])  # the same arithmetic: bitwise
+
+
+def test_svc_resamples_the_recordings_when_no_content_audio_is_given():
+    pipe = tiny_soulx_singer_svc_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    inputs = tiny_soulx_singer_svc_inputs()  # 16 kHz: resampling to Whisper's rate is the identity
+    kwargs = dict(num_inference_steps=1, output_type="mel")
+    given = pipe(**inputs, generator=torch.Generator().manual_seed(0), **kwargs).audios
+    derived = pipe(**{k: v for k, v in inputs.items() if "content" not in k}, generator=torch.Generator().manual_seed(0),
+                   **kwargs).audios
+    assert torch.equal(given, derived)

@@ -15,6 +15,7 @@ is split among the components by prefix.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,7 +37,7 @@ from .modeling_soulx_singer import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SoulXSingerPipeline", "SoulXSingerPipelineOutput", "SoulXSingerSVCPipeline"]
+__all__ = ["SoulXSingerPipeline", "SoulXSingerPipelineOutput", "SoulXSingerSVCPipeline", "resample"]
 
 OUTPUT_TYPES = ("np", "pt", "mel")
 CONTROLS = ("melody", "score")
@@ -139,6 +140,34 @@ class _FlowMatchingSampler:
         if not return_dict:
             return (audio,)
         return SoulXSingerPipelineOutput(audios=audio, sample_rate=self.sample_rate, pitch_shift=pitch_shift)
+
+
+def resample(waveform: torch.Tensor, orig_freq: int, new_freq: int, lowpass_filter_width: int = 6,
+             rolloff: float = 0.99) -> torch.Tensor:
+    """Band-limited resampling of ``waveform`` (``[..., samples]``) by windowed-sinc interpolation with a Hann
+    window: the algorithm of ``torchaudio.functional.resample``'s default method, which the reference uses to feed
+    Whisper (equal to it on the values tested)."""
+    if orig_freq <= 0 or new_freq <= 0 or int(orig_freq) != orig_freq or int(new_freq) != new_freq:
+        raise ValueError(f"orig_freq={orig_freq}, new_freq={new_freq}: expected positive integers")
+    if orig_freq == new_freq:
+        return waveform
+    step = math.gcd(int(orig_freq), int(new_freq))
+    down, up = int(orig_freq) // step, int(new_freq) // step
+    cutoff = min(down, up) * rolloff
+    width = math.ceil(lowpass_filter_width * down / cutoff)
+    # The filter is computed in the waveform's dtype, as torchaudio does.
+    factory = dict(dtype=waveform.dtype, device=waveform.device)
+    taps = torch.arange(-width, width + down, **factory)[None, None] / down
+    phases = torch.arange(0, -up, -1, **factory)[:, None, None] / up
+    t = ((phases + taps) * cutoff).clamp(-lowpass_filter_width, lowpass_filter_width)
+    window = torch.cos(t * math.pi / lowpass_filter_width / 2) ** 2
+    t = t * math.pi
+    kernel = torch.where(t == 0, torch.tensor(1.0).to(t), t.sin() / t) * (window * (cutoff / down))
+    shape = waveform.shape
+    flat = F.pad(waveform.reshape(-1, shape[-1]), (width, width + down))
+    out = F.conv1d(flat[:, None], kernel, stride=down).transpose(1, 2).reshape(flat.shape[0], -1)
+    length = int(torch.ceil(torch.as_tensor(up * shape[-1] / down)))
+    return out[..., :length].reshape(*shape[:-1], -1)
 
 
 def _published_files(pretrained: str, checkpoint: str, **kwargs) -> tuple[str, str] | None:
@@ -419,8 +448,8 @@ class SoulXSingerSVCPipeline(_FlowMatchingSampler, DiffusionPipeline):
     plus ``whisper_encoder`` (a Transformers ``WhisperEncoder``) and ``feature_extractor``
     (``WhisperFeatureExtractor``).
 
-    ``prompt_content`` / ``content`` may be given instead of the audio for the Whisper encoder: 16 kHz waveforms
-    (``[samples]``) — the pipeline does not resample.
+    The Whisper encoder reads the recordings resampled to the feature extractor's rate (16 kHz) by
+    :func:`resample`; ``prompt_content`` / ``content`` give those waveforms instead.
     """
 
     model_cpu_offload_seq = "whisper_encoder->condition_encoder->mel->cfm_decoder->vocoder"
@@ -482,8 +511,8 @@ class SoulXSingerSVCPipeline(_FlowMatchingSampler, DiffusionPipeline):
         audio: torch.Tensor | np.ndarray,
         prompt_f0: torch.Tensor,
         f0: torch.Tensor,
-        prompt_content: torch.Tensor | np.ndarray,
-        content: torch.Tensor | np.ndarray,
+        prompt_content: torch.Tensor | np.ndarray | None = None,
+        content: torch.Tensor | np.ndarray | None = None,
         pitch_shift: int = 0,
         auto_shift: bool = False,
         num_inference_steps: int = 32,
@@ -498,7 +527,8 @@ class SoulXSingerSVCPipeline(_FlowMatchingSampler, DiffusionPipeline):
 
         Args:
             prompt_f0, f0: per-frame F0 in Hz (0 = unvoiced) of the prompt and of the target, at the mel frame rate.
-            prompt_content, content: the same two recordings at 16 kHz, for the Whisper encoder.
+            prompt_content, content: the same two recordings at the Whisper feature extractor's rate (16 kHz);
+                by default the pipeline resamples ``prompt_audio`` and ``audio``.
             Other arguments as :meth:`SoulXSingerPipeline.__call__`. The output has the target's length.
         """
         self._check_common(num_inference_steps, guidance_scale, guidance_rescale, output_type)
@@ -507,6 +537,11 @@ class SoulXSingerSVCPipeline(_FlowMatchingSampler, DiffusionPipeline):
         audio = _as_batch("audio", audio, torch.float32, device)
         prompt_f0 = _as_batch("prompt_f0", prompt_f0, torch.float32, device)
         f0 = _as_batch("f0", f0, torch.float32, device)
+        content_rate = int(self.feature_extractor.sampling_rate)
+        if prompt_content is None:
+            prompt_content = resample(prompt_audio, self.sample_rate, content_rate)
+        if content is None:
+            content = resample(audio, self.sample_rate, content_rate)
         prompt_content = _as_batch("prompt_content", prompt_content, torch.float32, device)[0]
         content = _as_batch("content", content, torch.float32, device)[0]
         if auto_shift and pitch_shift == 0:
