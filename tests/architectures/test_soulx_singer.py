@@ -277,3 +277,16 @@ def test_svc_resamples_the_recordings_when_no_content_audio_is_given():
     derived = pipe(**{k: v for k, v in inputs.items() if "content" not in k}, generator=torch.Generator().manual_seed(0),
                    **kwargs).audios
     assert torch.equal(given, derived)
+
+
+def test_bfloat16_decoder_runs_with_float32_audio_modules():
+    pipe = tiny_soulx_singer_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = dict(num_inference_steps=2, output_type="pt")
+    full = pipe(**tiny_soulx_singer_inputs(), generator=torch.Generator().manual_seed(0), **kwargs).audios
+    pipe.condition_encoder.to(torch.bfloat16)
+    pipe.cfm_decoder.to(torch.bfloat16)
+    half = pipe(**tiny_soulx_singer_inputs(), generator=torch.Generator().manual_seed(0), **kwargs).audios
+    assert half.dtype == torch.float32 and pipe.vocoder.dtype == pipe.mel.dtype == torch.float32
+    assert torch.isfinite(half).all() and not torch.equal(half, full)
+    torch.testing.assert_close(half, full, atol=2e-3, rtol=0)

@@ -214,7 +214,7 @@ class DiffLlama(ModelMixin, ConfigMixin):
     ) -> torch.Tensor:
         batch, length, _ = x.shape
         hidden_states = self.mel_mlp(x) + self.cond_mlp(cond)
-        step = sinusoidal_step_embedding(timestep, self.config.hidden_size).to(hidden_states.device)
+        step = sinusoidal_step_embedding(timestep, self.config.hidden_size).to(hidden_states.device, x.dtype)
         step = self.diff_step_mlp(step)
 
         position_ids = torch.arange(length, device=x.device).unsqueeze(0)
