@@ -290,3 +290,10 @@ def test_bfloat16_decoder_runs_with_float32_audio_modules():
     assert half.dtype == torch.float32 and pipe.vocoder.dtype == pipe.mel.dtype == torch.float32
     assert torch.isfinite(half).all() and not torch.equal(half, full)
     torch.testing.assert_close(half, full, atol=2e-3, rtol=0)
+
+
+def test_svc_refuses_recordings_longer_than_whispers_window():
+    pipe = tiny_soulx_singer_svc_pipeline()
+    inputs = {**tiny_soulx_singer_svc_inputs(), "content": torch.zeros(16000 * 31)}
+    with pytest.raises(ValueError, match=r"the target recording is 31\.0 s; SoulXSingerSVCPipeline takes at most 30 s"):
+        pipe(**inputs, num_inference_steps=1)

@@ -544,6 +544,14 @@ class SoulXSingerSVCPipeline(_FlowMatchingSampler, DiffusionPipeline):
             content = resample(audio, self.sample_rate, content_rate)
         prompt_content = _as_batch("prompt_content", prompt_content, torch.float32, device)[0]
         content = _as_batch("content", content, torch.float32, device)[0]
+        limit = self.WHISPER_FRAMES * self.feature_extractor.hop_length  # 30 s: Whisper's window
+        for name, wav in (("prompt", prompt_content), ("target", content)):
+            if wav.shape[-1] > limit:
+                raise ValueError(
+                    f"the {name} recording is {wav.shape[-1] / content_rate:.1f} s; SoulXSingerSVCPipeline takes at "
+                    f"most {limit / content_rate:.0f} s a call (Whisper's window): split it (the reference splits "
+                    "long recordings at silences) and convert the parts"
+                )
         if auto_shift and pitch_shift == 0:
             pitch_shift = SoulXSingerPipeline._auto_pitch_shift(f0, prompt_f0, from_f0=True)
 
