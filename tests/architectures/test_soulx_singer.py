@@ -297,3 +297,26 @@ def test_svc_refuses_recordings_longer_than_whispers_window():
     inputs = {**tiny_soulx_singer_svc_inputs(), "content": torch.zeros(16000 * 31)}
     with pytest.raises(ValueError, match=r"the target recording is 31\.0 s; SoulXSingerSVCPipeline takes at most 30 s"):
         pipe(**inputs, num_inference_steps=1)
+
+
+def test_published_layout_missing_a_tensor_is_refused(svs, tmp_path):
+    folder = tmp_path / "published"
+    _write_published_layout(svs, folder, "model.pt", use_score=True)
+    checkpoint = torch.load(folder / "model.pt", weights_only=True)
+    del checkpoint["state_dict"]["vocoder.model.head.out.bias"]
+    torch.save(checkpoint, folder / "model.pt")
+    with pytest.raises(ValueError, match=r"does not fit component vocoder: missing \['model.head.out.bias'\]"):
+        SoulXSingerPipeline.from_pretrained(folder)
+
+
+def test_step_callback_sees_and_may_replace_the_latents(svs):
+    seen = []
+
+    def callback(pipe, step, t, tensors):
+        seen.append((step, round(float(t[0]), 4), tuple(tensors["latents"].shape)))
+        return {"latents": torch.zeros_like(tensors["latents"])} if step == 1 else {}
+
+    out = svs(**tiny_soulx_singer_inputs(), num_inference_steps=2, guidance_scale=0.0, output_type="mel",
+              generator=torch.Generator().manual_seed(0), callback_on_step_end=callback)
+    assert seen == [(0, 0.25, (1, 10, 16)), (1, 0.75, (1, 10, 16))]
+    assert torch.equal(out.audios, torch.zeros(1, 10, 16))

@@ -34,6 +34,7 @@ class DiffLlamaRotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
         super().__init__()
+        self.theta = theta
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 

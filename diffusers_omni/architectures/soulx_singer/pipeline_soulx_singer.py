@@ -27,6 +27,7 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
+from .modeling_diffllama import DiffLlamaRotaryEmbedding
 from .modeling_soulx_singer import (
     SoulXSingerCFMDecoder,
     SoulXSingerConditionEncoder,
@@ -121,8 +122,9 @@ class _FlowMatchingSampler:
                     rescaled = guided * std / guided.std()
                     flow = guidance_rescale * rescaled + (1 - guidance_rescale) * guided
                 xt = xt + flow * h
-                if callback_on_step_end is not None:
-                    callback_on_step_end(self, i, t, {"latents": xt})
+                if callback_on_step_end is not None:  # Diffusers' convention: it may return new latents
+                    returned = callback_on_step_end(self, i, t, {"latents": xt}) or {}
+                    xt = returned.get("latents", xt)
                 progress.update()
         return xt
 
@@ -231,10 +233,19 @@ def _split_state_dict(state_dict: dict[str, torch.Tensor], prefixes: dict[str, t
 
 
 def _load_component(module: torch.nn.Module, state: dict[str, torch.Tensor], name: str) -> None:
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    """Load a component built on the meta device: the checkpoint's tensors become its parameters and persistent
+    buffers (no random initialisation of weights that are overwritten anyway); the rotary frequencies, the one
+    buffer the checkpoint does not hold, are computed."""
+    missing, unexpected = module.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit component {name}: missing {missing[:5]}, unexpected "
                          f"{unexpected[:5]}")
+    for sub in module.modules():
+        if isinstance(sub, DiffLlamaRotaryEmbedding):
+            sub.inv_freq = DiffLlamaRotaryEmbedding(sub.inv_freq.shape[0] * 2, sub.theta).inv_freq
+    left = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if left:
+        raise ValueError(f"checkpoint does not fit component {name}: no values for {left[:5]}")
 
 
 def _components_from_published(config: dict, state_dict: dict, use_score: bool, dtype: torch.dtype | None):
@@ -246,7 +257,22 @@ def _components_from_published(config: dict, state_dict: dict, use_score: bool, 
         if key in fm and fm[key] not in (False, 1):
             raise ValueError(f"model.flow_matching.{key}={fm[key]!r} is not supported (the published config has "
                              f"{'False' if key == 'use_embedding' else 1})")
-    components = {
+    with torch.device("meta"):
+        components = _build_published(audio, fm, config, use_score, encoder_kwargs)
+    encoder_tops = ("note_text_encoder", "note_pitch_encoder", "note_type_encoder", "f0_encoder", "preflow")
+    prefixes = {"condition_encoder": encoder_tops, "cfm_decoder": ("cfm_decoder",), "mel": ("mel",),
+                "vocoder": ("vocoder",)}
+    for name, state in _split_state_dict(state_dict, prefixes).items():
+        _load_component(components[name], state, name)
+    for name, module in components.items():
+        module.eval()
+        if dtype is not None and name in ("condition_encoder", "cfm_decoder"):
+            module.to(dtype)  # the mel front end and the vocoder stay in float32, as the reference keeps them
+    return components
+
+
+def _build_published(audio, fm, config, use_score, encoder_kwargs):
+    return {
         "condition_encoder": SoulXSingerConditionEncoder(use_score=use_score, **encoder_kwargs),
         "cfm_decoder": SoulXSingerCFMDecoder(
             mel_dim=fm["mel_dim"], hidden_size=fm["hidden_size"], num_layers=fm["num_layers"],
@@ -264,16 +290,6 @@ def _components_from_published(config: dict, state_dict: dict, use_score: bool, 
             **config["model"].get("vocoder", {}),
         }),
     }
-    encoder_tops = ("note_text_encoder", "note_pitch_encoder", "note_type_encoder", "f0_encoder", "preflow")
-    prefixes = {"condition_encoder": encoder_tops, "cfm_decoder": ("cfm_decoder",), "mel": ("mel",),
-                "vocoder": ("vocoder",)}
-    for name, state in _split_state_dict(state_dict, prefixes).items():
-        _load_component(components[name], state, name)
-    for name, module in components.items():
-        module.eval()
-        if dtype is not None and name in ("condition_encoder", "cfm_decoder"):
-            module.to(dtype)  # the mel front end and the vocoder stay in float32, as the reference keeps them
-    return components
 
 
 class SoulXSingerPipeline(_FlowMatchingSampler, DiffusionPipeline):
