@@ -320,3 +320,12 @@ def test_step_callback_sees_and_may_replace_the_latents(svs):
               generator=torch.Generator().manual_seed(0), callback_on_step_end=callback)
     assert seen == [(0, 0.25, (1, 10, 16)), (1, 0.75, (1, 10, 16))]
     assert torch.equal(out.audios, torch.zeros(1, 10, 16))
+
+
+@pytest.mark.parametrize("control", ["melody", "score"])
+def test_svs_auto_shift_matches_the_reference(svs, golden, control):
+    _with_reference_mel_basis(svs, golden)
+    out = svs(**tiny_soulx_singer_inputs(control), auto_shift=True, num_inference_steps=3, guidance_scale=3.0,
+              generator=torch.Generator().manual_seed(SEED), output_type="mel")
+    assert out.pitch_shift != 0  # the tiny prompt sits above the target: a real shift was chosen
+    torch.testing.assert_close(out.audios, golden[f"svs_{control}_auto"], atol=1e-5, rtol=1e-5)

@@ -98,6 +98,10 @@ def main(out_path):
             model.infer({"prompt": dict(prompt), "target": dict(target)}, pitch_shift=shift, n_steps=3, cfg=3,
                         control=control)
             golden[f"svs_{control}_shift{shift}"] = captured.pop()  # [1, frames, num_mels]
+        torch.manual_seed(SEED)
+        model.infer({"prompt": dict(prompt), "target": dict(target)}, auto_shift=True, n_steps=3, cfg=3,
+                    control=control)
+        golden[f"svs_{control}_auto"] = captured.pop()
 
     # 3. SVC: the reference's infer_segment glue over the same modules (the SVC checkpoint has no note encoders).
     from transformers import WhisperConfig, WhisperFeatureExtractor
