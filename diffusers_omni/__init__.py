@@ -54,6 +54,8 @@ _LAZY = {
     "check_same_steps": "diffusers_omni.offload.dataparallel",
     "NextStep11Pipeline": "diffusers_omni.architectures.nextstep",
     "NextStepModel": "diffusers_omni.architectures.nextstep",
+    "SoulXSingerPipeline": "diffusers_omni.architectures.soulx_singer",
+    "SoulXSingerSVCPipeline": "diffusers_omni.architectures.soulx_singer",
     # Every Omni<Name>Pipeline class; importing one imports only its family's module.
     "BagelPipeline": "diffusers_omni.architectures.bagel",
     "BagelModel": "diffusers_omni.architectures.bagel",

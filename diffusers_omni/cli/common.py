@@ -12,7 +12,7 @@ from typing import Any
 from ..attention.selector import environment_backend
 from ..config.names import did_you_mean
 
-TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-nextstep", "tiny-bagel")
+TINY_MODELS = ("tiny-flux", "tiny-wan", "tiny-wan-i2v", "tiny-nextstep", "tiny-bagel", "tiny-soulx-singer")
 
 
 # Repositories published without a model_index.json whose layout a pipeline class of this package reads itself:
@@ -440,6 +440,10 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False, transformer
         from ..testing.tiny_bagel import tiny_bagel_pipeline
 
         return tiny_bagel_pipeline()
+    if model == "tiny-soulx-singer":
+        from ..testing.tiny_soulx_singer import tiny_soulx_singer_pipeline
+
+        return tiny_soulx_singer_pipeline()
     from diffusers import DiffusionPipeline
 
     kwargs = {"torch_dtype": dtype} if dtype is not None else {}

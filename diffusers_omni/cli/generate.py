@@ -1,7 +1,8 @@
 """``diffusers-omni generate``: load a pipeline, enable omni attention (and offload), generate, write the result.
 
 Images are written with PIL; videos through ``diffusers.utils.export_to_video`` (mp4, needs ``imageio`` and
-``imageio-ffmpeg``: the ``video`` extra) or ``export_to_gif``. Under ``torchrun`` only rank 0 prints.
+``imageio-ffmpeg``: the ``video`` extra) or ``export_to_gif``; audio as 16-bit PCM .wav (stdlib ``wave``). Under
+``torchrun`` only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from .offload import collective_names, installs_nothing, is_collective, offload_
 
 _VIDEO_SUFFIXES = (".mp4", ".gif")
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+_AUDIO_SUFFIXES = (".wav",)
+# Tiny audio models: they sing their built-in example inputs (no text prompt, no size), written as a .wav.
+AUDIO_TINY_MODELS = {"tiny-soulx-singer": "diffusers_omni.testing.tiny_soulx_singer:tiny_soulx_singer_inputs"}
+_DEFAULT_PROMPT = "a lighthouse on a cliff at dawn"  # main.py's --prompt default
 
 
 def run(args) -> int:
@@ -64,9 +69,10 @@ def run(args) -> int:
         pipe = omnify(pipe, args.attention)
         if rank != 0:
             pipe.set_progress_bar_config(disable=True)
-        kwargs = _call_kwargs(args, pipe, rank, world_size)
-        output = _output_path(args, video=_accepts(pipe, "num_frames"))
-        if args.output is None:  # the default name, known once the pipeline says image or video
+        audio = args.model in AUDIO_TINY_MODELS
+        kwargs = _audio_call_kwargs(args) if audio else _call_kwargs(args, pipe, rank, world_size)
+        output = _audio_output_path(args) if audio else _output_path(args, video=_accepts(pipe, "num_frames"))
+        if args.output is None:  # the default name, known once the pipeline says image, video or audio
             for path in _written_paths(args, output):
                 check_output(path, args.overwrite)
         if not installs_nothing(config):
@@ -93,8 +99,8 @@ def run(args) -> int:
             "dtype": str(next(iter(pipe.omni_dits().values())).dtype).removeprefix("torch."),
             "offload": offload,
             "steps": args.steps,
-            "height": kwargs["height"],
-            "width": kwargs["width"],
+            "height": kwargs.get("height"),
+            "width": kwargs.get("width"),
             "frames": kwargs.get("num_frames"),
             "guidance_scale": kwargs.get("guidance_scale"),
             "seed": kwargs["generator"].initial_seed(),
@@ -113,8 +119,9 @@ def run(args) -> int:
         model = args.model if args.model not in TINY_MODELS else f"{args.model} (random weights, built locally)"
         peak = summary["peak_device_memory_bytes"]
         print(f"model: {model} ({summary['pipeline']}, {summary['dtype']})")
+        size = f"{result.audios.shape[-1]} samples" if audio else f"{kwargs['width']}×{kwargs['height']}"
         print(f"load {loaded - started:.2f} s, enable {enabled - loaded:.2f} s, generate {done - enabled:.2f} s "
-              f"({kwargs['width']}×{kwargs['height']}, {args.steps} steps on {device}" + (f", peak device memory {peak / 2**30:.2f} GiB)" if peak else ")"))
+              f"({size}, {args.steps} steps on {device}" + (f", peak device memory {peak / 2**30:.2f} GiB)" if peak else ")"))
         print(f"{'replaced' if replaced else 'wrote'} {output}" + (f" (rank {rank}/{world_size}, seed {summary['seed']})" if world_size > 1 else ""))
         return 0
     finally:
@@ -144,9 +151,9 @@ def _check_flag_combinations(args) -> None:
         raise UsageError(f"--transformer-gguf={gguf!r}: no such file")
     if args.output is not None:
         suffix = Path(args.output).suffix.lower()
-        if suffix not in _IMAGE_SUFFIXES + _VIDEO_SUFFIXES:
+        if suffix not in _IMAGE_SUFFIXES + _VIDEO_SUFFIXES + _AUDIO_SUFFIXES:
             raise UsageError(f"--output={args.output!r}: unknown file type {suffix or '(none)'!r}; use one of "
-                             f"{', '.join(_IMAGE_SUFFIXES + _VIDEO_SUFFIXES)}")
+                             f"{', '.join(_IMAGE_SUFFIXES + _VIDEO_SUFFIXES + _AUDIO_SUFFIXES)}")
 
 
 # Refuse before work: the arguments checked against the pipeline before any weights load -------------------------
@@ -309,6 +316,9 @@ def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
     (``fill_defaults``), so they are checked too."""
     if args.steps is not None:
         _check_steps(args.steps)
+    if args.model in AUDIO_TINY_MODELS:
+        _audio_preflight(args)
+        return None
     plan = skeleton(args.model)
     if plan is None:
         return None
@@ -608,12 +618,67 @@ def _output_path(args, video: bool) -> Path:
     suffix = output.suffix.lower()
     if video and suffix not in _VIDEO_SUFFIXES:
         raise UsageError(f"--output={args.output!r}: this pipeline makes a video; use .mp4 or .gif")
+    if suffix in _AUDIO_SUFFIXES:
+        raise UsageError(f"--output={args.output!r}: this pipeline makes {'a video' if video else 'an image'}; .wav "
+                         "is for audio models (tiny-soulx-singer)")
     if not video and suffix in _VIDEO_SUFFIXES:
         raise UsageError(f"--output={args.output!r}: this pipeline makes an image; use .png, .jpg or .webp")
     if suffix == ".mp4" and not _video_encoder():
         raise UsageError(f"--output={args.output!r}: no mp4 encoder installed (pip install 'diffusers-omni[video]', "
                          "i.e. imageio and imageio-ffmpeg); or write a .gif")
     return output
+
+
+def _audio_preflight(args) -> None:
+    """An audio model takes none of the image/video flags and writes a .wav."""
+    for flag, value in (("--height", args.height), ("--width", args.width), ("--frames", args.frames),
+                        ("--image", args.image), ("--negative-prompt", args.negative_prompt),
+                        ("--rank-prompt", args.rank_prompt),
+                        ("--prompt", None if args.prompt == _DEFAULT_PROMPT else args.prompt)):
+        if value is not None:
+            raise UsageError(f"{flag}={value!r}: {args.model} sings its built-in example score (audio model); it "
+                             "takes no text prompt, size, frames or image")
+    if args.steps is None:
+        args.steps = TINY_DEFAULTS["steps"]
+    if args.output is not None:
+        _audio_output_path(args)
+
+
+def _audio_call_kwargs(args) -> dict:
+    import importlib
+
+    import torch
+
+    module, _, name = AUDIO_TINY_MODELS[args.model].partition(":")
+    kwargs = getattr(importlib.import_module(module), name)()
+    kwargs.update(num_inference_steps=args.steps, generator=torch.Generator(device="cpu").manual_seed(args.seed),
+                  output_type="np")
+    if args.guidance_scale is not None:
+        kwargs["guidance_scale"] = args.guidance_scale
+    return kwargs
+
+
+def _audio_output_path(args) -> Path:
+    if args.output is None:
+        return Path("omni.wav")
+    if Path(args.output).suffix.lower() != ".wav":
+        raise UsageError(f"--output={args.output!r}: {args.model} makes audio; use .wav")
+    return Path(args.output)
+
+
+def _write_wav(audio: Any, sample_rate: int, output: Path) -> None:
+    """Mono 16-bit PCM: samples clipped to [-1, 1] and scaled by 32767."""
+    import wave
+
+    import numpy as np
+
+    samples = np.asarray(audio, dtype=np.float32).reshape(-1)
+    pcm = np.round(np.clip(samples, -1.0, 1.0) * 32767).astype("<i2")
+    with wave.open(str(output), "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(int(sample_rate))
+        f.writeframes(pcm.tobytes())
 
 
 def _frames(result) -> list:
@@ -628,7 +693,9 @@ def _frames(result) -> list:
 def _write(result, output: Path) -> None:
     from diffusers.utils import export_to_gif, export_to_video
 
-    if not _is_video(result):
+    if hasattr(result, "audios"):
+        _write_wav(result.audios[0], result.sample_rate, output)
+    elif not _is_video(result):
         result.images[0].save(output)
     elif output.suffix.lower() == ".gif":
         export_to_gif(_frames(result), str(output))

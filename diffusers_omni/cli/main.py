@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                           help="torch_dtype; auto = bfloat16 for a local or hub model on an accelerator, else float32 "
                                "(the tiny models are float32)")
-    generate.add_argument("--output", help="where to write: .png/.jpg for images, .mp4 or .gif for videos (default: "
-                                           "omni.png, or omni.mp4 for a video — omni.gif without a video encoder)")
+    generate.add_argument("--output", help="where to write: .png/.jpg for images, .mp4 or .gif for videos, .wav for "
+                                           "audio (default: omni.png, or omni.mp4 for a video — omni.gif without a "
+                                           "video encoder — or omni.wav for audio)")
     generate.add_argument("--overwrite", action="store_true", help="replace --output when it exists (default: refuse)")
     generate.add_argument("--json", action="store_true",
                           help="print a JSON summary (timings, peak memory, backends) instead of the tables")

@@ -17,10 +17,8 @@ from ..utils.text import Width, fit, output_width, table
 BEGIN = "<!-- BEGIN GENERATED: supported-models (python -m diffusers_omni.cli.models --write) -->"
 END = "<!-- END GENERATED: supported-models -->"
 
-# Diffusion pipelines vLLM-Omni serves that are not Diffusers 0.42 pipelines, so omnify cannot wrap them.
-NOT_DIFFUSERS_PIPELINES = {
-    "SoulX-Singer": "singing-voice synthesis; no Diffusers pipeline",
-}
+# The systems of vLLM-Omni's table that Diffusers 0.42 has no pipeline for: this package's own pipelines serve them.
+OWN_SYSTEMS = "NextStep-1.1, BAGEL and SoulX-Singer"
 
 
 def supported_models() -> list[dict]:
@@ -71,8 +69,8 @@ def supported_models_markdown() -> str:
             f"{_yes(row['model_level_offload'])} | {_yes(row['layerwise_offload'])} | "
             f"{_yes(row['distributed_layerwise_offload'])} | {', '.join(f'`{b}`' for b in row['blocks_attrs'])} |"
         )
-    lines += ["", "Not Diffusers 0.42 pipelines, so `omnify` cannot wrap them:", ""]
-    lines += [f"- {name}: {why}." for name, why in NOT_DIFFUSERS_PIPELINES.items()]
+    lines += ["", f"{OWN_SYSTEMS} have no Diffusers 0.42 pipeline: their pipelines are this package's own "
+                  "(`diffusers_omni.architectures`), loaded from the published checkpoints' layout."]
     return "\n".join(lines)
 
 
@@ -118,8 +116,7 @@ def supported_models_table(width: Width = "terminal") -> str:
             count = len(row["Omni pipelines"].splitlines())
             row["architecture"] += f"\n({count} Omni pipeline{'s' if count != 1 else ''})"
     text = table(rows, TERMINAL_COLUMNS[:shown], width=width, row_gap=True)
-    notes = ["", "Not Diffusers 0.42 pipelines, so `omnify` cannot wrap them:"]
-    notes += [f"- {name}: {why}." for name, why in NOT_DIFFUSERS_PIPELINES.items()]
+    notes = ["", f"{OWN_SYSTEMS} have no Diffusers 0.42 pipeline: their pipelines are this package's own."]
     hidden = TERMINAL_COLUMNS[shown:]
     if hidden:
         notes += ["", f"Not shown at this width: {', '.join(hidden)}; a wider terminal shows them, and so do "

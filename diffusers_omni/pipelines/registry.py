@@ -38,6 +38,7 @@ PIPELINE_FAMILIES: dict[str, tuple[str, ...]] = {
     "sdxl": ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline", "StableDiffusionXLInpaintPipeline",
              "StableDiffusionXLInstructPix2PixPipeline", "StableDiffusionXLPAGPipeline",
              "StableDiffusionXLPAGImg2ImgPipeline", "StableDiffusionXLPAGInpaintPipeline"),
+    "soulx_singer": ("SoulXSingerPipeline", "SoulXSingerSVCPipeline"),
     "wan": ("WanPipeline", "WanImageToVideoPipeline", "WanVideoToVideoPipeline"),
     "zimage": ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline", "ZImageOmniPipeline"),
 }

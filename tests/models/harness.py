@@ -21,6 +21,7 @@ from diffusers.models import attention_dispatch
 from diffusers_omni.attention.processors import RoleAttention, is_omni_processor
 from diffusers_omni.models.base import blocks_attrs_for, declaration_for
 from diffusers_omni.pipelines.mixin import SupportsComponentDiscovery
+from diffusers_omni.utils.modules import get_submodule_path
 
 
 def default_attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -57,12 +58,12 @@ def check_omnify_report(case: ModelCase) -> None:
     assert isinstance(pipe, SupportsComponentDiscovery)
     report = pipe.omni_attention_report()
     expected_modules = {
-        f"{dit}.{name}" for dit in case.dits for name in case.attention_modules(getattr(pipe, dit))
+        f"{dit}.{name}" for dit in case.dits for name in case.attention_modules(get_submodule_path(pipe, dit))
     }
     assert {entry["module"] for entry in report} == expected_modules
     assert {entry["role"]: entry["category"] for entry in report} == case.roles
     for dit in case.dits:
-        for module in case.attention_modules(getattr(pipe, dit)).values():
+        for module in case.attention_modules(get_submodule_path(pipe, dit)).values():
             assert is_omni_processor(module.processor), module
 
 
@@ -104,7 +105,7 @@ def check_every_call_reaches_its_role(case: ModelCase) -> None:
 def check_role_override(case: ModelCase) -> None:
     config = {"default": {"backend": "TORCH_SDPA"}, "per_role": {"cross": {"backend": "auto"}}}
     stock = case.factory()
-    declared = {role.category for dit in case.dits for role in declaration_for(getattr(stock, dit)).roles}
+    declared = {role.category for dit in case.dits for role in declaration_for(get_submodule_path(stock, dit)).roles}
     if "cross" not in declared | set(case.roles.values()):
         # A key naming no role or category of the model would be ignored: it is refused instead.
         with pytest.raises(ValueError, match=r"per_role key\(s\) 'cross' match no attention role or category"):
@@ -135,7 +136,7 @@ def declared_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def check_blocks_in_forward_order(case: ModelCase) -> None:
     pipe = omnify(case.factory(), "TORCH_SDPA")
     for dit in case.dits:
-        model = getattr(pipe, dit)
+        model = get_submodule_path(pipe, dit)
         blocks = declared_blocks(model)
         assert blocks, f"{dit} declares no blocks"
         seen: list[str] = []
