@@ -323,7 +323,7 @@ def preflight(args, device: str, dtype: Any) -> _Skeleton | None:
     if plan is None:
         return None
     name = plan.omni_cls.__name__
-    if args.offload == "model-level" and not getattr(plan.omni_cls, "_model_level_offload", True):
+    if getattr(args, "offload", None) == "model-level" and not getattr(plan.omni_cls, "_model_level_offload", True):
         raise UsageError(f"--offload model-level: {name} does not support model-level offload (its one backbone "
                          "would never leave the device); use --offload layerwise")
     takes = inspect.signature(plan.omni_cls.__call__).parameters

@@ -26,7 +26,7 @@ def test_generate_tiny_bagel_refuses_model_level_offload(tmp_path, capsys):
     output = tmp_path / "out.png"
     assert main([*ARGS, "--offload", "model-level", "--output", str(output)]) == 2
     err = capsys.readouterr().err
-    assert "model-level offload is not supported for BagelPipeline" in err and "--offload layerwise" in err
+    assert "OmniBagelPipeline does not support model-level offload" in err and "--offload layerwise" in err
     assert not output.exists()
 
 
