@@ -547,15 +547,13 @@ def sample_checksum(source: BlockSource, address: int) -> int:
     return crc
 
 
-def _tensor_checksum(source: BlockSource) -> int:
-    """``sample_checksum`` of the model's own tensors (checked equal to the files' bytes just before)."""
+def _file_checksum(source: BlockSource, reader: DiskReader) -> int:
+    """``sample_checksum`` of ``source``'s bytes in its files (read with ``pread``: the windows of a model's tensors
+    that are views of the very files are not touched, so no mapped page of theirs is faulted in)."""
     crc = 0
     for piece in sorted(source.pieces, key=lambda p: p.dest):
-        data = piece.tensor.detach().reshape(-1).view(torch.uint8)
-        if data.device.type != "cpu":
-            data = data.cpu()
         for start, size in _windows(piece.length):
-            crc = zlib.crc32((ctypes.c_char * size).from_address(data.data_ptr() + start), crc)
+            crc = zlib.crc32(os.pread(reader.fds[piece.file], size, piece.offset + start), crc)
     return crc
 
 
@@ -586,7 +584,7 @@ def verify_block(source: BlockSource, reader: DiskReader, views: FileViews | Non
                     f"allowed: {WAY_OUT}"
                 )
             done += size
-    source.checksum = _tensor_checksum(source)
+    source.checksum = _file_checksum(source, reader)  # the files' bytes, just compared with the model's
     source.drop_tensors()
     return compared
 
