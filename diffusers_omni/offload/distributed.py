@@ -38,7 +38,6 @@ from ..config.offload import OffloadStrategy, format_bytes
 from ..utils.progress import byte_progress
 from ..utils.journal import Journal
 from .base import EnableStep, OffloadBackend
-from .discovery import named_tensors
 from .guards import GuardInstaller, OffloadActiveError
 from .hooks import (
     EAGER_ONLY,
@@ -296,8 +295,9 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         # Every rank runs the local steps between two agreements (``_agree``): discover ends with one, the local
         # steps with ``agree_local`` (before prime, whose AllGather is a collective), prime with ``agree_primed``. A
         # rank that fails in between joins the next agreement with its error (``enable``), so every rank rolls back.
-        return (self._discover, self._move_residents, self._pack_blocks, self._allocate_slots, self._install_hooks,
-                self._install_step_check, self._install_guards, self._agree_local, self._prime, self._agree_primed)
+        return (self._discover, self._agree_layout, self._move_residents, self._pack_blocks, self._count_host_bytes,
+                self._allocate_slots, self._install_hooks, self._install_step_check, self._install_guards,
+                self._agree_local, self._prime, self._agree_primed)
 
     @property
     def max_device_memory(self) -> None:
@@ -320,7 +320,8 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         """Enable on every rank (collective). If any rank fails at any stage, every rank rolls back and raises:
         the failing rank its own error (with a note naming it), the others a ``RuntimeError`` naming the failing
         rank and its error; within one agreement, not after the process group's timeout."""
-        self._pending_agreement: str | None = None  # the agreement this rank owes the others if it fails now
+        # The agreement this rank owes the others if it fails now: discovery is followed by the layout agreement.
+        self._pending_agreement: str | None = "agree_layout"
         try:
             return super().enable(target)  # a failing stage is rolled back here (the journal), then re-raised
         except BaseException as error:
@@ -338,14 +339,14 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                     )
             raise
 
-    def _agree(self, point: str, error: BaseException | None = None) -> None:
-        """Agreement ``point``: all ranks exchange their error text (``None``: this rank succeeded). When any rank
-        failed, every other rank raises here, naming it (a failing rank passes its own ``error``, which its
-        caller raises)."""
+    def _agree(self, point: str, error: BaseException | None = None, extra: Any = None) -> list[Any]:
+        """Agreement ``point``: all ranks exchange their error text (``None``: this rank succeeded) and ``extra``.
+        When any rank failed, every other rank raises here, naming it (a failing rank passes its own ``error``,
+        which its caller raises). Returns every rank's ``extra``, in rank order."""
         answers: list[Any] = [None] * self.world_size
         text = None if error is None else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(answers, (point, text), group=self.group)
-        failed = [(r, message) for r, (_, message) in enumerate(answers) if message is not None]
+        dist.all_gather_object(answers, (point, text, extra), group=self.group)
+        failed = [(r, message) for r, (_, message, _) in enumerate(answers) if message is not None]
         if failed and error is None:
             rank, message = failed[0]
             others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
@@ -353,6 +354,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                 f"distributed layerwise offload: rank {rank}{others} could not enable ({message}); every rank "
                 "rolled back, no rank enabled it"
             )
+        return [value for _, _, value in answers]
 
     def _agree_local(self, state: LayerwiseState, journal: Journal) -> None:
         self._pending_agreement = None  # from here on this rank is in the agreement itself
@@ -363,32 +365,26 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         self._pending_agreement = None
         self._agree("agree_primed")
 
-    # Discover: local checks, then every rank agrees (so one rank's error never leaves the others in a collective).
+    # After discovery: local checks, then every rank agrees (a rank that failed in discovery joins this agreement
+    # with its error through ``enable``, so no rank is left waiting in a collective).
 
-    def _discover(self, state: LayerwiseState, journal: Journal) -> None:
+    def _agree_layout(self, state: LayerwiseState, journal: Journal) -> None:
+        """Place ``resident_layers`` and check that every rank discovered the same model (block layouts)."""
         error: BaseException | None = None
         digest = ""
         try:
-            super()._discover(state, journal)
             self._check_and_place_residents(state)
             digest = _layout_digest(state)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the other ranks heard about it
             error = exc
-        answers: list[Any] = [None] * self.world_size
-        dist.all_gather_object(answers, (None if error is None else f"{type(error).__name__}: {error}", digest),
-                               group=self.group)
+        self._pending_agreement = None  # from here on this rank is in the agreement itself
+        digests = self._agree("agree_layout", error, extra=digest)
         if error is not None:
             raise error
-        failed = [(r, message) for r, (message, _) in enumerate(answers) if message is not None]
-        if failed:
-            rank, message = failed[0]
-            raise RuntimeError(f"distributed layerwise offload: rank {rank} could not enable ({message}); no rank "
-                               "enabled it")
-        digests = {d for _, d in answers}
-        if len(digests) > 1:
+        if len(set(digests)) > 1:
             raise ValueError(
                 "distributed layerwise offload: ranks hold different models (block layouts differ: "
-                f"{[d[:8] for _, d in answers]}); every rank must load the same model and pipeline"
+                f"{[d[:8] for d in digests]}); every rank must load the same model and pipeline"
             )
         self._pending_agreement = "agree_local"  # the ranks agreed: a failure from here on is told at agree_local
 
@@ -409,8 +405,8 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         stats.resident_blocks = sum(1 for w, r in flat if r and not w.empty)
         stats.streamed_bytes_per_pass = sum(w.nbytes for w, r in flat if not r)
 
-    def _pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
-        super()._pack_blocks(state, journal)
+    def _count_host_bytes(self, state: LayerwiseState, journal: Journal) -> None:
+        """Host bytes per dtype of the packed blocks (each rank holds a full host copy in this mode)."""
         state.stats.host_bytes_per_dtype = {
             str(d): n * torch.empty(0, dtype=d).element_size()
             for d, n in _sum_numel(w for ws in state.weights for w in ws if not w.empty).items()
@@ -478,7 +474,14 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
     use_allgather = True
     prime_is_collective = True
 
-    def _pack_blocks(self, state: LayerwiseState, journal: Journal) -> None:
+    def _enable_steps(self) -> Sequence[EnableStep]:
+        # Discovery and the agreements are the no-AllGather mode's; packing, slots, hooks, guards and priming are
+        # this mode's own (1/N shards, two gathered slots).
+        return (self._discover, self._agree_layout, self._move_residents, self._pack_shards, self._allocate_gather_slots,
+                self._install_gather_hooks, self._install_step_check, self._install_shard_guards, self._agree_local,
+                self._prime_gather, self._agree_primed)
+
+    def _pack_shards(self, state: LayerwiseState, journal: Journal) -> None:
         state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
         state.stats.host_memory_mode = host_memory.mode
         journal.record("release host memory", lambda: host_memory.release(self.device))
@@ -511,7 +514,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
         logger.info("distributed offload rank %d/%d: host shards %s (of %s)", self.rank, self.world_size,
                     format_bytes(state.stats.host_bytes), format_bytes(total))
 
-    def _allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:
+    def _allocate_gather_slots(self, state: LayerwiseState, journal: Journal) -> None:
         blocks = [b for row in state.streamed for b in row if b is not None]
         state.transfers = transfers = _GatherTransfers(self.device, self.group)
         shards: dict[torch.dtype, int] = {}
@@ -531,7 +534,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
                     format_bytes(state.stats.slot_bytes),
                     format_bytes(sum(n * torch.empty(0, dtype=d).element_size() for d, n in shards.items())))
 
-    def _install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
+    def _install_gather_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         journal.record("remove hooks", state.hooks.remove_all)
         state.lock = self._forward_lock()
         streamer = state.streamer
@@ -554,7 +557,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
         refresh_registry_caches(roots)
         journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
 
-    def _install_guards(self, state: LayerwiseState, journal: Journal) -> None:
+    def _install_shard_guards(self, state: LayerwiseState, journal: Journal) -> None:
         OffloadBackend._install_guards(self, state, journal)
         self._refuse_pickling(state)
         pipeline = not isinstance(state.target, torch.nn.Module)
@@ -577,7 +580,7 @@ class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
             if original is not None:
                 self._guards.set(owner, "save_pretrained", _refuse_call(message, f"{label}.save_pretrained", original))
 
-    def _prime(self, state: LayerwiseState, journal: Journal) -> None:
+    def _prime_gather(self, state: LayerwiseState, journal: Journal) -> None:
         for row in state.streamed:
             ring = [b for b in row if b is not None]
             if ring:

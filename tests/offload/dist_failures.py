@@ -31,16 +31,16 @@ def _fail(where: str, use_allgather: bool) -> Callable[[], None]:
         memory.HostMemory.allocate = allocate
         return lambda: setattr(memory.HostMemory, "allocate", original)
     backend = AllGatherLayerwiseOffloadBackend if use_allgather else DistributedLayerwiseOffloadBackend
-    original_stage = backend._install_guards  # the class's own, or the one it inherits
-    own = "_install_guards" in backend.__dict__
+    name = "_install_shard_guards" if use_allgather else "_install_guards"  # the guard step of each mode
+    original_stage = getattr(backend, name)  # the class's own, or the one it inherits
+    own = name in backend.__dict__
 
     def stage(self, state, journal):
         original_stage(self, state, journal)
         raise RuntimeError("install_guards failed (injected)")
 
-    backend._install_guards = stage
-    return (lambda: setattr(backend, "_install_guards", original_stage)) if own else \
-        (lambda: delattr(backend, "_install_guards"))
+    setattr(backend, name, stage)
+    return (lambda: setattr(backend, name, original_stage)) if own else (lambda: delattr(backend, name))
 
 
 def one_rank_fails(rank: int, world: int, use_allgather: bool, where: str, failing: int) -> dict[str, Any]:
