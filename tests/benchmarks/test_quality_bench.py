@@ -22,10 +22,13 @@ def test_smoke_run_writes_json_pngs_and_tables(tmp_path, monkeypatch, capsys):
         assert candidate["attention"]["rel_err_max"] == 0 and candidate["attention"]["modules"] > 0
         with Image.open(tmp_path / candidate["image"]) as image:
             height, width = candidate["output_shape"][-3:-1]
+            # The labelled panels (reference, candidate, amplified difference; PSNR/SSIM written under them; small
+            # outputs enlarged so the labels fit) hold at least the plain side-by-side layout.
             if candidate["kind"] == "video":  # frame grid: 4 of its 5 frames, 3 rows
-                assert image.size == (4 * width + 3 * 2, 3 * height + 2 * 2)
+                plain = (4 * width + 3 * 2, 3 * height + 2 * 2)
             else:
-                assert image.size == (3 * width + 2 * 2, height)
+                plain = (3 * width + 2 * 2, height)
+            assert image.size[0] >= plain[0] and image.size[1] > plain[1]
     assert len(results["full_size"]) == 2
     for entry in results["full_size"].values():
         assert entry["random_weights"] is True and entry["step_s"]["native"] > 0
