@@ -97,6 +97,12 @@ def _bytes_or_auto(value: Any, field_name: str) -> int | str:
         raise type(error)(f'{error}; or "auto" (read from the machine when enabling)') from None
 
 
+def _compression_option() -> Any:
+    return offload_option(
+        None, kind="choice", choices=(LOSSLESS,), help="keep streamed bfloat16 blocks losslessly coded in host "
+        "memory (about 0.75 of their bytes), move them coded and decode them on the device")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerwiseOffloadConfig(OffloadConfig):
     """Strategy ``"layerwise"``: the DiTs' blocks stream from host memory, the next ones copied while the current
@@ -142,9 +148,7 @@ class LayerwiseOffloadConfig(OffloadConfig):
     max_host_memory: int | str | None = offload_option(
         None, kind="bytes", help="bytes of pinned host copies allowed, e.g. 32GiB (streamed blocks that do not fit are "
         "read from the checkpoint's safetensors files at each load), or auto (the RAM available)")
-    compression: str | None = offload_option(
-        None, kind="choice", choices=(LOSSLESS,), help="keep streamed bfloat16 blocks losslessly coded in host "
-        "memory (about 0.75 of their bytes), move them coded and decode them on the device")
+    compression: str | None = _compression_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -176,6 +180,8 @@ class DistributedLayerwiseOffloadConfig(OffloadConfig):
             ``use_allgather=True`` (double sharding).
         process_group (`torch.distributed.ProcessGroup`, *optional*): the ranks that share the host copy; ``None``
             is the default (world) group. Not compared between configs.
+        compression (`str`, *optional*): with ``use_allgather=False``, ``"lossless"`` keeps each rank's streamed
+            bfloat16 blocks coded in host memory, as ``LayerwiseOffloadConfig.compression`` does.
 
     Example:
     ```py
@@ -195,11 +201,13 @@ class DistributedLayerwiseOffloadConfig(OffloadConfig):
         1, minimum=1, cli=False, help="the tensor-parallel degree the model was loaded with")
     hsdp: bool = offload_option(False, cli=False, help="the weights are already sharded by HSDP/FSDP")
     process_group: Any = offload_option(None, cli=False, compare=False, help="the ranks sharing the host copy")
+    compression: str | None = _compression_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_count(self.prefetch_depth, "prefetch_depth", 1)
         check_bool(self.use_allgather, "use_allgather")
+        object.__setattr__(self, "compression", _compression(self.compression))
         check_bool(self.hsdp, "hsdp")
         check_count(self.resident_layers, "resident_layers", 0)
         check_count(self.tensor_parallel_size, "tensor_parallel_size", 1)
@@ -225,6 +233,12 @@ class DistributedLayerwiseOffloadConfig(OffloadConfig):
             raise ValueError(
                 f"prefetch_depth={show(self.prefetch_depth)} does not apply with use_allgather=True (two fixed "
                 "gathered slots); allowed: 1, or use_allgather=False"
+            )
+        if self.compression is not None:
+            raise ValueError(
+                f"compression={self.compression!r} with use_allgather=True is not built yet (the 1/N shards are "
+                "gathered as raw bytes); allowed: compression=None, or use_allgather=False (each rank's full host "
+                "copy is coded)"
             )
 
 

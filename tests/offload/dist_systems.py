@@ -40,3 +40,20 @@ def soulx_singer_parity(rank: int, world: int, use_allgather: bool) -> dict[str,
         return output[0] if isinstance(output, tuple) else next(iter(output.values()))
 
     return _parity(pipe, run, use_allgather)
+
+
+def lossless_parity(rank: int, world: int, use_allgather: bool) -> dict[str, Any]:
+    """Distributed layerwise offload with compression="lossless" (each rank's full host copy coded) on tiny FLUX in
+    bfloat16."""
+    from offload_helpers import flux_pipe, generate
+
+    pipe = flux_pipe()
+    pipe.to(torch.bfloat16)
+    reference = generate(pipe, steps=2)
+    backend = pipe.enable_distributed_layerwise_offload(use_allgather=False, device="cpu", compression="lossless")
+    coded = backend.stats.store_blocks.get("lossless", 0) > 0
+    outputs = [generate(pipe, steps=2) for _ in range(2)]
+    pipe.disable_omni_offload()
+    return {"equal": all(torch.equal(o, reference) for o in outputs), "after": torch.equal(generate(pipe, steps=2),
+                                                                                          reference),
+            "streamed": coded}

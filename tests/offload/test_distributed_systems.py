@@ -19,3 +19,10 @@ def test_distributed_layerwise_is_bitwise_equal(system, use_allgather):
     for rank, result in enumerate(results):
         assert result.get("ok"), f"rank {rank}: {result}"
         assert result["value"] == {"equal": True, "after": True, "streamed": True}, f"rank {rank}: {result['value']}"
+
+
+def test_distributed_full_copy_with_lossless_compression_is_bitwise_equal():
+    results = launch(dist_systems.lossless_parity, 2, False, deadline=240.0)
+    for rank, result in enumerate(results):
+        assert result.get("ok"), f"rank {rank}: {result}"
+        assert result["value"] == {"equal": True, "after": True, "streamed": True}, f"rank {rank}: {result['value']}"

@@ -79,3 +79,12 @@ def test_cli_compression_lossless_writes_the_same_image(tmp_path):
     assert main([*common, "--output", str(plain)]) == 0
     assert main([*common, "--compression", "lossless", "--output", str(coded)]) == 0
     assert plain.read_bytes() == coded.read_bytes()
+
+
+def test_distributed_allgather_refuses_compression_naming_the_way_out():
+    from diffusers_omni.config.offload import DistributedLayerwiseOffloadConfig
+
+    assert DistributedLayerwiseOffloadConfig(device="cpu", use_allgather=False, compression="lossless").compression
+    with pytest.raises(ValueError, match=r"compression='lossless' with use_allgather=True is not built yet.*"
+                                         r"use_allgather=False"):
+        DistributedLayerwiseOffloadConfig(device="cpu", compression="lossless")
