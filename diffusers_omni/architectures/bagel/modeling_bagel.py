@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.modeling_utils import ModelMixin
 from transformers.activations import ACT2FN
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 UNDERSTANDING = "und"
 GENERATION = "gen"
@@ -49,20 +49,8 @@ class BagelKVCache:
         return 0 if not self.keys or self.keys[0] is None else int(self.keys[0].shape[0])
 
 
-class Qwen2MoTRMSNorm(nn.Module):
-    """Qwen2's RMS norm: statistics in float32, the result cast back before the weight multiplies it."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
-        return self.weight * hidden_states.to(dtype)
+# Qwen2's RMS norm (statistics in float32, the result cast back before the weight multiplies it): Transformers' own.
+Qwen2MoTRMSNorm = Qwen2RMSNorm
 
 
 class Qwen2MoTMLP(nn.Module):

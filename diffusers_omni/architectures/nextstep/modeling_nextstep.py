@@ -24,6 +24,7 @@ from diffusers.models.attention import AttentionModuleMixin
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 __all__ = [
     "NextStepAttention",
@@ -61,18 +62,8 @@ class NextStepKVCache:
         return key, value
 
 
-class NextStepRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.eps)
-        return self.weight * hidden_states.to(dtype)
+# NextStep's backbone is Qwen2.5's: its RMS norm is Transformers' Qwen2 one.
+NextStepRMSNorm = Qwen2RMSNorm
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
