@@ -1,0 +1,18 @@
+"""The offload-flux-lossless scenario's variant runs (smoke, CPU): layerwise with compression="lossless" beside plain
+layerwise and resident, recorded in the JSON and the table (its H200 run is for a session with a device)."""
+
+import json
+
+from benchmarks import offload_bench, registry
+
+
+def test_lossless_variant_smoke_run_is_recorded(tmp_path):
+    scenario = next(s for s in registry.SCENARIOS if s.name == "offload-flux-lossless")
+    assert "lossless" in scenario.args[scenario.args.index("--variants") + 1]
+    out = tmp_path / "smoke"
+    assert offload_bench.main(["--smoke", "--models", "flux", "--variants", "layerwise,lossless",
+                               "--skip-model-level", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    variants = {v["variant"] for v in report["models"][0]["variants"]}
+    assert {"omni layerwise", "omni layerwise lossless", "resident"} <= variants
+    assert "omni layerwise lossless" in out.with_suffix(".md").read_text()
