@@ -139,6 +139,13 @@ class PackedWeights:
             views.append(as_strided(shape, strides, base + offset))
         return views
 
+    def current_flat(self) -> dict[torch.dtype, torch.Tensor]:
+        """The tensors' current bytes in this layout: fresh ordinary host buffers, one per dtype (padding zeroed)."""
+        flat = {dtype: torch.zeros(numel, dtype=dtype) for dtype, numel in self.numel.items()}
+        for slot, view in zip(self.slots, self.views_into(flat)):
+            view.copy_(slot.leaf.data())
+        return flat
+
     def device_buffers(self, device: torch.device) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
         """New (uninitialised) flat buffers on ``device``, one per dtype, and the views of every tensor in them."""
         buffers = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in self.numel.items()}

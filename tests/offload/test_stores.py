@@ -44,9 +44,7 @@ class DictStore(BlockStore):
         weights = self.weights
         originals = weights.tensors.current()
         journal.record(f"restore {weights.path}", lambda: weights.park(originals))
-        flat = {dtype: torch.zeros(numel, dtype=dtype) for dtype, numel in weights.numel.items()}
-        for slot, view in zip(weights.slots, weights.views_into(flat)):
-            view.copy_(slot.leaf.data())
+        flat = weights.current_flat()
         type(self).takes += 1
         if type(self).takes - 1 == self.fail_take_at:
             raise InjectedFailure(f"take {weights.path}")

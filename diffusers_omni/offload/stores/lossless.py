@@ -45,9 +45,7 @@ class LosslessStore(BlockStore):
         weights = self.weights
         originals = weights.tensors.current()
         journal.record(f"restore {weights.path}", lambda: weights.park(originals))
-        flat = {dtype: torch.zeros(numel, dtype=dtype) for dtype, numel in weights.numel.items()}
-        for slot, view in zip(weights.slots, weights.views_into(flat)):
-            view.copy_(slot.leaf.data())
+        flat = weights.current_flat()
         coded = {dtype: encode(tensor) for dtype, tensor in flat.items() if dtype in CODED_DTYPES}
         raw = {dtype: tensor for dtype, tensor in flat.items() if dtype not in CODED_DTYPES}
         parts = [part for encoded in coded.values() for part in encoded.parts()] + list(raw.values())
