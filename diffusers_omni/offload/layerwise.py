@@ -302,6 +302,10 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     state.stats.store_bytes[name] = state.stats.store_bytes.get(name, 0) + block.weights.nbytes
                     state.stats.store_host_bytes[name] = (state.stats.store_host_bytes.get(name, 0)
                                                           + block.store.host_nbytes)
+                    component = state.stats.store_counters.setdefault(name, {}).setdefault(
+                        block.weights.path.split(".")[0], {})
+                    for key, value in block.store.counters().items():
+                        component[key] = component.get(key, 0) + value
         release_freed_host_memory()
         release_freed_device_memory(self.device)
 

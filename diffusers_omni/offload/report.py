@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..config.offload import format_bytes
 from ..utils.text import table
+from .codec import kernel_name as codec_kernel_name
 from .discovery import DIT, ENCODER, RESIDENT, VAE, discover_components
 from .distributed import shard_range
 
@@ -132,6 +133,24 @@ class OffloadReport:
 
     __repr__ = __str__
 
+
+
+def _lossless_notes(stats: Any, backend: Any) -> list[str]:
+    """What compression="lossless" coded: bytes in host memory against their bf16 size, per component, the code
+    widths, what passed through, and the decoder that runs on the execution device."""
+    coded, logical = stats.store_host_bytes["lossless"], stats.store_bytes["lossless"]
+    device = getattr(backend, "execution_device", None) or torch.device("cpu")
+    notes = [f"lossless: {stats.store_blocks['lossless']} streamed blocks held coded, {format_bytes(coded)} in host "
+             f"memory for {format_bytes(logical)} ({coded / max(logical, 1):.3f}); codec: bfloat16 exponents as "
+             f"1- to 4-bit codes with escapes (offload.codec), decoded on {device} by {codec_kernel_name(device)}"]
+    for component, counts in stats.store_counters.get("lossless", {}).items():
+        widths = ", ".join(f"{counts[key]} {key}" for key in sorted(counts) if key.endswith("-bit buffers"))
+        ratio = counts.get("coded bytes", 0) / max(counts.get("logical bytes", 0), 1)
+        notes.append(f"lossless {component}: bfloat16 {format_bytes(counts.get('logical bytes', 0))} → "
+                     f"{format_bytes(counts.get('coded bytes', 0))} ({ratio:.3f}; {widths}; "
+                     f"{counts.get('escapes', 0):,} escapes); other dtypes passed through as they are: "
+                     f"{format_bytes(counts.get('passed bytes', 0))}")
+    return notes
 
 def _cell(nbytes: int) -> str:
     return format_bytes(nbytes) if nbytes else "-"
@@ -363,11 +382,7 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
             f"{name} {stats.store_blocks[name]} blocks ({format_bytes(nbytes)}, {format_bytes(held.get(name, 0))} "
             f"in host memory)" for name, nbytes in store_bytes.items()))
     if "lossless" in (store_bytes or {}):
-        coded, logical = stats.store_host_bytes["lossless"], stats.store_bytes["lossless"]
-        notes.append(f"lossless: {stats.store_blocks['lossless']} streamed blocks held coded, "
-                     f"{format_bytes(coded)} for {format_bytes(logical)} ({coded / max(logical, 1):.3f}; codec: 4-bit "
-                     "bfloat16 exponents with escapes, decoded by tensor operations on the device); other dtypes and "
-                     "blocks without bfloat16 pass through as they are")
+        notes.extend(_lossless_notes(stats, backend))
     for label in dict.fromkeys(getattr(stats, "tiled_vaes", ())):
         notes.append(f"{label}: ran out of device memory untiled; it decodes and encodes in tiles now "
                      "(vae.enable_tiling(); disable_omni_offload() puts its own setting back)")

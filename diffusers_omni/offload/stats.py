@@ -47,5 +47,7 @@ class LayerwiseStats:
     store_blocks: dict[str, int] = field(default_factory=dict)
     store_bytes: dict[str, int] = field(default_factory=dict)
     store_host_bytes: dict[str, int] = field(default_factory=dict)  # what each store holds in host memory for them
+    # per store and component (the first part of a block's path): the sums of the store's ``counters()``
+    store_counters: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
 

@@ -13,6 +13,12 @@ def test_lossless_variant_smoke_run_is_recorded(tmp_path):
     assert offload_bench.main(["--smoke", "--models", "flux", "--variants", "layerwise,lossless",
                                "--skip-model-level", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
-    variants = {v["variant"] for v in report["models"][0]["variants"]}
-    assert {"omni layerwise", "omni layerwise lossless", "resident"} <= variants
-    assert "omni layerwise lossless" in out.with_suffix(".md").read_text()
+    variants = {v["variant"]: v for v in report["models"][0]["variants"]}
+    assert {"omni layerwise", "omni layerwise lossless", "resident"} <= set(variants)
+    assert variants["omni layerwise"]["same_output_as_resident"] is True
+    lossless = variants["omni layerwise lossless"]
+    assert lossless["same_output_as_resident"] is True
+    assert 0.5 < lossless["coded_ratio"] < 0.8 and lossless["decode_kernel"] == "tensor operations"
+    assert lossless["moved_bytes"] < lossless["streamed_bytes"]
+    table = out.with_suffix(".md").read_text()
+    assert "omni layerwise lossless" in table and "× the bf16 floor" in table

@@ -102,6 +102,11 @@ class BlockStore(ABC):
     def cancel_give_back(self) -> None:
         """The disable was refused: drop what ``prepare_give_back`` got."""
 
+    def counters(self) -> dict[str, int]:
+        """Numbers the report sums per component for this store (a coded store's coded and logical bytes, say).
+        None by default."""
+        return {}
+
     @property
     def host_nbytes(self) -> int:
         """Bytes this store holds in host memory for the block."""

@@ -1,9 +1,10 @@
 """The lossless store (``compression="lossless"``): streamed bfloat16 blocks kept coded in host memory
-(``offload.codec``: about 0.75 of their bytes), moved coded, decoded on the device into the block's buffers.
+(``offload.codec``: about 0.70 of their bytes on random weights), moved coded, decoded on the device into the block's buffers.
 
 A block's coded parts and its tensors of other dtypes (float32 norms, say, which pass through as they are) live in
-one host buffer (page-locked with the rest of the offload's host memory). A load copies the buffer's parts to the
-device on the copy stream and decodes them there, on the same stream, so the decode of the next block overlaps the
+one host buffer (page-locked with the rest of the offload's host memory); on an accelerator the block is coded
+there at enable (one block at a time). A load copies the whole buffer to the device in one copy on the copy stream
+and decodes it there (``offload.decode_kernel``), on the same stream, so the decode of the next block overlaps the
 running block's compute as its copy does; the block's ``ready`` event is recorded after the decode.
 """
 
@@ -32,6 +33,8 @@ class LosslessStore(BlockStore):
         self.coded: dict[torch.dtype, Encoded] = {}
         self.raw: dict[torch.dtype, torch.Tensor] = {}
         self.buffer: torch.Tensor | None = None
+        self.raw_dtypes: list[torch.dtype] = []
+        self.layout: list[tuple[int, int, torch.dtype]] = []  # (byte offset, numel, dtype) of each part
 
     @classmethod
     def claims(cls, weights: PackedWeights, context: StoreContext) -> bool:
@@ -46,7 +49,7 @@ class LosslessStore(BlockStore):
         originals = weights.tensors.current()
         journal.record(f"restore {weights.path}", lambda: weights.park(originals))
         flat = weights.current_flat()
-        coded = {dtype: encode(tensor) for dtype, tensor in flat.items() if dtype in CODED_DTYPES}
+        coded = {dtype: self._encode(tensor) for dtype, tensor in flat.items() if dtype in CODED_DTYPES}
         raw = {dtype: tensor for dtype, tensor in flat.items() if dtype not in CODED_DTYPES}
         parts = [part for encoded in coded.values() for part in encoded.parts()] + list(raw.values())
         offsets, total = [], 0
@@ -62,22 +65,53 @@ class LosslessStore(BlockStore):
             views.append(view)
         host_memory.pin(buffer)
         self.buffer = buffer
-        index = 0
+        self.raw_dtypes = list(raw)
+        self.layout = [(offset, part.numel(), part.dtype) for part, offset in zip(parts, offsets)]
+        self.coded, self.raw = self._arrange(views, coded)
+
+    def counters(self) -> dict[str, int]:
+        counts = {"coded bytes": sum(encoded.nbytes for encoded in self.coded.values()),
+                  "logical bytes": sum(2 * encoded.numel for encoded in self.coded.values()),
+                  "passed bytes": sum(raw.numel() * raw.element_size() for raw in self.raw.values()),
+                  "escapes": sum(encoded.escapes.numel() for encoded in self.coded.values())}
+        for encoded in self.coded.values():
+            counts[f"{encoded.width}-bit buffers"] = counts.get(f"{encoded.width}-bit buffers", 0) + 1
+        return counts
+
+    def _arrange(self, views: list[torch.Tensor], coded: dict[torch.dtype, Encoded]):
+        """The coded parts and the raw tensors as ``views`` (of the host buffer or its device copy)."""
+        arranged, index = {}, 0
         for dtype, encoded in coded.items():
-            self.coded[dtype] = encoded.with_parts(views[index:index + 5])
-            index += 5
-        for dtype in raw:
-            self.raw[dtype] = views[index]
-            index += 1
+            count = len(encoded.parts())
+            arranged[dtype] = encoded.with_parts(views[index:index + count])
+            index += count
+        return arranged, {dtype: views[index + i] for i, dtype in enumerate(self.raw_dtypes)}
+
+    def _encode(self, flat: torch.Tensor) -> Encoded:
+        """Code on the offload's device when it is an accelerator (fast), else on the host; parts on the host."""
+        device = self.context.device
+        if device.type == "cpu":
+            return encode(flat)
+        encoded = encode(flat.to(device))
+        return encoded.with_parts([part.cpu() for part in encoded.parts()])
+
+    def _device_views(self, device: torch.device) -> list[torch.Tensor]:
+        """One copy of the whole host buffer to ``device`` (on the current stream), cut into the parts' views."""
+        staged = self.buffer.to(device, non_blocking=True)
+        return [staged.narrow(0, offset, numel * dtype.itemsize).view(dtype)
+                for offset, numel, dtype in self.layout]
 
     def fill(self, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for, done) -> None:
         def copy_and_decode() -> None:
-            for dtype, raw in self.raw.items():
-                buffers[dtype].narrow(0, 0, raw.numel()).copy_(raw, non_blocking=True)
-            for dtype, encoded in self.coded.items():
-                device = buffers[dtype].device
-                parts = [part.to(device, non_blocking=True) for part in encoded.parts()]
-                decode_into(encoded.with_parts(parts), buffers[dtype])
+            device = next(iter(buffers.values())).device
+            if device.type == "cpu":  # the host buffer is readable as it is
+                coded, raw = self.coded, self.raw
+            else:
+                coded, raw = self._arrange(self._device_views(device), self.coded)
+            for dtype, part in raw.items():
+                buffers[dtype].narrow(0, 0, part.numel()).copy_(part, non_blocking=True)
+            for dtype, encoded in coded.items():
+                decode_into(encoded, buffers[dtype])
 
         transfers.run(copy_and_decode, wait_for=wait_for, done=done)
 
