@@ -507,6 +507,9 @@ def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, b
     if name in args.budget_models and "budget" in args.variants:
         variants.append(run_variant(f"omni layerwise {args.budget}", omni(args.budget), omni_teardown, model,
                                     inputs, device, args))
+    if name in args.budget_models and "lossless-budget" in args.variants:
+        variants.append(run_variant(f"omni layerwise lossless {args.budget}", omni(args.budget, "lossless"),
+                                    omni_teardown, model, inputs, device, args))
     switch = None
     if not args.skip_model_level and "model-level" in args.variants:
         switch = measure_model_level_switch(model, model_bytes, device, bandwidth, args)
@@ -751,7 +754,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--variants",
         default="layerwise,budget,model-level,diffusers",
-        help="comma-separated subset of layerwise, lossless (compression=lossless), budget, model-level, diffusers, "
+        help="comma-separated subset of layerwise, lossless (compression=lossless), lossless-budget (both), budget, model-level, diffusers, "
         "distributed (world_size=1), mmap (save the model, mmap-load it, report host RSS) (resident always runs: "
         "the targets need it)",
     )
@@ -762,7 +765,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--models: unknown {unknown}; allowed: flux, wan")
     args.budget_models = [m.strip() for m in args.budget_models.split(",") if m.strip()]
     args.variants = {v.strip() for v in args.variants.split(",") if v.strip()}
-    allowed_variants = {"layerwise", "lossless", "budget", "model-level", "diffusers", "distributed", "mmap"}
+    allowed_variants = {"layerwise", "lossless", "lossless-budget", "budget", "model-level", "diffusers", "distributed", "mmap"}
     unknown_variants = sorted(args.variants - allowed_variants)
     if unknown_variants:
         parser.error(f"--variants: unknown {unknown_variants}; allowed: {', '.join(sorted(allowed_variants))}")
