@@ -128,6 +128,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              (README, OFFLOAD, DESIGN_OFFLOAD), args=("--models", "flux", "--variants", "layerwise,budget")),
     Scenario("offload-flux-lossless", "offload_bench", "FLUX.1-dev size: layerwise with compression=lossless vs plain",
              "gpu", (), args=("--models", "flux", "--variants", "layerwise,lossless")),
+    Scenario("codec-ratio", "codec_ratio", "lossless code's ratio on trained weights (PyPI wheels) and random ones",
+             "cpu", (), smoke=("--random-weights", "4096")),
     Scenario("offload-distributed-flux", "offload_bench", "FLUX.1-dev size: distributed layerwise (N = 1), mmap",
              "gpu", (DISTRIBUTED, DESIGN_OFFLOAD),
              args=("--models", "flux", "--variants", "layerwise,budget,distributed,mmap", "--skip-model-level")),

@@ -127,8 +127,8 @@ class LayerwiseOffloadConfig(OffloadConfig):
             ``"auto"``: the RAM available when enabling (``MemAvailable``, the cgroup limit), plus what the model's
             weights already take, less a margin.
         compression (`str`, *optional*): ``"lossless"`` keeps streamed bfloat16 blocks coded in host memory (about
-            0.75 of their bytes: their exponents take 4 bits, ``offload.codec``), moves them coded and decodes them on
-            the device before they run, bit for bit; float16, float32 and quantized tensors pass through as they are.
+            0.70 of their bytes on random weights: their exponents take 1 to 4 bits, ``offload.codec``), moves them
+            coded and decodes them on the device before they run, bit for bit; float16, float32 and quantized tensors pass through as they are.
             ``None`` (default) keeps plain host copies.
 
     Example:
