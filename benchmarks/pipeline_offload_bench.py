@@ -1365,7 +1365,7 @@ def sweep_chart(report: dict[str, Any], path: Path) -> str | None:
     ax.set_ylim(bottom=0)
     card = "CPU smoke run" if args["smoke"] else f"{args['card_gib']:g} GiB card"
     ax.set_title(f"{MODELS[args['model']].pipeline}: end to end against the device budget ({card})", fontsize=10)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="best")
     save_figure(plt, fig, path)
     return path.name
 
