@@ -12,6 +12,21 @@ enabled (every strategy but ``resident``). Strategies:
   (skipped where the weights would not fit the real device);
 * ``omni``: ``omni = omnify(pipe); omni.enable_layerwise_offload(device="cuda")``, run on ``omni``;
   ``omni-budget``: the same with ``max_device_memory=--omni-budget`` (added after ``omni`` when the option is given);
+  a budget sweep: ``--omni-budget`` with several comma-separated budgets, each a size or ``auto``
+  (``4GiB,8GiB,11GiB,auto``), runs each in its own child in that order after ``omni`` (or in ``omni-budget``'s place
+  in ``--strategies``), named ``omni-budget (4GiB)`` ... and ``omni-auto`` (``max_device_memory="auto"``: the budget
+  read from the device after the card cap is set, ``diffusers_omni/offload/budget.py``); one size alone keeps the name
+  ``omni-budget``, ``auto`` alone is ``omni-auto``. ``--omni-lossless`` (comma-separated: a size, ``auto`` or
+  ``none``) runs those budgets again with ``compression="lossless"`` after the ``--omni-budget`` runs:
+  ``omni-budget-lossless (8GiB)``, ``omni-auto-lossless``, ``omni-lossless`` (no budget). Every omni run records, right
+  after enabling, its ``omni_plan``: the budget given and passed, the one it planned with (auto's choice), blocks
+  resident and streamed, what auto chose and read (the offload stats' ``auto`` / ``auto_readings`` and the report's
+  notes saying so) and the lossless store's host bytes ÷ bytes (``compression_ratio``); with any of these runs
+  ``<out>.json`` has a ``budget_sweep`` section, ``<out>.md`` a "Budget sweep" table, and ``<out>.png`` plots end to
+  end against the planned budget (sizes as a line, auto's choice starred, lossless runs as diamonds, omni without a
+  budget and resident as horizontal lines). In a smoke run a single size is the tiny pipeline's weight bytes (as
+  before), a sweep's sizes are placed on the tiny pipeline as on the card (the least budget it allows plus
+  size ÷ ``--card-gib`` of the rest), and ``auto`` reads host memory (the CPU is the device);
   ``omni-host``: the host budget (``max_host_memory=--omni-host-budget``): the DiTs are first saved to
   ``--checkpoint-dir`` (safetensors, needs their bytes free on that disk) and loaded back as mmap views
   (``load_transformer_mmap``: no private copy in RAM), so the blocks beyond the budget are read from those files at
@@ -51,9 +66,11 @@ Usage (one model per run; ``python -m benchmarks --list`` names the scenarios)::
     python -m benchmarks run pipeline-offload-flux --smoke    # tiny configs on the CPU: checks the script's logic
     python -m benchmarks.pipeline_offload_bench --model flux --card-gib 12 --steps 28 \\
         --strategies resident,omni,diffusers-group,mmgp2,mmgp4 --omni-budget 8GiB --time-budget 450 --out /tmp/flux
+    python -m benchmarks run pipeline-offload-flux-auto      # the budget sweep, auto and auto + lossless
 
 ``--smoke`` runs the same code path with tiny configs on the CPU (no card cap, no CUDA calls); the strategies that
-need CUDA (Diffusers' offloads, mmgp) are reported as skipped there.
+need CUDA (Diffusers' offloads, mmgp) are reported as skipped there. ``--in-process`` (smoke only) runs every
+strategy in the parent's process instead of a child each (one start-up: the tests' fast path).
 """
 
 from __future__ import annotations
@@ -64,6 +81,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,6 +108,8 @@ STRATEGIES = ("resident", "omni", "omni-budget", "omni-host", "diffusers-group",
               "diffusers-sequential", "mmgp2", "mmgp4")
 NEEDS_CUDA = {"diffusers-group", "diffusers-model", "diffusers-sequential", "mmgp2", "mmgp4"}
 OMNI = ("omni", "omni-budget", "omni-host")
+AUTO = "auto"
+LOSSLESS = "lossless"
 PHASES = ("encode", "denoise", "decode")
 PROMPT = "A red fox sitting in a snowy forest at dawn, soft golden light, highly detailed photograph"
 SEED = 0
@@ -535,12 +555,128 @@ def size_check(name: str, sizes: dict[str, dict[str, Any]]) -> dict[str, Any]:
 # Strategies -------------------------------------------------------------------------------------------------------
 
 
-def omni_budget(args: argparse.Namespace) -> str | int | None:
-    """``max_device_memory`` of omni-budget: ``--omni-budget``; in a smoke run, the tiny pipeline's weight bytes
-    (then part of the tiny DiT stays resident and the rest streams, as a budget does at full size)."""
-    if args.omni_budget is None:
-        return None
-    return args.expected_weight_bytes if args.smoke else args.omni_budget
+def is_omni(strategy: str) -> bool:
+    """Whether ``strategy`` runs diffusers-omni's layerwise offload (``omni``, ``omni-budget``, a sweep's
+    ``omni-budget (8GiB)`` / ``omni-auto`` / ``omni-auto-lossless`` ..., ``omni-host``)."""
+    return strategy == "omni" or strategy.startswith("omni-")
+
+
+def parse_budgets(text: str | None, option: str, allow_none: bool = False) -> list[str]:
+    """``--omni-budget`` / ``--omni-lossless``: comma-separated budgets, each a size (``8GiB``) or ``auto`` (and for
+    ``--omni-lossless`` also ``none``: no budget); as given (sizes keep their text: it labels the run)."""
+    if text is None:
+        return []
+    from diffusers_omni.config.offload_base import parse_bytes
+
+    budgets = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if item.lower() in (AUTO, "none"):
+            if item.lower() == "none" and not allow_none:
+                raise ValueError(f"{option}: none is no budget: that run is omni itself")
+            item = item.lower()
+        else:
+            parse_bytes(item, option)  # refuses what max_device_memory would refuse, naming the option
+        if item in budgets:
+            raise ValueError(f"{option}: {item} given twice")
+        budgets.append(item)
+    if not budgets:
+        raise ValueError(f"{option}: no budget given")
+    return budgets
+
+
+def omni_runs(budgets: list[str], lossless: list[str]) -> dict[str, dict[str, str | None]]:
+    """The omni runs ``--omni-budget`` and ``--omni-lossless`` add, in the order they run: name → its budget (as
+    given, ``auto``, or None) and compression. One size alone keeps the name ``omni-budget`` (the scenarios that
+    compare one budget); several, each ``omni-budget (SIZE)``; ``auto`` is ``omni-auto``; each ``--omni-lossless``
+    budget is the same run with ``compression="lossless"``: ``omni-lossless`` (no budget), ``omni-auto-lossless``,
+    ``omni-budget-lossless (SIZE)``."""
+    runs: dict[str, dict[str, str | None]] = {}
+    single = len(budgets) == 1 and budgets[0] != AUTO
+    for budget in budgets:
+        name = "omni-auto" if budget == AUTO else "omni-budget" if single else f"omni-budget ({budget})"
+        runs[name] = {"budget": budget, "compression": None}
+    for budget in lossless:
+        name = {"none": "omni-lossless", AUTO: "omni-auto-lossless"}.get(budget, f"omni-budget-lossless ({budget})")
+        runs[name] = {"budget": None if budget == "none" else budget, "compression": LOSSLESS}
+    return runs
+
+
+def sweep_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The results of the runs a sweep added (every ``--omni-budget`` / ``--omni-lossless`` run but a single size's
+    ``omni-budget``, whose table and docs rows are the ones it always had)."""
+    runs = report["args"].get("omni_runs") or {}
+    return [r for r in report["strategies"] if r["strategy"] in runs and r["strategy"] != "omni-budget"]
+
+
+def least_device_budget(omni: Any, device: torch.device, compression: str | None) -> int:
+    """The least ``max_device_memory`` the pipeline allows (read from the error a 1-byte budget raises: nothing is
+    changed by a refused enable)."""
+    kwargs = {"compression": compression} if compression else {}
+    try:
+        omni.enable_layerwise_offload(device=str(device), max_device_memory=1, **kwargs)
+    except ValueError as error:
+        found = re.search(r"at least (\d+)", str(error))
+        if found:
+            return int(found.group(1))
+        raise
+    omni.disable_omni_offload()
+    return 1
+
+
+def omni_budget(args: argparse.Namespace, strategy: str = "omni-budget", least: Callable[[], int] | None = None
+                ) -> str | int | None:
+    """``max_device_memory`` of an omni run: its ``--omni-budget`` / ``--omni-lossless`` budget. In a smoke run, a
+    single size (``omni-budget``) is the tiny pipeline's weight bytes (then part of the tiny DiT stays resident and
+    the rest streams, as a budget does at full size); a sweep's sizes are placed on the tiny pipeline as on the card:
+    ``least + (weight bytes - least) · size / --card-gib`` (``least()``: the least budget it allows), so each plans a
+    different split; ``auto`` stays ``auto`` (on the CPU it reads host memory)."""
+    run = (args.omni_runs or {}).get(strategy)
+    budget = None if run is None else run["budget"]
+    if budget is None or budget == AUTO or not args.smoke:
+        return budget
+    if strategy == "omni-budget":
+        return args.expected_weight_bytes
+    from diffusers_omni.config.offload_base import parse_bytes
+
+    share = min(parse_bytes(budget, "--omni-budget") / (args.card_gib * GiB), 1.0)
+    floor = least() if least is not None else 0
+    return floor + int(max(args.expected_weight_bytes - floor, 0) * share)
+
+
+def omni_plan(omni: Any, backend: Any, run: dict[str, Any] | None, passed: Any) -> dict[str, Any]:
+    """What an omni run planned, read right after enabling (kept if the call then fails): the budget as given and as
+    passed, the budget it planned with (``auto`` resolved), and from its stats and report what auto read and chose
+    and the lossless store's ratio (see ``plan_summary``)."""
+    from dataclasses import asdict, is_dataclass
+
+    stats = getattr(backend, "stats", None)
+    stats = {} if stats is None else asdict(stats) if is_dataclass(stats) else dict(vars(stats))
+    notes = list(getattr(omni.omni_offload_report(), "notes", []))
+    planned = getattr(backend, "max_device_memory", None)
+    return {"budget": None if run is None else run["budget"], "compression": None if run is None else run["compression"],
+            "max_device_memory": passed, "planned_budget_bytes": planned if isinstance(planned, int) else None,
+            **plan_summary(stats, notes)}
+
+
+def plan_summary(stats: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """From an offload's stats (``LayerwiseStats`` as a dict) and its report's notes: what ``auto`` chose
+    (``stats.auto``: each budget's explanation) and read (``stats.auto_readings``) and the report's lines saying so;
+    blocks resident and streamed; and, where a lossless store holds streamed blocks, its host bytes over their
+    logical bytes (``compression_ratio``, below 1 when it saves)."""
+    store_bytes, held = stats.get("store_bytes") or {}, stats.get("store_host_bytes") or {}
+    coded = held.get(LOSSLESS)
+    logical = store_bytes.get(LOSSLESS)
+    return {
+        "auto": list(stats.get("auto") or []), "auto_readings": dict(stats.get("auto_readings") or {}),
+        "report_notes": [n for n in notes if n.startswith(("auto", "lossless", "streamed blocks by store"))],
+        "resident_blocks": stats.get("resident_blocks"), "streamed_blocks": stats.get("streamed_blocks"),
+        "streamed_bytes_per_pass": stats.get("streamed_bytes_per_pass"),
+        "lossless_blocks": (stats.get("store_blocks") or {}).get(LOSSLESS),
+        "lossless_logical_bytes": logical, "lossless_host_bytes": coded,
+        "compression_ratio": coded / logical if coded is not None and logical else None,
+    }
 
 
 def host_budget(omni: Any, device: torch.device, args: argparse.Namespace) -> str | int:
@@ -629,18 +765,24 @@ def enable_strategy(strategy: str, pipe: Any, device: torch.device, args: argpar
     if strategy == "resident":
         pipe.to(device)
         return pipe, None
-    if strategy in OMNI:
+    if is_omni(strategy):
         from diffusers_omni import omnify
 
         if args.omni_attention == "off":
             omni = omnify(pipe, enable_attention=False)
         else:
             omni = omnify(pipe, None if args.omni_attention == "auto" else args.omni_attention)
-        budget = omni_budget(args) if strategy == "omni-budget" else None
         if strategy == "omni-host":
             backend = omni.enable_layerwise_offload(device=str(device), max_host_memory=host_budget(omni, device, args))
-        else:
-            backend = omni.enable_layerwise_offload(device=str(device), max_device_memory=budget)
+            return omni, backend
+        run = (args.omni_runs or {}).get(strategy)
+        if strategy != "omni" and run is None:
+            raise ValueError(f"unknown strategy {strategy!r}: no --omni-budget / --omni-lossless run of that name")
+        compression = None if run is None else run["compression"]
+        budget = omni_budget(args, strategy, lambda: least_device_budget(omni, device, compression))
+        kwargs = {"compression": compression} if compression else {}
+        backend = omni.enable_layerwise_offload(device=str(device), max_device_memory=budget, **kwargs)
+        args.omni_passed_budget = budget  # recorded by the child (omni_plan)
         return omni, backend
     if strategy == "diffusers-group":
         pipe.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"), offload_type="block_level",
@@ -900,6 +1042,15 @@ def run_child(args: argparse.Namespace) -> int:
         result["pinned_after_enable"] = pinned_bytes(pipe, device)
         if strategy == "omni-host":
             result["max_host_memory"] = handle.config.max_host_memory
+        elif is_omni(strategy):
+            result["omni_plan"] = omni_plan(target, handle, (args.omni_runs or {}).get(strategy),
+                                            getattr(args, "omni_passed_budget", None))
+            plan = result["omni_plan"]
+            if plan["auto"]:
+                print("; ".join(plan["auto"]), flush=True)
+            if plan["compression_ratio"] is not None:
+                print(f"lossless: {plan['lossless_blocks']} streamed blocks held at {plan['compression_ratio']:.3f} of "
+                      "their bytes", flush=True)
         print(f"enabled in {result['enable_s']:.1f} s; host RSS {rss['rss'] / GiB:.1f} GiB (peak "
               f"{rss['hwm'] / GiB:.1f}), pinned {result['pinned_after_enable']['pinned_total_bytes'] / GiB:.1f} GiB",
               flush=True)
@@ -962,7 +1113,7 @@ def run_child(args: argparse.Namespace) -> int:
         result["pinned"] = pinned_bytes(pipe, device)
         result["image"] = fingerprint(output)
         result["sha256"] = result["image"]["sha256"]
-        if strategy in OMNI:
+        if is_omni(strategy):
             stage = result["stage"] = "report"
             result["omni"] = omni_record(target, handle, dict(clock.forwards), spec.transformers)
         if dropper is not None:
@@ -1038,13 +1189,26 @@ def spawn(strategy: str, argv: list[str], out: Path, timeout: float | None) -> d
     return result
 
 
+def run_in_process(strategy: str, argv: list[str], out: Path) -> dict[str, Any]:
+    """``--in-process`` (smoke only): ``strategy`` run by ``run_child`` in this process, its result as ``spawn``
+    returns a child's (every strategy still builds its own pipeline)."""
+    start = time.perf_counter()
+    run_child(parse_args([*argv, "--child", strategy, "--child-out", str(out)]))
+    gc.collect()
+    result = json.loads(out.read_text()) if out.is_file() else {"strategy": strategy, "status": "error", "error": {
+        "stage": "setup", "type": "NoResult", "message": "run_child wrote no result"}}
+    result["child_wall_s"] = time.perf_counter() - start
+    result["exit_status"] = None
+    return result
+
+
 def lower_bounds(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each omni run: per phase the larger of resident's time and the bytes omni streams ÷ its measured pinned
     bandwidth, summed (None with the reason where resident did not run)."""
     resident = next((r for r in results if r["strategy"] == "resident"), None)
     bounds = []
     for r in results:
-        if r["strategy"] not in OMNI or r["strategy"] == "omni-host" or r.get("status") != "ok" or "omni" not in r:
+        if not is_omni(r["strategy"]) or r["strategy"] == "omni-host" or r.get("status") != "ok" or "omni" not in r:
             continue  # omni-host reads from the disk: its own bound is in host_budget_summary
         row: dict[str, Any] = {"strategy": r["strategy"], "streamed_bytes": r["omni"]["streamed_bytes"],
                                "bandwidth_bytes_per_s": r["bandwidth_bytes_per_s"]}
@@ -1078,6 +1242,13 @@ def _bytes(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _size(nbytes: int | None) -> str:
+    """Binary units that fit the size (the tiny smoke budgets are KiB): diffusers-omni's ``format_bytes``."""
+    from diffusers_omni.config.offload_base import format_bytes
+
+    return "n/a" if nbytes is None else format_bytes(nbytes)
+
+
 def _s(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds:.2f} s" if seconds < 10 else f"{seconds:.1f} s"
 
@@ -1092,6 +1263,113 @@ def same_image(result: dict[str, Any], reference: dict[str, Any] | None) -> str:
     return "yes" if result.get("sha256") == reference.get("sha256") else "NO"
 
 
+def _planned_bytes(r: dict[str, Any]) -> int | None:
+    """The device budget ``r`` planned with: auto's choice, a size as passed; None without one."""
+    plan = r.get("omni_plan") or {}
+    if plan.get("planned_budget_bytes") is not None:
+        return plan["planned_budget_bytes"]
+    budget = plan.get("max_device_memory")
+    if isinstance(budget, int):
+        return budget
+    if isinstance(budget, str) and budget != AUTO:
+        from diffusers_omni.config.offload_base import parse_bytes
+
+        return parse_bytes(budget, "max_device_memory")
+    return None
+
+
+def auto_label(r: dict[str, Any]) -> str:
+    """``omni-auto`` → ``omni-auto (chose 9.61 GiB)`` where the run planned (its label as is otherwise)."""
+    plan = r.get("omni_plan") or {}
+    if plan.get("budget") == AUTO and plan.get("planned_budget_bytes") is not None:
+        return f"{r['strategy']} (chose {_size(plan['planned_budget_bytes'])})"
+    return r["strategy"]
+
+
+def budget_sweep(report: dict[str, Any]) -> dict[str, Any]:
+    """The sweep's rows: omni without a budget, then every run the sweep added, each with its budget as given and
+    as planned (auto's choice), its split, the lossless ratio, and its times; and what each auto run read."""
+    rows = []
+    runs = [r for r in report["strategies"] if r["strategy"] == "omni"] + sweep_runs(report)
+    for r in runs:
+        plan = r.get("omni_plan") or {}
+        given = (report["args"].get("omni_runs") or {}).get(r["strategy"], {})
+        rows.append({
+            "strategy": r["strategy"], "status": r.get("status"), "budget": given.get("budget"),
+            "compression": given.get("compression"), "max_device_memory": plan.get("max_device_memory"),
+            "planned_budget_bytes": _planned_bytes(r), "end_to_end_s": r.get("end_to_end_s"),
+            "denoise_s": (r.get("phases") or {}).get("denoise_s"), "enable_s": r.get("enable_s"),
+            "device_peak_allocated": r.get("device_peak_allocated"), "resident_blocks": plan.get("resident_blocks"),
+            "streamed_blocks": plan.get("streamed_blocks"), "streamed_bytes_per_pass": plan.get("streamed_bytes_per_pass"),
+            "compression_ratio": plan.get("compression_ratio"), "auto": plan.get("auto") or [],
+            "auto_readings": plan.get("auto_readings") or {},
+            "why_not": None if r.get("status") == "ok" else (r.get("skip_reason") or (r.get("error") or {}).get("type")),
+        })
+    return {"rows": rows}
+
+
+def sweep_chart(report: dict[str, Any], path: Path) -> str | None:
+    """End to end against the planned device budget: the sized runs as a line, auto's choice starred, lossless runs
+    as diamonds, omni without a budget (and resident) as horizontal lines. Returns the name of the file written
+    (None without matplotlib)."""
+    from benchmarks.common import pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
+        print("matplotlib not installed; no plot", flush=True)
+        return None
+    rows = (report.get("budget_sweep") or budget_sweep(report))["rows"]
+    ok = [row for row in rows if row["status"] == "ok" and row["end_to_end_s"] is not None]
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    sized = sorted((row for row in ok if row["planned_budget_bytes"] is not None and row["budget"] not in (None, AUTO)
+                    and row["compression"] is None), key=lambda row: row["planned_budget_bytes"])
+    if sized:
+        ax.plot([row["planned_budget_bytes"] / GiB for row in sized], [row["end_to_end_s"] for row in sized], "o-",
+                color="tab:green", label="max_device_memory=SIZE")
+        for row in sized:
+            ax.annotate(row["budget"], (row["planned_budget_bytes"] / GiB, row["end_to_end_s"]),
+                        textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    for row in ok:
+        if row["planned_budget_bytes"] is None or not (row["budget"] == AUTO or row["compression"]):
+            continue
+        x, y = row["planned_budget_bytes"] / GiB, row["end_to_end_s"]
+        auto = row["budget"] == AUTO
+        lossless = bool(row["compression"])
+        ax.plot([x], [y], "D" if lossless else "*", markersize=8 if lossless else 14,
+                color="tab:purple" if lossless else "tab:red", linestyle="none",
+                label=row["strategy"] + (f" (chose {_size(row['planned_budget_bytes'])})" if auto else ""))
+        text = f"auto chose {_size(row['planned_budget_bytes'])}" if auto else row["strategy"]
+        if lossless:
+            text += "\nlossless" + (f", host bytes ×{row['compression_ratio']:.3f}" if row["compression_ratio"] else "")
+        ax.annotate(text, (x, y), textcoords="offset points", xytext=(8, -16 if lossless else 6), fontsize=7)
+    lines = [(r, style, color) for r, style, color in
+             ((next((row for row in ok if row["strategy"] == "omni"), None), "--", "tab:blue"),
+              (next((r for r in report["strategies"] if r["strategy"] == "resident" and r.get("status") == "ok"), None),
+               ":", "tab:gray"))]
+    for r, style, color in lines:
+        if r is not None:
+            name = "omni, no budget (two-block window)" if r["strategy"] == "omni" else "resident (no card limit)"
+            ax.axhline(r["end_to_end_s"], linestyle=style, color=color, label=f"{name}: {_s(r['end_to_end_s'])}")
+    args = report["args"]
+    if not args["smoke"]:
+        ax.axvline(args["card_gib"], color="black", linewidth=0.8, label=f"the card: {args['card_gib']:g} GiB")
+    xs = [row["planned_budget_bytes"] for row in ok if row["planned_budget_bytes"]]
+    if xs and max(xs) / min(xs) > 100:  # smoke: tiny sizes against auto's reading of host memory
+        ax.set_xscale("log")
+    missing = [f"{row['strategy']}: {row['why_not']}" for row in rows if row["status"] != "ok"]
+    if missing:
+        ax.text(0.01, 0.01, "not in the plot: " + "; ".join(missing), transform=ax.transAxes, fontsize=6,
+                va="bottom", wrap=True)
+    ax.set_xlabel("max_device_memory planned (GiB)")
+    ax.set_ylabel(f"end to end, {report['steps']} steps (s)")
+    ax.set_ylim(bottom=0)
+    card = "CPU smoke run" if args["smoke"] else f"{args['card_gib']:g} GiB card"
+    ax.set_title(f"{MODELS[args['model']].pipeline}: end to end against the device budget ({card})", fontsize=10)
+    ax.legend(fontsize=7, loc="best")
+    save_figure(plt, fig, path)
+    return path.name
+
+
 def markdown(report: dict[str, Any]) -> str:
     env = report.get("environment") or {}
     args = report["args"]
@@ -1099,7 +1377,7 @@ def markdown(report: dict[str, Any]) -> str:
     card = "no cap (CPU smoke run)" if args["smoke"] else f"{args['card_gib']:g} GiB card emulated"
     weights = "tiny configs (smoke)" if args["smoke"] else "bf16 random weights at the real sizes"
     measured = [r for r in report["strategies"] if r.get("bandwidth_bytes_per_s")]
-    measured.sort(key=lambda r: r["strategy"] not in OMNI)
+    measured.sort(key=lambda r: not is_omni(r["strategy"]))
     bandwidth = "no bandwidth measured" if not measured else (
         f"{'host copy' if args['smoke'] else 'pinned host→device'} {measured[0]['bandwidth_bytes_per_s'] / 1e9:.1f} "
         f"GB/s ({_bytes(measured[0]['bandwidth_bytes'])} copy in the {measured[0]['strategy']} run)")
@@ -1124,6 +1402,8 @@ def markdown(report: dict[str, Any]) -> str:
         if label == "omni-budget":
             budget = report["omni_budget"]
             label += f" ({_bytes(budget) if isinstance(budget, int) else budget})"
+        else:
+            label = auto_label(r)
         if r.get("status") == "skipped":
             lines.append(f"| {label} | skipped: {r.get('skip_reason', '')} | | | | | | |")
             continue
@@ -1198,6 +1478,39 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_gib(summary['disk_bytes_per_pass'])} | {_gib(summary['disk_read_bytes'])} / "
             f"{_s(summary['disk_read_seconds'])} / {_gib(summary['disk_bandwidth'])}/s | {summary['disk_waits']} | "
             f"{'dropped before every forward' if summary['page_cache_dropped'] else 'kept'} |")
+    sweep = report.get("budget_sweep")
+    if sweep and sweep["rows"]:
+        lines += ["", "## Budget sweep", "",
+                  "| run | max_device_memory | planned (auto: its choice) | blocks resident / streamed | streamed per "
+                  "pass | lossless: host bytes ÷ bytes | end to end | denoise | device peak (allocated) | enable |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for row in sweep["rows"]:
+            passed = row["max_device_memory"]
+            given = row["budget"] or "none (two-block window)"
+            if isinstance(passed, int) and row["budget"] not in (None, AUTO):
+                given += f" (passed {_size(passed)})"  # smoke: placed on the tiny pipeline
+            planned = "" if row["planned_budget_bytes"] is None else _size(row["planned_budget_bytes"])
+            if row["budget"] == AUTO and planned:
+                planned = f"auto chose {planned}"
+            split = ("" if row["resident_blocks"] is None else f"{row['resident_blocks']} / {row['streamed_blocks']}")
+            ratio = "" if row["compression_ratio"] is None else f"{row['compression_ratio']:.3f}"
+            if row["compression"] and row["compression_ratio"] is None:
+                ratio = "no block streamed through the lossless store" if row["status"] == "ok" else ""
+            if row["status"] != "ok":
+                lines.append(f"| {row['strategy']} | {given} | {planned} | {split} | | {ratio} | not run: "
+                             f"{row['why_not']} | | | |")
+                continue
+            lines.append(f"| {row['strategy']} | {given} | {planned} | {split} | "
+                         f"{_size(row['streamed_bytes_per_pass'])} | {ratio} | {_s(row['end_to_end_s'])} | "
+                         f"{_s(row['denoise_s'])} | {_gib(row['device_peak_allocated'])} | {_s(row['enable_s'])} |")
+        for row in sweep["rows"]:
+            for chosen in row["auto"]:
+                lines.append(f"\n{row['strategy']}: {chosen}.")
+            if row["auto_readings"]:
+                lines.append(f"{row['strategy']}: auto read " +
+                             ", ".join(f"{k} {v}" for k, v in row["auto_readings"].items()) + ".")
+        if report.get("plot"):
+            lines += ["", "Plot: the .png beside this report (end to end against the planned budget)."]
     if notes:
         lines += ["", "## Notes", "", *dict.fromkeys(notes)]
     return "\n".join(lines) + "\n"
@@ -1262,7 +1575,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--strategies", default="resident,omni,diffusers-group,mmgp2,mmgp4",
                         help=f"comma-separated, run in this order: {', '.join(STRATEGIES)}")
     parser.add_argument("--omni-budget", default=None,
-                        help="max_device_memory for omni-budget (e.g. 8GiB); given, omni-budget runs after omni")
+                        help="max_device_memory for omni-budget (e.g. 8GiB); given, omni-budget runs after omni. "
+                             "Comma-separated sizes and auto (e.g. 4GiB,8GiB,auto): a sweep, each its own run "
+                             "(omni-budget (4GiB), ..., omni-auto) in that order, and a plot PREFIX.png")
+    parser.add_argument("--omni-lossless", default=None,
+                        help="comma-separated budgets (a size, auto, or none: no budget), each run again with "
+                             "compression=lossless after the --omni-budget runs: omni-budget-lossless (SIZE), "
+                             "omni-auto-lossless, omni-lossless")
     parser.add_argument("--omni-host-budget", default=None,
                         help="max_host_memory for omni-host (e.g. 32GiB); given, omni-host runs after omni")
     parser.add_argument("--checkpoint-dir", default=None,
@@ -1284,6 +1603,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="denoising steps of omni-host's timed call (default: --steps); its mean step is compared "
                              "with omni's")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU (checks the script, not speed)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="with --smoke: run every strategy in this process, one after the other, not each in a "
+                             "child (one start-up instead of one per strategy: the tests' fast path)")
     parser.add_argument("--out", required=True, help="output prefix: PREFIX.json and PREFIX.md (the runner, python "
                                                      "-m benchmarks run, chooses it)")
     # Internal: the parent starts each strategy as a child of this script with these.
@@ -1297,10 +1619,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(strategies) - set(STRATEGIES))
     if unknown:
         parser.error(f"--strategies: unknown {unknown}; allowed: {', '.join(STRATEGIES)}")
-    if args.omni_budget is not None and "omni-budget" not in strategies:
-        strategies.insert(strategies.index("omni") + 1 if "omni" in strategies else len(strategies), "omni-budget")
     if "omni-budget" in strategies and args.omni_budget is None:
         parser.error("--strategies omni-budget needs --omni-budget (e.g. 8GiB)")
+    try:
+        budgets = parse_budgets(args.omni_budget, "--omni-budget")
+        lossless = parse_budgets(args.omni_lossless, "--omni-lossless", allow_none=True)
+    except ValueError as error:
+        parser.error(str(error))
+    args.omni_runs = omni_runs(budgets, lossless)
+    if args.in_process and not args.smoke:
+        parser.error("--in-process is for --smoke runs (on the device every strategy needs its own process)")
+    # --omni-budget's runs take omni-budget's place in --strategies, else they follow omni; --omni-lossless's follow
+    # them (or omni).
+    budget_runs = [n for n, r in args.omni_runs.items() if r["compression"] is None]
+    lossless_runs = [n for n, r in args.omni_runs.items() if r["compression"] is not None]
+    if budget_runs:
+        at = strategies.index("omni-budget") if "omni-budget" in strategies else (
+            strategies.index("omni") + 1 if "omni" in strategies else len(strategies))
+        strategies[at:at + ("omni-budget" in strategies)] = budget_runs
+    if lossless_runs:
+        anchor = budget_runs[-1] if budget_runs else "omni" if "omni" in strategies else None
+        at = strategies.index(anchor) + 1 if anchor is not None else len(strategies)
+        strategies[at:at] = lossless_runs
     if args.omni_host_budget is not None and "omni-host" not in strategies:
         strategies.append("omni-host")
     if "omni-host" in strategies and args.omni_host_budget is None and not args.smoke:
@@ -1347,15 +1687,25 @@ def main(argv: list[str] | None = None) -> int:
         "notes": build["notes"] + (["CPU (smoke): tiny configs, no card cap, no device peaks, no pinned memory; "
                                     "omni-budget's budget is the tiny pipeline's weight bytes"] if args.smoke else []),
         "strategies": [], "lower_bounds": [],
-        "omni_budget": weight_bytes if args.smoke and args.omni_budget is not None else args.omni_budget,
+        "omni_budget": weight_bytes if args.smoke and "omni-budget" in args.omni_runs else args.omni_budget,
     }
+    sweep = [n for n in args.omni_runs if n != "omni-budget"]
+    if args.in_process:
+        report["notes"].append("--in-process: every strategy ran in the parent's process, one after the other")
+    if args.smoke and sweep:
+        report["notes"].append(
+            "CPU (smoke): a sweep's sizes are placed on the tiny pipeline as on the card (the least budget it allows "
+            "plus size ÷ --card-gib of the rest of its weight bytes); auto reads host memory (the CPU is the device)")
     child_argv = [a for a in argv]
     child_argv += ["--expected-weight-bytes", str(weight_bytes)]
     scratch = Path(tempfile.mkdtemp(prefix="pipeline_offload_"))
 
-    def write() -> None:
+    def write(final: bool = False) -> None:
         report["lower_bounds"] = lower_bounds(report["strategies"])
         report["host_budget"] = host_budget_summary(report["strategies"], args)
+        report["budget_sweep"] = budget_sweep(report) if sweep else None
+        if final and sweep:
+            report["plot"] = sweep_chart(report, out.with_suffix(".png"))
         out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
         out.with_suffix(".md").write_text(markdown(report))
 
@@ -1376,7 +1726,11 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             timeout = left + args.kill_grace
         print(f"[{args.model}] {strategy}: starting ({elapsed:.0f} s in)", flush=True)
-        result = spawn(strategy, child_argv, scratch / f"{strategy}.json", timeout)
+        child_out = scratch / (re.sub(r"[^A-Za-z0-9_.-]+", "_", strategy).strip("_") + ".json")
+        if args.in_process:
+            result = run_in_process(strategy, child_argv, child_out)
+        else:
+            result = spawn(strategy, child_argv, child_out, timeout)
         if report["environment"] is None and result.get("environment"):
             report["environment"] = result["environment"]
         report["strategies"].append(result)
@@ -1387,7 +1741,7 @@ def main(argv: list[str] | None = None) -> int:
     if report["environment"] is None:
         report["environment"] = environment(torch.device("cpu"))
     report["wall_s"] = time.perf_counter() - started
-    write()
+    write(final=True)
     for path in scratch.iterdir():
         path.unlink()
     scratch.rmdir()
@@ -1396,7 +1750,7 @@ def main(argv: list[str] | None = None) -> int:
 
         shutil.rmtree(args.checkpoint_dir, ignore_errors=True)
     print(out.with_suffix(".md").read_text())
-    print(f"wrote {out.with_suffix('.json')} and .md")
+    print(f"wrote {out.with_suffix('.json')} and .md" + (" and .png" if report.get("plot") else ""))
     return 0
 
 

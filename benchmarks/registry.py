@@ -86,6 +86,11 @@ _PIPELINE_FLUX = "resident,omni,diffusers-group,mmgp2,mmgp4,diffusers-sequential
 _PIPELINE_QWEN = "resident,omni,diffusers-group,mmgp2,mmgp4,diffusers-model"
 _PIPELINE_WAN = "resident,omni,diffusers-group,omni-budget"
 _PIPELINE_TIME = "450"
+# The device-budget sweep (#40): one child per budget, auto (read from the emulated card) last, then auto again with
+# compression="lossless". At the committed pipeline-offload-flux timings a child takes ~50-70 s on the H200 (start-up
+# and CUDA init ~20 s, build ~13 s, enable 12-18 s, warm-up ~2 s, the timed call 9-13 s), so the ten runs want ~600
+# s: the time budget skips the last ones first (resident's 48 s and omni's 70 s come first).
+_FLUX_SWEEP = "4GiB,6GiB,8GiB,9GiB,10GiB,11GiB,auto"
 
 SCENARIOS: tuple[Scenario, ...] = (
     # Attention ---------------------------------------------------------------------------------------------------
@@ -183,6 +188,12 @@ SCENARIOS: tuple[Scenario, ...] = (
              "vs Diffusers' offloads vs mmgp", "gpu", (README, OFFLOAD),
              args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", _PIPELINE_FLUX,
                    "--omni-budget", "8GiB", "--sequential-steps", "4", "--time-budget", _PIPELINE_TIME)),
+    Scenario("pipeline-offload-flux-auto", "pipeline_offload_bench",
+             "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: omni with max_device_memory swept "
+             "over 4-11 GiB and auto (its reading and choice recorded), and auto with compression=lossless; a plot of "
+             "end to end against the budget", "gpu", (),
+             args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", "resident,omni",
+                   "--omni-budget", _FLUX_SWEEP, "--omni-lossless", "auto", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-qwen", "pipeline_offload_bench",
              "Qwen-Image pipeline end to end (20 of its 50 steps) on an emulated 24 GiB card: omni (and with a 16 "
              "GiB budget) vs Diffusers' offloads vs mmgp", "gpu", (README, OFFLOAD),
