@@ -1,5 +1,5 @@
-"""What each rank runs in test_shard_store: the shard store's bytes per rank, and its tensors given back bitwise on
-disable and after a failure while enabling (injected on one rank)."""
+"""What each rank runs in test_distributed_shard_store: the shard store's bytes per rank, and its tensors given back
+bitwise on disable and after a failure while enabling (injected on one rank)."""
 
 from __future__ import annotations
 
