@@ -173,7 +173,7 @@ class DistributedLayerwiseOffloadConfig(OffloadConfig):
         resident_layers (`int`, defaults to `0`): with ``use_allgather=False``, the first N blocks of the main DiT
             stay on the device.
         prefetch_depth (`int`, defaults to `1`): with ``use_allgather=False``, blocks copied ahead of the running
-            one (all-gather uses two fixed gathered slots).
+            one (all-gather keeps the running block and the next one only).
         tensor_parallel_size (`int`, defaults to `1`): the tensor-parallel degree the model was loaded with; must
             be 1 with ``use_allgather=True`` (the shards would be sharded twice).
         hsdp (`bool`, defaults to `False`): whether the weights are already sharded by HSDP/FSDP; not allowed with
@@ -231,8 +231,8 @@ class DistributedLayerwiseOffloadConfig(OffloadConfig):
             )
         if self.prefetch_depth != 1:
             raise ValueError(
-                f"prefetch_depth={show(self.prefetch_depth)} does not apply with use_allgather=True (two fixed "
-                "gathered slots); allowed: 1, or use_allgather=False"
+                f"prefetch_depth={show(self.prefetch_depth)} does not apply with use_allgather=True (its window "
+                "holds the running block and the next one); allowed: 1, or use_allgather=False"
             )
         if self.compression is not None:
             raise ValueError(

@@ -1,85 +1,43 @@
-"""Distributed layerwise offload: the layerwise ring on every rank of a ``torch.distributed`` group.
+"""Distributed layerwise offload: the layerwise streaming backend on every rank of a ``torch.distributed`` group.
 
-AllGather mode (default). Every block's per-dtype flat buffer (the ``PackedWeights`` layout of the single-device
-backend) is ceil-padded to a multiple of the group size N and cut into N equal shards; rank ``r`` keeps only shard
-``r`` in host memory (pinned), so host weights per rank are ≈ model ÷ N. Two fixed device slots per dtype, each
-sized for the largest padded block, receive the gathered blocks; block ``i`` of a ring always uses slot ``i % 2``.
-Loading block ``i`` is::
+Both modes are the layerwise backend's enable steps, streamer and hooks, between agreements of the ranks (a rank
+that fails tells the others, and every rank rolls back). They differ only in the parts their config chooses:
 
-    copy stream:   wait slot.released ─ H2D host shard → slot.staging ─ record slot.staged
-    comm stream:   wait slot.staged ─ all_gather_into_tensor(slot buffer, slot.staging) ─ record slot.ready
-    compute:       wait slot.ready ─ run block i ─ record slot.released
-
-The next block is loaded when block ``i`` starts, into the other slot. When a ring has an odd length the last
-block and the first share slot 0, so the wrap-around load of block 0 (for the next step) is issued when the last
-block *ends*, after its ``released`` event is recorded. Device weights are bounded by two blocks whatever the
-model size. Collectives gather bytes (``uint8`` views), so every dtype (float8 included) takes the same path and
-reconstruction is byte-exact. Every rank must run the same sequence of DiT forwards (lockstep); different prompts
-and seeds per rank are fine, see :mod:`.dataparallel`.
-
-No-AllGather mode. Each rank streams its own full host copy exactly as the single-device layerwise backend does;
-``resident_layers`` keeps the first blocks of the main DiT on the device.
+- AllGather mode (default): the shard store (``stores.shard.ShardStore``: each rank pins 1/N of every block's
+  per-dtype flat buffer, ceil-padded to a multiple of N, so host weights per rank are ≈ model ÷ N) behind the
+  all-gather transport (``transports.AllGatherTransfers``: a load copies this rank's shard into its part of the
+  block's device buffers on the copy stream, then the ranks all-gather the rest in place on a communication
+  stream). The window holds the running block and the next one (``prefetch_depth=1``), so device weights are
+  bounded by two blocks whatever the model size; the next pass's first block loads when the last block ends.
+  Collectives gather bytes (``uint8`` views), so every dtype (float8 included) is rebuilt byte-exact. Every rank
+  must run the same sequence of DiT forwards (lockstep); different prompts and seeds per rank are fine, see
+  :mod:`.dataparallel`. The full weights exist on no rank: ``state_dict()`` and ``save_pretrained`` are refused;
+  disable gathers every block back into full host tensors (collective).
+- No-AllGather mode: each rank streams its own full host copy (the pinned or lossless store, copied on the copy
+  stream) exactly as the single-device layerwise backend does; ``resident_layers`` keeps the first blocks of the
+  main DiT on the device.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-from dataclasses import dataclass, field
-from functools import partial
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..config.offload import OffloadStrategy, format_bytes
-from ..utils.progress import byte_progress
 from ..utils.journal import Journal
-from .base import EnableStep, OffloadBackend
-from .guards import GuardInstaller, OffloadActiveError
-from .hooks import (
-    EAGER_ONLY,
-    LAYERWISE_BLOCK_HOOK,
-    LAYERWISE_ENTRY_HOOK,
-    CallbackHook,
-    ForwardLock,
-    LockedCallbackHook,
-    refresh_registry_caches,
-)
+from .base import EnableStep
+from .guards import GuardInstaller
+from .hooks import ForwardLock
 from .layerwise import LayerwiseOffloadBackend, LayerwiseState, LayerwiseStats
-from .memory import (
-    HostMemory, PackedWeights, Transfers, placeholder, release_freed_device_memory, release_freed_host_memory,
-)
+from .stores.shard import ShardGroup, host_bytes_per_rank, shard_numel, shard_range
+from .transports import all_gather_bytes
 
 logger = logging.getLogger("diffusers_omni")
-
-SLOT_COUNT = 2
-
-
-def shard_numel(numel: int, world_size: int) -> int:
-    """Elements in each rank's shard of a flat buffer of ``numel`` elements (ceil-padded: ``10, 4`` → ``3``)."""
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size!r} is out of range; allowed: an int >= 1")
-    return -(-numel // world_size)
-
-
-def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``[start, end)`` of ``rank``'s shard in the padded flat buffer (may reach past ``numel``: padding)."""
-    size = shard_numel(numel, world_size)
-    return rank * size, (rank + 1) * size
-
-
-def all_gather_bytes(output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
-    """Gather every rank's ``shard`` into ``output`` (``world_size × shard`` elements, rank order).
-
-    Both tensors are viewed as ``uint8`` so dtypes the backend does not know (gloo has no float8) travel as bytes.
-    Uses the one-tensor collective (``all_gather_into_tensor``, or its successor ``all_gather_single``), which
-    NCCL and (since torch 2.x) gloo implement.
-    """
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output.view(torch.uint8), shard.view(torch.uint8), group=group)
 
 
 def require_process_group(group: Any = None) -> Any:
@@ -94,109 +52,6 @@ def require_process_group(group: Any = None) -> Any:
     return group if group is not None else dist.group.WORLD
 
 
-class _GatherTransfers(Transfers):
-    """H2D copies on the copy stream, all-gathers on a communication stream; synchronous with ``device='cpu'``."""
-
-    def __init__(self, device: torch.device, group: Any) -> None:
-        super().__init__(device)
-        self.group = group
-        if self.asynchronous:
-            self.comm_stream = self._module.Stream(device)
-
-    def gather(self, h2d: list[tuple[torch.Tensor, torch.Tensor]], gathers: list[tuple[torch.Tensor, torch.Tensor]],
-               wait_for=None, staged=None, done=None) -> None:
-        if not self.asynchronous:
-            for src, dst in h2d:
-                dst.copy_(src)
-            for output, shard in gathers:
-                all_gather_bytes(output, shard, self.group)
-            return
-        with self._module.stream(self.copy_stream):
-            if wait_for is not None:
-                self.copy_stream.wait_event(wait_for)
-            for src, dst in h2d:
-                dst.copy_(src, non_blocking=True)
-            staged.record(self.copy_stream)
-        with self._module.stream(self.comm_stream):
-            self.comm_stream.wait_event(staged)
-            # async_op=False: the collective is ordered on (and completes before later work of) the comm stream;
-            # the host does not wait for it.
-            for output, shard in gathers:
-                all_gather_bytes(output, shard, self.group)
-            done.record(self.comm_stream)
-
-
-class _GatherSlot:
-    """One fixed device slot: a full-block buffer and a one-shard staging buffer per dtype, and its events."""
-
-    def __init__(self, index: int, sizes: dict[torch.dtype, int], shards: dict[torch.dtype, int],
-                 device: torch.device, transfers: _GatherTransfers) -> None:
-        self.index = index
-        self.buffers = {d: torch.zeros(n, dtype=d, device=device) for d, n in sizes.items()}
-        self.staging = {d: torch.zeros(n, dtype=d, device=device) for d, n in shards.items()}
-        self.staged = transfers.new_event()
-        self.ready = transfers.new_event()
-        self.released = transfers.new_event()
-        self.owner: _ShardedBlock | None = None
-
-
-class _ShardedBlock:
-    """One block whose host copy is this rank's shard of each per-dtype flat buffer."""
-
-    def __init__(self, weights: PackedWeights, world_size: int, rank: int, device: torch.device) -> None:
-        self.weights = weights
-        self.world_size = world_size
-        self.rank = rank
-        self.shard = {d: shard_numel(n, world_size) for d, n in weights.numel.items()}
-        self.host: dict[torch.dtype, torch.Tensor] = {}
-        self.placeholders = [placeholder(s.dtype, device) for s in weights.slots]
-        self.slot: _GatherSlot | None = None
-        self.views: list[torch.Tensor] = []
-        self.h2d: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.gathers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.running = False
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.host.values())
-
-    def pack(self, host_memory: HostMemory) -> None:
-        """Copy this rank's slice of every tensor into its shard buffers (zero padding elsewhere)."""
-        self.host = {d: host_memory.allocate(n, d) for d, n in self.shard.items()}
-        for buffer in self.host.values():
-            buffer.zero_()
-        # As in ``PackedWeights.pack``: slices on an accelerator go by DMA into buffers page-locked first.
-        devices = {s.leaf.data().device for s in self.weights.slots} - {torch.device("cpu"), torch.device("meta")}
-        direct = bool(devices) and host_memory.page_locked
-        if direct:
-            for buffer in self.host.values():
-                host_memory.pin(buffer)
-        sources = []
-        for slot in self.weights.slots:
-            start, end = shard_range(self.weights.numel[slot.dtype], self.world_size, self.rank)
-            numel = slot.shape.numel()
-            lo, hi = max(slot.offset, start), min(slot.offset + numel, end)
-            if lo < hi:
-                source = slot.flat_source()[lo - slot.offset : hi - slot.offset]
-                self.host[slot.dtype][lo - start : hi - start].copy_(source, non_blocking=direct)
-                sources.append(source)
-        if direct:  # ``sources`` keeps the device memory (and reshaped copies) alive until the copies are done
-            for device in devices:
-                torch.get_device_module(device).current_stream(device).synchronize()
-        else:
-            for buffer in self.host.values():
-                host_memory.pin(buffer)
-
-    def attach(self, slot: _GatherSlot) -> None:
-        self.slot = slot
-        self.views = self.weights.views_into(slot.buffers)
-        self.h2d = [(self.host[d], slot.staging[d].narrow(0, 0, n)) for d, n in self.shard.items()]
-        self.gathers = [
-            (slot.buffers[d].narrow(0, 0, n * self.world_size), slot.staging[d].narrow(0, 0, n))
-            for d, n in self.shard.items()
-        ]
-
-
 @dataclass
 class DistributedStats(LayerwiseStats):
     rank: int = 0
@@ -204,55 +59,6 @@ class DistributedStats(LayerwiseStats):
     use_allgather: bool = True
     gathers: int = 0
     host_bytes_per_dtype: dict = field(default_factory=dict)
-
-
-class _GatherStreamer:
-    """Fixed-slot ring (block ``i`` → slot ``i % 2``). Every rank makes the same calls in the same order."""
-
-    def __init__(self, transfers: _GatherTransfers, stats: DistributedStats) -> None:
-        self.transfers = transfers
-        self.stats = stats
-
-    def load(self, block: _ShardedBlock) -> None:
-        slot = block.slot
-        if slot.owner is block:
-            return
-        if slot.owner is not None and slot.owner.running:
-            raise RuntimeError(
-                f"distributed layerwise offload: slot {slot.index} still holds running block "
-                f"{slot.owner.weights.path!r} while {block.weights.path!r} needs it (are blocks calling each other?)"
-            )
-        self.transfers.gather(block.h2d, block.gathers, wait_for=slot.released, staged=slot.staged, done=slot.ready)
-        slot.owner = block
-        self.stats.loads += 1
-        self.stats.gathers += len(block.gathers)
-        self.stats.copied_bytes += block.host_bytes
-
-    @torch.compiler.disable(reason=EAGER_ONLY)
-    def begin(self, block: _ShardedBlock, following: _ShardedBlock | None) -> None:
-        if block.slot.owner is not block:
-            self.stats.on_demand_loads += 1
-            self.load(block)
-        self.transfers.compute_waits_for(block.slot.ready)
-        block.weights.bind(block.views)
-        block.running = True
-        if following is not None and following.slot is not block.slot:
-            self.load(following)
-
-    @torch.compiler.disable(reason=EAGER_ONLY)
-    def end(self, block: _ShardedBlock, following: _ShardedBlock | None) -> None:
-        self.transfers.record_on_compute(block.slot.released)
-        block.weights.park(block.placeholders)
-        block.running = False
-        if following is not None and following.slot is block.slot:
-            self.load(following)  # odd ring: the wrap-around shares the last block's slot
-
-    @torch.compiler.disable(reason=EAGER_ONLY)
-    def enter_stack(self, ring: list[_ShardedBlock]) -> None:
-        for block in ring:
-            if block.running:  # a forward raised before end(); settle it
-                self.end(block, None)
-        self.load(ring[0])
 
 
 class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
@@ -263,8 +69,7 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
     """
 
     strategy = OffloadStrategy.DISTRIBUTED_LAYERWISE
-    # The DiT's output layers stay resident here (the AllGather ring installs its own hooks, and no last block
-    # of it ends with the DiT's forward).
+    # The DiT's output layers stay resident on every rank (they are not streamed with the last block).
     fold_tail = False
     manages_components = False  # encoders and VAEs stay on each rank's device
     use_allgather: bool = False
@@ -295,6 +100,8 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         # Every rank runs the local steps between two agreements (``_agree``): discover ends with one, the local
         # steps with ``agree_local`` (before prime, whose AllGather is a collective), prime with ``agree_primed``. A
         # rank that fails in between joins the next agreement with its error (``enable``), so every rank rolls back.
+        # Both modes run these steps; AllGather's differ only in the parts chosen (``_shards``: the shard store and
+        # the all-gather transport).
         return (self._discover, self._agree_layout, self._move_residents, self._pack_blocks, self._count_host_bytes,
                 self._allocate_slots, self._install_hooks, self._install_step_check, self._install_guards,
                 self._agree_local, self._prime, self._agree_primed)
@@ -406,11 +213,25 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
         stats.streamed_bytes_per_pass = sum(w.nbytes for w, r in flat if not r)
 
     def _count_host_bytes(self, state: LayerwiseState, journal: Journal) -> None:
-        """Host bytes per dtype of the packed blocks (each rank holds a full host copy in this mode)."""
-        state.stats.host_bytes_per_dtype = {
-            str(d): n * torch.empty(0, dtype=d).element_size()
-            for d, n in _sum_numel(w for ws in state.weights for w in ws if not w.empty).items()
-        }
+        """Host bytes per dtype of the packed blocks, as each block's store holds them (a full host copy without
+        AllGather, this rank's shard with it; resident blocks: their full host copy)."""
+        per_dtype: dict[str, int] = {}
+        for row_weights, row in zip(state.weights, state.streamed):
+            for weights, block in zip(row_weights, row):
+                if weights.empty:
+                    continue
+                held = (block.store.host_bytes_per_dtype if block is not None
+                        else {d: n * d.itemsize for d, n in weights.numel.items()})
+                for dtype, nbytes in held.items():
+                    per_dtype[str(dtype)] = per_dtype.get(str(dtype), 0) + nbytes
+        state.stats.host_bytes_per_dtype = per_dtype
+        logger.info("distributed offload rank %d/%d: host copies %s (of %s)", self.rank, self.world_size,
+                    format_bytes(sum(per_dtype.values())),
+                    format_bytes(sum(w.nbytes for row in state.weights for w in row)))
+
+    def _prime(self, state: LayerwiseState, journal: Journal) -> None:
+        super()._prime(state, journal)  # AllGather: the first blocks' gathers are collectives
+        self._pending_agreement = "agree_primed"  # past them: a failure now is told at agree_primed
 
     def _forward_lock(self) -> ForwardLock:
         # Waiting would not help: this rank's collectives (block gathers, the step check) must come in the order of
@@ -468,173 +289,18 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
 
 
 class AllGatherLayerwiseOffloadBackend(DistributedLayerwiseOffloadBackend):
-    """Distributed layerwise offload in AllGather mode: each rank pins 1/N of every block, and a block is rebuilt
-    on the device by an all-gather of the shards before it runs."""
+    """Distributed layerwise offload in AllGather mode: each rank pins 1/N of every block (the shard store), and a
+    block is rebuilt on the device by an all-gather of the shards before it runs (the all-gather transport). The
+    enable steps, streamer and hooks are the no-AllGather mode's; only these parts differ."""
 
     use_allgather = True
     prime_is_collective = True
 
-    def _enable_steps(self) -> Sequence[EnableStep]:
-        # Discovery and the agreements are the no-AllGather mode's; packing, slots, hooks, guards and priming are
-        # this mode's own (1/N shards, two gathered slots).
-        return (self._discover, self._agree_layout, self._move_residents, self._pack_shards, self._allocate_gather_slots,
-                self._install_gather_hooks, self._install_step_check, self._install_shard_guards, self._agree_local,
-                self._prime_gather, self._agree_primed)
+    def _shards(self) -> ShardGroup:
+        return ShardGroup(self.group, self.rank, self.world_size)
 
-    def _pack_shards(self, state: LayerwiseState, journal: Journal) -> None:
-        state.host_memory = host_memory = HostMemory(self.device, self.config.pin_memory)
-        state.stats.host_memory_mode = host_memory.mode
-        journal.record("release host memory", lambda: host_memory.release(self.device))
-        total = sum(w.nbytes for ws in state.weights for w in ws)
-        per_dtype: dict[str, int] = {}
-        desc = f"distributed offload rank {self.rank}/{self.world_size}: packing shards"
-        with byte_progress(total, desc, self.config.show_progress, state.target) as bar:
-            for stack_weights, stack_resident in zip(state.weights, state.resident):
-                row: list[_ShardedBlock | None] = []
-                for weights, resident in zip(stack_weights, stack_resident):
-                    if weights.empty or resident:
-                        if resident:  # plan-declared residents: a full device copy (no sharding)
-                            journal.record(f"move {weights.path}", weights.tensors.move_to(self.device))
-                        row.append(None)
-                        continue
-                    block = _ShardedBlock(weights, self.world_size, self.rank, self.device)
-                    block.pack(host_memory)
-                    originals = weights.tensors.current()
-                    journal.record(f"restore {weights.path}", partial(weights.park, originals))
-                    weights.park(block.placeholders)  # the originals are freed once enable commits
-                    for d, t in block.host.items():
-                        per_dtype[str(d)] = per_dtype.get(str(d), 0) + t.numel() * t.element_size()
-                    row.append(block)
-                    bar.update(weights.nbytes)
-                state.streamed.append(row)
-        state.stats.host_bytes = sum(per_dtype.values())
-        state.stats.host_bytes_per_dtype = per_dtype
-        release_freed_host_memory()
-        release_freed_device_memory(self.device)
-        logger.info("distributed offload rank %d/%d: host shards %s (of %s)", self.rank, self.world_size,
-                    format_bytes(state.stats.host_bytes), format_bytes(total))
-
-    def _allocate_gather_slots(self, state: LayerwiseState, journal: Journal) -> None:
-        blocks = [b for row in state.streamed for b in row if b is not None]
-        state.transfers = transfers = _GatherTransfers(self.device, self.group)
-        shards: dict[torch.dtype, int] = {}
-        for block in blocks:
-            for dtype, numel in block.shard.items():
-                shards[dtype] = max(shards.get(dtype, 0), numel)
-        sizes = {d: n * self.world_size for d, n in shards.items()}
-        slots = [_GatherSlot(i, sizes, shards, self.device, transfers) for i in range(SLOT_COUNT)] if blocks else []
-        for row in state.streamed:
-            ring = [b for b in row if b is not None]
-            for position, block in enumerate(ring):
-                block.attach(slots[position % SLOT_COUNT])
-        state.streamer = _GatherStreamer(transfers, state.stats)
-        state.stats.slot_count = len(slots)
-        state.stats.slot_bytes = sum(n * torch.empty(0, dtype=d).element_size() for d, n in sizes.items())
-        logger.info("distributed offload: %d device slots of %s (+ staging shards of %s)", len(slots),
-                    format_bytes(state.stats.slot_bytes),
-                    format_bytes(sum(n * torch.empty(0, dtype=d).element_size() for d, n in shards.items())))
-
-    def _install_gather_hooks(self, state: LayerwiseState, journal: Journal) -> None:
-        journal.record("remove hooks", state.hooks.remove_all)
-        state.lock = self._forward_lock()
-        streamer = state.streamer
-        for stack, row in zip(state.stacks, state.streamed):
-            ring = [b for b in row if b is not None]
-            if not ring:
-                continue
-            state.hooks.install(stack.owner,
-                                LockedCallbackHook(state.lock, stack.name, before=partial(streamer.enter_stack, ring),
-                                                   inference_only=self._inference_only(state, stack.name)),
-                                LAYERWISE_ENTRY_HOOK)
-            following = {id(b): ring[(i + 1) % len(ring)] if len(ring) > 1 else None for i, b in enumerate(ring)}
-            for (_, module), block in zip(stack.blocks, row):
-                if block is None:
-                    continue
-                nxt = following[id(block)]
-                hook = CallbackHook(before=partial(streamer.begin, block, nxt), after=partial(streamer.end, block, nxt))
-                state.hooks.install(module, hook, LAYERWISE_BLOCK_HOOK)
-        roots = [stack.owner for stack in state.stacks]
-        refresh_registry_caches(roots)
-        journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
-
-    def _install_shard_guards(self, state: LayerwiseState, journal: Journal) -> None:
-        OffloadBackend._install_guards(self, state, journal)
-        self._refuse_pickling(state)
-        pipeline = not isinstance(state.target, torch.nn.Module)
-        way_out = "pipe.disable_omni_offload()" if pipeline else "backend.disable()"
-        message = (
-            "{what}: distributed layerwise offload (AllGather) keeps only this rank's 1/N shard of every streamed "
-            f"block, so the full weights exist nowhere to read; nothing was written. Allowed: {way_out} on every "
-            "rank (collective: it gathers full host copies), then save"
-        )
-        for stack, row in zip(state.stacks, state.streamed):
-            for (path, module), block in zip(stack.blocks, row):
-                if block is not None:
-                    handle = module.register_state_dict_post_hook(_refuse_state_dict(message, path))
-                    self._guards.record("remove a state_dict hook", handle.remove)
-        owners = [(label, module) for label, module in self._managed_modules(state)]
-        if pipeline:
-            owners.append(("pipe", state.target))
-        for label, owner in owners:
-            original = getattr(owner, "save_pretrained", None)
-            if original is not None:
-                self._guards.set(owner, "save_pretrained", _refuse_call(message, f"{label}.save_pretrained", original))
-
-    def _prime_gather(self, state: LayerwiseState, journal: Journal) -> None:
-        for row in state.streamed:
-            ring = [b for b in row if b is not None]
-            if ring:
-                state.streamer.enter_stack(ring)
-        self._pending_agreement = "agree_primed"  # past the collective: a failure now is told at agree_primed
-
-    def _disable(self) -> None:
-        state = self._state
-        with state.lock:  # refused while another thread of this rank runs a forward
-            self._remove_step_check_hook()
-            self._disable_locked(state)
-
-    def _disable_locked(self, state: LayerwiseState) -> None:
-        state.transfers.synchronize()
-        state.hooks.remove_all()
-        refresh_registry_caches([stack.owner for stack in state.stacks])
-        # Collective: every rank gathers every block once more and keeps full, ordinary host tensors.
-        blocks = [block for row in state.streamed for block in row if block is not None]
-        total = sum(block.weights.nbytes for block in blocks)
-        with byte_progress(total, "distributed offload: gathering blocks to host", self.config.show_progress,
-                           self._target) as bar:
-            for block in blocks:
-                block.slot.owner = None
-                state.transfers.gather(block.h2d, block.gathers, wait_for=block.slot.released,
-                                       staged=block.slot.staged, done=block.slot.ready)
-                state.transfers.synchronize()
-                block.weights.park([view.to("cpu", copy=True) for view in block.views], final=True)
-                block.host = {}
-                bar.update(block.weights.nbytes)
-        state.host_memory.release(self.device)
-        logger.info("distributed layerwise offload disabled: block weights are full host tensors again")
-
-
-def _refuse_state_dict(message: str, path: str):
-    def refuse(module, state_dict, prefix, local_metadata) -> None:
-        raise OffloadActiveError(message.format(what=f"state_dict() of {path!r}"))
-
-    return refuse
-
-
-def _refuse_call(message: str, what: str, original):
-    @functools.wraps(original)
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise OffloadActiveError(message.format(what=f"{what}(...)"))
-
-    return refuse
-
-
-def _sum_numel(weights) -> dict[torch.dtype, int]:
-    total: dict[torch.dtype, int] = {}
-    for w in weights:
-        for d, n in w.numel.items():
-            total[d] = total.get(d, 0) + n
-    return total
+    def _packing_progress(self) -> str:
+        return f"distributed offload rank {self.rank}/{self.world_size}: packing shards"
 
 
 def _layout_digest(state: LayerwiseState) -> str:
@@ -646,11 +312,6 @@ def _layout_digest(state: LayerwiseState) -> str:
             for s in w.slots:
                 h.update(f"{s.dtype}:{tuple(s.shape)}:{s.offset};".encode())
     return h.hexdigest()
-
-
-def host_bytes_per_rank(numel: dict[torch.dtype, int], world_size: int) -> dict[torch.dtype, int]:
-    """Bytes one rank pins for a block with ``numel`` elements per dtype: ``ceil(numel / N)`` elements each."""
-    return {d: shard_numel(n, world_size) * torch.empty(0, dtype=d).element_size() for d, n in numel.items()}
 
 
 __all__ = [

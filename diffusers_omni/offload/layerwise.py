@@ -2,8 +2,10 @@
 
 The backend composes the parts: the planners (``residency.plan_residency`` for the device budget,
 ``stores.file.plan_disk_blocks`` for the host budget), a store per streamed block (``stores``: the pinned host copy,
-the checkpoint's files, or any registered store), the streaming window (``streamer``), the phases of encoders and
-VAEs (``phases``) and the hooks (``stream_hooks``). What follows is how the default store streams.
+the checkpoint's files, the rank's shard under AllGather, or any registered store), a transport (``transports``:
+copies on the copy stream, or all-gathers of the shards), the streaming window (``streamer``), the phases of
+encoders and VAEs (``phases``) and the hooks (``stream_hooks``). A strategy chooses parts (``_shards``,
+``_transport``), never stages. What follows is how the default store streams.
 
 Each block's tensors live in one contiguous (pinned) host buffer per dtype. Without a device-memory budget at most
 ``prefetch_depth + 1`` streamed blocks are on the device at once (the running one and those prefetched, as
@@ -54,12 +56,13 @@ from .memory import HostMemory, PackedWeights, Transfers, release_freed_device_m
 from .phases import Phases, PhaseUnit
 from .residency import plan_residency
 from .stats import LayerwiseStats
-from .stores import FileStore, StoreContext, store_for
+from .stores import FileStore, ShardGroup, StoreContext, store_for
 from .stores.file import file_views, plan_disk_blocks, request_reads, start_staging
-from .stream_hooks import install_stream_hooks
+from .stream_hooks import install_state_dict_guards, install_stream_hooks
 from .streamer import StreamedBlock, Streamer
 from .tensors import TensorSet, tensor_nbytes
-from .units import component_units, non_block_tensors, stack_weights, state_dict_hooks
+from .transports import AllGatherTransfers
+from .units import component_units, non_block_tensors, stack_weights
 
 logger = logging.getLogger("diffusers_omni")
 _NO_LOCK = contextlib.nullcontext()
@@ -262,7 +265,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
         journal.record("release host memory", lambda: host_memory.release(self.device))
         # Weights that are views of checkpoint files (load_transformer_mmap) give their pages back once packed.
         context = state.stores = StoreContext(self.device, host_memory, file_views(state).release, state.disk,
-                                              state.disk_reader, compression=getattr(self.config, "compression", None))
+                                              state.disk_reader, compression=getattr(self.config, "compression", None),
+                                              shards=self._shards())
         rows = [[None if weights.empty or resident else StreamedBlock(weights, self.device,
                                                                       store_for(weights, context))
                  for weights, resident in zip(row_weights, row_resident)]
@@ -271,8 +275,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         total += sum(w.nbytes for ws, rs in zip(state.weights, state.resident) for w, r in zip(ws, rs)
                      if r and not w.empty)
         total += sum(u.weights.nbytes for u in state.units)
-        with byte_progress(total, "layerwise offload: packing blocks", self.config.show_progress,
-                           state.target) as bar:
+        with byte_progress(total, self._packing_progress(), self.config.show_progress, state.target) as bar:
             for row_weights, row_resident, row in zip(state.weights, state.resident, rows):
                 for weights, resident, block in zip(row_weights, row_resident, row):
                     if block is not None:
@@ -322,12 +325,32 @@ class LayerwiseOffloadBackend(OffloadBackend):
             view.copy_(host_view)
         weights.bind(views)
 
+    # The parts a strategy's config chooses -----------------------------------------------------------------
+
+    def _shards(self) -> ShardGroup | None:
+        """The group whose ranks each keep 1/N of every streamed block (``stores.shard``), or ``None``: blocks are
+        held whole."""
+        return None
+
+    def _transport(self, state: LayerwiseState) -> Transfers:
+        """How bytes reach the device (``transports``): all-gathers of the shards, or copies on the copy stream."""
+        shards = state.stores.shards if state.stores is not None else None
+        if shards is not None:
+            return AllGatherTransfers(self.device, shards.group, shards.rank, state.stats)
+        return Transfers(self.device)
+
+    def _packing_progress(self) -> str:
+        return "layerwise offload: packing blocks"
+
+    # Enable steps, continued ----------------------------------------------------------------------------------
+
     def _allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:
         blocks = [b for row in state.streamed for b in row if b is not None]
-        state.transfers = Transfers(self.device)
+        state.transfers = self._transport(state)
         count = self.config.prefetch_depth + 1 if blocks else 0
         state.stats.slot_count = count
-        state.stats.slot_bytes = max((b.weights.nbytes for b in blocks), default=0)
+        state.stats.slot_bytes = max((sum(n * d.itemsize for d, n in b.store.device_numel.items()) for b in blocks),
+                                     default=0)
         state.stats.in_flight_capacity = count * state.stats.slot_bytes
         # Without a budget, hold no more blocks than Diffusers' group offload would (running + prefetched); with one,
         # the reserve is paid for, so smaller blocks fill it.
@@ -383,19 +406,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
             if component.label in state.managed:
                 vae_tiling.install(component.module, component.label, self._guards.set, self._guard_undo,
                                    state.stats.tiled_vaes.append)
-        # state_dict() (save_pretrained, LoRA and PEFT helpers) reads streamed blocks from their host copies: their
-        # own tensors are empty placeholders between uses. The block is bound to its host views for the duration of
-        # its state_dict() (quantized weights included: wrapper subclasses are rebuilt around the host views,
-        # bitsandbytes' quant_state tensors rebound), then put back exactly as it was.
-        for stack, row in zip(state.stacks, state.streamed):
-            for (path, module), block in zip(stack.blocks, row):
-                if block is not None:
-                    modules = [module] + [m for _, m in state.tails.get(path, ())]
-                    for owner in modules:
-                        before, after = state_dict_hooks(block)
-                        for handle in (owner.register_state_dict_pre_hook(before),
-                                       owner.register_state_dict_post_hook(after)):
-                            self._guards.record("remove a state_dict hook", handle.remove)
+        way_out = self._guard_installer(state, self._guards).way_out
+        install_state_dict_guards(state, self._managed_modules(state), way_out, self._guards)
 
     def _refuse_pickling(self, state: LayerwiseState) -> None:
         """Pickling or deep-copying the pipeline or any of its components raises a clear ``TypeError`` while the
@@ -432,9 +444,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         if state is None:
             return
         with state.lock if state.lock is not None else _NO_LOCK:
-            # (AllGather's sharded blocks have no store: they are gathered back by its own disable)
-            stores = [store for row in state.streamed for block in row
-                      if (store := getattr(block, "store", None)) is not None]
+            stores = [block.store for row in state.streamed for block in row if block is not None]
             unread: list[str] = []
             for store in stores:
                 try:
@@ -462,14 +472,19 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.hooks.remove_all()
         refresh_registry_caches([stack.owner for stack in state.stacks])
         clone = state.host_memory.needs_clone_on_release
-        for row_weights, row in zip(state.weights, state.streamed):
-            for weights, block in zip(row_weights, row):
-                if weights.empty:
-                    continue
-                if block is None:  # resident: its packed host copy
-                    weights.restore(clone=clone, to_original_device=False)
-                else:
-                    block.store.give_back()  # what could fail was done by _prepare_disable
+        blocks = [block for row in state.streamed for block in row if block is not None]
+        label = next((b.store.give_back_progress for b in blocks if b.store.give_back_progress), None)
+        show = self.config.show_progress if label else False  # a bar only where giving back moves bytes (gathers)
+        with byte_progress(sum(b.weights.nbytes for b in blocks), label or "", show, self._target) as bar:
+            for row_weights, row in zip(state.weights, state.streamed):
+                for weights, block in zip(row_weights, row):
+                    if weights.empty:
+                        continue
+                    if block is None:  # resident: its packed host copy
+                        weights.restore(clone=clone, to_original_device=False)
+                    else:
+                        block.store.give_back()  # what could fail was done by _prepare_disable (collective: shards)
+                        bar.update(block.weights.nbytes)
         if state.phases is not None:
             state.phases.park_all()
         for unit in state.units:

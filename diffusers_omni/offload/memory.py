@@ -146,9 +146,12 @@ class PackedWeights:
             view.copy_(slot.leaf.data())
         return flat
 
-    def device_buffers(self, device: torch.device) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
-        """New (uninitialised) flat buffers on ``device``, one per dtype, and the views of every tensor in them."""
-        buffers = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in self.numel.items()}
+    def device_buffers(self, device: torch.device, numel: dict[torch.dtype, int] | None = None,
+                       ) -> tuple[dict[torch.dtype, torch.Tensor], list[torch.Tensor]]:
+        """New (uninitialised) flat buffers on ``device``, one per dtype (``numel`` elements each, by default the
+        layout's), and the views of every tensor in them."""
+        sizes = self.numel if numel is None else numel
+        buffers = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in sizes.items()}
         return buffers, self.views_into(buffers)
 
     def pack(self, host_memory: "HostMemory", release: Callable[[list[torch.Tensor]], Any] | None = None) -> None:

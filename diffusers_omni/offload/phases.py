@@ -84,10 +84,12 @@ class Phases:
             unit.park()
 
     def enter_stack(self, ring: list[StreamedBlock], first: tuple[StreamedBlock, ...], own: frozenset[int]) -> None:
-        """A DiT's forward starts."""
+        """A DiT's forward starts. Blocks another stack prefetched and did not run are freed (with or without
+        phase units): left in the window, they would keep its room until evicted, and every block of this stack
+        would load on demand."""
         if self.units:
             self.enter(None, own)
-        self.streamer.enter_stack(ring, first)
+        self.streamer.enter_stack(ring, first, own)
 
     def enter_encoder(self, unit: PhaseUnit | None, ring: list[StreamedBlock], first: tuple[StreamedBlock, ...],
                       own: frozenset[int]) -> None:

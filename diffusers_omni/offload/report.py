@@ -25,7 +25,6 @@ from ..config.offload import format_bytes
 from ..utils.text import table
 from .codec import kernel_name as codec_kernel_name
 from .discovery import DIT, ENCODER, RESIDENT, VAE, discover_components
-from .distributed import shard_range
 
 # Locations a weight's bytes can be in (``disk``: no host copy, read from the checkpoint files at each use).
 LOCATIONS = ("device", "pinned", "pageable", "disk")
@@ -180,16 +179,6 @@ def _leaf_bytes(weights: Any) -> int:
     return sum(slot.numel * slot.dtype.itemsize for slot in weights.slots)
 
 
-def _shard_bytes(weights: Any, world_size: int, rank: int) -> int:
-    """Bytes of ``weights``' leaves inside this rank's shard of each per-dtype flat buffer (padding excluded)."""
-    total = 0
-    for slot in weights.slots:
-        start, end = shard_range(weights.numel[slot.dtype], world_size, rank)
-        low, high = max(slot.offset, start), min(slot.offset + slot.numel, end)
-        total += max(high - low, 0) * slot.dtype.itemsize
-    return total
-
-
 def _layerwise_units(state: Any) -> list[_Unit]:
     mode = state.host_memory.mode if state.host_memory is not None else None
     units = []
@@ -198,20 +187,16 @@ def _layerwise_units(state: Any) -> list[_Unit]:
             if weights.empty:
                 continue
             nbytes = _leaf_bytes(weights)
-            if hasattr(entry, "shard"):  # AllGather: this rank's shard of a streamed block
-                units.append(_Unit(weights.tensors.ids, nbytes, _shard_bytes(weights, entry.world_size, entry.rank),
-                                   _host_kind(mode), entry.slot is not None and entry.slot.owner is entry, STREAMED,
-                                   True))
-            elif entry is not None:  # streamed: a host copy (or its checkpoint), and a device copy while in flight
-                store = entry.store
+            if entry is not None:  # streamed: what its store holds (a host copy, its checkpoint, this rank's
+                store = entry.store  # shard under AllGather), and a device copy while in flight
                 source = getattr(store, "source", None)  # a file-backed store's checkpoint pieces
                 if not store.in_host_memory:
                     kind = "disk"
-                else:  # the pinned store's memory is the offload's; another store's is ordinary host memory
-                    kind = _host_kind(mode) if store.name == "pinned" else "pageable"
+                else:  # the pinned and shard stores' memory is the offload's; another store's is ordinary host memory
+                    kind = _host_kind(mode) if store.uses_offload_host_memory else "pageable"
                 kept = source.kept_bytes if source is not None else 0
-                units.append(_Unit(weights.tensors.ids, nbytes, nbytes - kept, kind, entry.slot is not None, STREAMED,
-                                   True, kept))
+                units.append(_Unit(weights.tensors.ids, nbytes, store.held_leaf_bytes() - kept, kind,
+                                   entry.slot is not None, STREAMED, True, kept))
             else:  # resident: on the device, with its host copy when it was packed (AllGather moves residents)
                 packed = bool(weights.host)
                 units.append(_Unit(weights.tensors.ids, nbytes, nbytes if packed else 0,

@@ -1,17 +1,22 @@
 """The hooks of a streaming offload: each stack's entry hook (the forward lock, the phase, the first loads), each
-block's begin/end hooks (wait for its copy, bind, load ahead; park, free), and the phase hooks of components whose
-weights come in for their phase only."""
+block's begin/end hooks (wait for its copy, bind, load ahead; park, free), the phase hooks of components whose
+weights come in for their phase only, and the ``state_dict()``/``save_pretrained`` guards of streamed blocks."""
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 from typing import Any, Callable
 
+import torch.nn as nn
+
 from ..utils.journal import Journal
 from .discovery import DIT, named_tensors
+from .guards import OffloadActiveError
 from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, LockedCallbackHook, refresh_registry_caches
 from .phases import Phases
 from .streamer import lookahead_blocks
+from .units import state_dict_hooks
 
 
 def install_stream_hooks(state: Any, phases: Phases, depth: int, inference_only: Callable[[str], str],
@@ -95,3 +100,61 @@ def install_stream_hooks(state: Any, phases: Phases, depth: int, inference_only:
                 LAYERWISE_ENTRY_HOOK)
     refresh_registry_caches(roots)
     journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
+
+
+def install_state_dict_guards(state: Any, managed: list[tuple[str, nn.Module]], way_out: str,
+                              guards: Journal) -> None:
+    """``state_dict()`` (save_pretrained, LoRA and PEFT helpers) of streamed blocks, whose own tensors are empty
+    placeholders between uses: each block is bound to its store's host views for the duration of its
+    ``state_dict()`` (quantized weights included: wrapper subclasses are rebuilt around the host views,
+    bitsandbytes' quant_state tensors rebound), then put back exactly as it was. A store that cannot show the whole
+    block in this process (``BlockStore.host_views_refusal``: a rank's shard) refuses its blocks' ``state_dict()``,
+    and ``save_pretrained`` of every managed module and of the pipeline is refused before anything is written.
+    ``guards`` removes them on disable."""
+    refusals: list[str] = []
+    for stack, row in zip(state.stacks, state.streamed):
+        for (path, module), block in zip(stack.blocks, row):
+            if block is None:
+                continue
+            refusal = block.store.host_views_refusal
+            if refusal is not None:
+                if refusal not in refusals:
+                    refusals.append(refusal)
+                message = _refusal(refusal, way_out)
+                handle = module.register_state_dict_post_hook(_refuse_state_dict(message, path))
+                guards.record("remove a state_dict hook", handle.remove)
+                continue
+            for owner in [module] + [m for _, m in state.tails.get(path, ())]:
+                before, after = state_dict_hooks(block)
+                for handle in (owner.register_state_dict_pre_hook(before),
+                               owner.register_state_dict_post_hook(after)):
+                    guards.record("remove a state_dict hook", handle.remove)
+    if not refusals:
+        return
+    message = _refusal("; ".join(refusals), way_out)
+    owners = list(managed)
+    if not isinstance(state.target, nn.Module):
+        owners.append(("pipe", state.target))
+    for label, owner in owners:
+        original = getattr(owner, "save_pretrained", None)
+        if original is not None:
+            guards.set(owner, "save_pretrained", _refuse_call(message, f"{label}.save_pretrained", original))
+
+
+def _refusal(reason: str, way_out: str) -> str:
+    return f"{{what}}: {reason}; nothing was written. Allowed: {way_out}, then save"
+
+
+def _refuse_state_dict(message: str, path: str):
+    def refuse(module, state_dict, prefix, local_metadata) -> None:
+        raise OffloadActiveError(message.replace("{what}", f"state_dict() of {path!r}", 1))
+
+    return refuse
+
+
+def _refuse_call(message: str, what: str, original):
+    @functools.wraps(original)
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OffloadActiveError(message.replace("{what}", f"{what}(...)", 1))
+
+    return refuse

@@ -60,7 +60,9 @@ class StreamedBlock:
     def allocate(self) -> dict[torch.dtype, torch.Tensor]:
         """Device memory for one load (on the current stream); returns the device buffers, one per dtype."""
         if not self.buffers:
-            self.buffers, self.views = self.weights.device_buffers(self.device)
+            # Sized as the store fills them (a rank's shard is gathered into a buffer padded to N shards).
+            numel = self.store.device_numel if self.store is not None else None
+            self.buffers, self.views = self.weights.device_buffers(self.device, numel)
             self._storages = [(b.untyped_storage(), b.numel() * b.element_size()) for b in self.buffers.values()]
         else:
             for storage, nbytes in self._storages:

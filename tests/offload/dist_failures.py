@@ -31,7 +31,7 @@ def _fail(where: str, use_allgather: bool) -> Callable[[], None]:
         memory.HostMemory.allocate = allocate
         return lambda: setattr(memory.HostMemory, "allocate", original)
     backend = AllGatherLayerwiseOffloadBackend if use_allgather else DistributedLayerwiseOffloadBackend
-    name = "_install_shard_guards" if use_allgather else "_install_guards"  # the guard step of each mode
+    name = "_install_guards"  # the guard step (both modes run the layerwise backend's steps)
     original_stage = getattr(backend, name)  # the class's own, or the one it inherits
     own = name in backend.__dict__
 

@@ -20,6 +20,8 @@ from diffusers_omni.utils.journal import Journal
 from diffusers_omni.offload.distributed import DistributedLayerwiseOffloadBackend
 from diffusers_omni.offload.layerwise import LayerwiseOffloadBackend
 from diffusers_omni.offload.model_level import ModelLevelOffloadBackend
+from diffusers_omni.offload.stores import ShardStore
+from diffusers_omni.offload.transports import AllGatherTransfers
 from offload_helpers import (
     CallCounter,
     FakeCudaRuntime,
@@ -85,11 +87,9 @@ INNER_STEPS: list[tuple[object, str]] = [
     (model_level, "refresh_registry_caches"),
     (model_level, "release_freed_host_memory"),
     (model_level, "_Exclusive"),
-    (distributed._ShardedBlock, "pack"),
-    (distributed._ShardedBlock, "attach"),
-    (distributed, "_GatherSlot"),
-    (distributed, "_GatherTransfers"),
-    (distributed._GatherStreamer, "load"),
+    (ShardStore, "take"),
+    (layerwise, "AllGatherTransfers"),
+    (AllGatherTransfers, "gather"),
     (distributed, "_layout_digest"),
     (dataparallel, "install_step_check"),
     (dist, "all_gather_object"),

@@ -48,6 +48,7 @@ class StoreContext:
     reader: Any = None  # disk.DiskReader
     ring: Any = None  # disk.StagingRing
     compression: str | None = None  # the offload's ``compression`` ("lossless" lets the lossless store claim blocks)
+    shards: Any = None  # shard.ShardGroup under AllGather: the shard store claims every streamed block
 
     @property
     def clone_on_release(self) -> bool:
@@ -63,6 +64,13 @@ class BlockStore(ABC):
     priority: ClassVar[int] = 0
     # Whether the bytes stay in this process's memory (the report's host bytes; a file-backed store's do not).
     in_host_memory: ClassVar[bool] = True
+    # Whether they are in the offload's own host memory (the report counts them as pinned when that memory is).
+    uses_offload_host_memory: ClassVar[bool] = False
+    # Why ``host_views`` cannot show the whole block in this process (``None``: it can). A store that sets it makes
+    # the offload refuse ``state_dict()`` of its blocks and ``save_pretrained`` before anything is written.
+    host_views_refusal: ClassVar[str | None] = None
+    # The progress bar's label when ``give_back`` moves bytes worth showing (``None``: no bar on disable).
+    give_back_progress: ClassVar[str | None] = None
 
     def __init__(self, weights: PackedWeights, context: StoreContext) -> None:
         self.weights = weights
@@ -111,6 +119,24 @@ class BlockStore(ABC):
     def host_nbytes(self) -> int:
         """Bytes this store holds in host memory for the block."""
         return self.weights.nbytes if self.in_host_memory else 0
+
+    @property
+    def host_bytes_per_dtype(self) -> dict[torch.dtype, int]:
+        """``host_nbytes`` per dtype of the block's layout, as the distributed stats count them (by default the
+        whole packed block's, when the bytes are in host memory)."""
+        if not self.in_host_memory:
+            return {}
+        return {dtype: numel * dtype.itemsize for dtype, numel in self.weights.numel.items()}
+
+    def held_leaf_bytes(self) -> int:
+        """Bytes of the block's own tensors (alignment padding excluded) this store holds for this process, for the
+        report: the whole block by default."""
+        return sum(slot.numel * slot.dtype.itemsize for slot in self.weights.slots)
+
+    @property
+    def device_numel(self) -> dict[torch.dtype, int]:
+        """Elements per dtype of the block's device buffers that ``fill`` writes (at least the layout's)."""
+        return self.weights.numel
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.weights.path!r})"
