@@ -14,6 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1
 root=$(pwd)
 out=$(mktemp -d)
+printf 'baseline %s\ncurrent %s\n' "${BASELINE_COMMIT:-unknown}" "${OMNI_COMMIT:-unknown}" > "$out/commits.txt"
 status=0
 for spec in "$@"; do
   IFS=: read -r model base_variants variants budget <<<"$spec"
@@ -28,7 +29,6 @@ for spec in "$@"; do
   echo "== current ${OMNI_COMMIT:-?}: $model $variants"
   PYTHONPATH="$root:/tmp/site" python3 -m benchmarks.offload_bench --models "$model" --variants "$variants" \
     --budget "$budget" --budget-models "$model" --skip-model-level --out "$out/current-$tag" || status=1
+  tar -czf "${OUT:-/tmp}/side_by_side.tgz" -C "$out" .  # after each run: a call cut short keeps what finished
 done
-printf 'baseline %s\ncurrent %s\n' "${BASELINE_COMMIT:-unknown}" "${OMNI_COMMIT:-unknown}" > "$out/commits.txt"
-tar -czf "${OUT:-/tmp}/side_by_side.tgz" -C "$out" .
 exit $status
