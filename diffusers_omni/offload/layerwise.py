@@ -271,17 +271,17 @@ class LayerwiseOffloadBackend(OffloadBackend):
                                                                       store_for(weights, context))
                  for weights, resident in zip(row_weights, row_resident)]
                 for row_weights, row_resident in zip(state.weights, state.resident)]
-        total = sum(block.store.host_nbytes for row in rows for block in row if block is not None)
-        total += sum(w.nbytes for ws, rs in zip(state.weights, state.resident) for w, r in zip(ws, rs)
-                     if r and not w.empty)
-        total += sum(u.weights.nbytes for u in state.units)
-        with byte_progress(total, self._packing_progress(), self.config.show_progress, state.target) as bar:
+        resident_bytes = sum(w.nbytes for ws, rs in zip(state.weights, state.resident) for w, r in zip(ws, rs)
+                             if r and not w.empty) + sum(u.weights.nbytes for u in state.units)
+        # The bar counts the weights' own bytes (a store's host bytes are known once it holds them: coded stores).
+        work = resident_bytes + sum(block.weights.nbytes for row in rows for block in row if block is not None)
+        with byte_progress(work, self._packing_progress(), self.config.show_progress, state.target) as bar:
             for row_weights, row_resident, row in zip(state.weights, state.resident, rows):
                 for weights, resident, block in zip(row_weights, row_resident, row):
                     if block is not None:
                         block.store.take(journal)
                         weights.park(block.placeholders)
-                        bar.update(block.store.host_nbytes)
+                        bar.update(weights.nbytes)
                     elif resident and not weights.empty:
                         self._pack_resident(weights, host_memory, journal, context.release)
                         bar.update(weights.nbytes)
@@ -294,7 +294,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 if unit.resident:
                     unit.onload(self.device)
                 bar.update(weights.nbytes)
-        state.stats.host_bytes = total
+        state.stats.host_bytes = resident_bytes + sum(block.store.host_nbytes for row in rows for block in row
+                                                      if block is not None)
         for row in rows:
             for block in row:
                 if block is not None:

@@ -29,6 +29,7 @@ def test_lossless_offload_is_bitwise_the_resident_pipeline(make):
     stats = backend.stats
     assert stats.store_blocks.get("lossless", 0) > 0
     assert stats.store_host_bytes["lossless"] < 0.8 * stats.store_bytes["lossless"]
+    assert stats.host_bytes >= sum(stats.store_host_bytes.values())  # the coded blocks' bytes are counted
     for _ in range(2):
         assert torch.equal(generate(pipe, steps=2), reference)
     actual = pipe.transformer.state_dict()  # decoded for state_dict()
