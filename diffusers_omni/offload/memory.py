@@ -463,6 +463,7 @@ class Transfers:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.asynchronous = device.type != "cpu"
+        self._decode_stream = None
         if self.asynchronous:
             self._module = torch.get_device_module(device)
             self.copy_stream = self._module.Stream(device)
@@ -494,6 +495,22 @@ class Transfers:
                 self.copy_stream.wait_event(wait_for)
             work()
             done.record(self.copy_stream)
+
+    def run_decode(self, work: Callable[[], None], wait_for=(), done=None) -> None:
+        """Run ``work`` (kernels that turn copied bytes into a block's weights) on a second side stream after every
+        event in ``wait_for``; record ``done`` when finished. It keeps the copy stream free for the next block's
+        copy while this block decodes. On the CPU it runs at once."""
+        if not self.asynchronous:
+            work()
+            return
+        if self._decode_stream is None:
+            self._decode_stream = self._module.Stream(self.device)
+        with self._module.stream(self._decode_stream):
+            for event in wait_for:
+                if event is not None:
+                    self._decode_stream.wait_event(event)
+            work()
+            done.record(self._decode_stream)
 
     def compute_waits_for(self, event) -> None:
         if event is not None:

@@ -3,9 +3,10 @@
 
 A block's coded parts and its tensors of other dtypes (float32 norms, say, which pass through as they are) live in
 one host buffer (page-locked with the rest of the offload's host memory); on an accelerator the block is coded
-there at enable (one block at a time). A load copies the whole buffer to the device in one copy on the copy stream
-and decodes it there (``offload.decode_kernel``), on the same stream, so the decode of the next block overlaps the
-running block's compute as its copy does; the block's ``ready`` event is recorded after the decode.
+there at enable (one block at a time). A load copies the whole buffer to a fresh device buffer in one copy on the copy stream
+and decodes it into the block's buffers on a second side stream (``offload.decode_kernel``), so the copy stream moves
+the next block while this one decodes, and both overlap the running block's compute; the block's ``ready`` event is
+recorded after the decode.
 """
 
 from __future__ import annotations
@@ -95,25 +96,39 @@ class LosslessStore(BlockStore):
         encoded = encode(flat.to(device))
         return encoded.with_parts([part.cpu() for part in encoded.parts()])
 
-    def _device_views(self, device: torch.device) -> list[torch.Tensor]:
-        """One copy of the whole host buffer to ``device`` (on the current stream), cut into the parts' views."""
-        staged = self.buffer.to(device, non_blocking=True)
-        return [staged.narrow(0, offset, numel * dtype.itemsize).view(dtype)
-                for offset, numel, dtype in self.layout]
+    def _cut(self, staged: torch.Tensor) -> list[torch.Tensor]:
+        """The parts' views of ``staged``, a copy of the whole host buffer (on the device)."""
+        return [staged.narrow(0, offset, numel * dtype.itemsize).view(dtype) for offset, numel, dtype in self.layout]
 
     def fill(self, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for, done) -> None:
-        def copy_and_decode() -> None:
-            device = next(iter(buffers.values())).device
-            if device.type == "cpu":  # the host buffer is readable as it is
-                coded, raw = self.coded, self.raw
-            else:
-                coded, raw = self._arrange(self._device_views(device), self.coded)
-            for dtype, part in raw.items():
-                buffers[dtype].narrow(0, 0, part.numel()).copy_(part, non_blocking=True)
-            for dtype, encoded in coded.items():
-                decode_into(encoded, buffers[dtype])
+        device = next(iter(buffers.values())).device
+        if device.type == "cpu":  # the host buffer is readable as it is: decode straight from it
+            transfers.run(lambda: self._decode(self.coded, self.raw, buffers), wait_for=wait_for, done=done)
+            return
+        # The coded bytes go to a fresh device buffer on the copy stream at once (they overwrite nothing), and are
+        # decoded into the block's buffers on the decode stream once they are there and the buffers are free: the
+        # copy stream moves the next block while this one decodes.
+        staged, copied = [], transfers.new_event()
 
-        transfers.run(copy_and_decode, wait_for=wait_for, done=done)
+        def copy() -> None:
+            staged.append(self.buffer.to(device, non_blocking=True))
+
+        def decode() -> None:
+            buffer = staged.pop()
+            buffer.record_stream(torch.get_device_module(device).current_stream(device))  # freed after the decode
+            coded, raw = self._arrange(self._cut(buffer), self.coded)
+            self._decode(coded, raw, buffers)
+
+        transfers.run(copy, done=copied)
+        transfers.run_decode(decode, wait_for=(copied, wait_for), done=done)
+
+    @staticmethod
+    def _decode(coded: dict[torch.dtype, Encoded], raw: dict[torch.dtype, torch.Tensor],
+                buffers: dict[torch.dtype, torch.Tensor]) -> None:
+        for dtype, part in raw.items():
+            buffers[dtype].narrow(0, 0, part.numel()).copy_(part, non_blocking=True)
+        for dtype, encoded in coded.items():
+            decode_into(encoded, buffers[dtype])
 
     def host_views(self) -> list[torch.Tensor]:
         flat = {dtype: decode(encoded) for dtype, encoded in self.coded.items()}
