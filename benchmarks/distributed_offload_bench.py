@@ -64,7 +64,7 @@ from benchmarks.offload_bench import (
 
 from diffusers_omni import OffloadConfig, apply_offload, load_transformer_mmap
 from diffusers_omni.config.offload import format_bytes
-from diffusers_omni.offload.distributed import all_gather_bytes
+from diffusers_omni.offload.transports import all_gather_bytes
 
 STEP_FACTOR, RSS_FACTOR, DP_FACTOR = 1.1, 1.05, 0.85
 _DONE_MARKER = ".omni_bench_complete"
@@ -151,7 +151,7 @@ def time_all_gathers(ctx: Ctx, shard_bytes: list[int], repeats: int = 5, inner: 
 def block_layouts(backend: Any) -> Counter:
     """``{(per-dtype shard bytes, ...): block count}`` of an enabled AllGather backend's streamed blocks."""
     blocks = [b for row in backend._state.streamed for b in row if b is not None]
-    return Counter(tuple(n * torch.empty(0, dtype=d).element_size() for d, n in sorted(b.shard.items(), key=str))
+    return Counter(tuple(n * torch.empty(0, dtype=d).element_size() for d, n in sorted(b.store.shard.items(), key=str))
                    for b in blocks)
 
 
