@@ -189,11 +189,11 @@ SCENARIOS: tuple[Scenario, ...] = (
              args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", _PIPELINE_FLUX,
                    "--omni-budget", "8GiB", "--sequential-steps", "4", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-flux-auto", "pipeline_offload_bench",
-             "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: omni with no budget, "
-             "max_device_memory=auto (its reading and choice recorded) and 8 GiB, and compression=lossless with auto "
-             "and with no budget (the sweep's other budgets: pipeline-offload-flux-sweep, the next call)", "gpu", (),
+             "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: omni with no budget, with "
+             "max_device_memory 8 GiB and auto (its reading and choice recorded), and compression=lossless with no "
+             "budget (the sweep's other budgets: pipeline-offload-flux-sweep, another call)", "gpu", (),
              args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", "resident,omni",
-                   "--omni-budget", "auto,8GiB", "--omni-lossless", "auto,none", "--time-budget", _PIPELINE_TIME)),
+                   "--omni-budget", "8GiB,auto", "--omni-lossless", "none", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-flux-sweep", "pipeline_offload_bench",
              "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: max_device_memory 4, 6, 9, 10 and "
              "11 GiB (with pipeline-offload-flux-auto's 8 GiB and auto: the budget sweep), a plot of end to end "

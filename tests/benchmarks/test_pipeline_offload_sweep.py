@@ -74,30 +74,26 @@ def test_flux_sweep_scenario_runs_the_other_budgets_after_resident():
 def test_flux_auto_scenario_smoke_records_auto_budget_and_lossless_and_plots(tmp_path):
     scenario = registry.get("pipeline-offload-flux-auto")
     assert scenario.docs == () and scenario.smoke == ("--smoke",)
-    assert scenario.args[scenario.args.index("--omni-budget") + 1] == "auto,8GiB"
+    assert scenario.args[scenario.args.index("--omni-budget") + 1] == "8GiB,auto"
     out = tmp_path / "run"
     assert bench.main([*scenario.args, *scenario.smoke, "--in-process", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     names = [r["strategy"] for r in report["strategies"]]
-    assert names == ["resident", "omni", "omni-auto", "omni-budget (8GiB)", "omni-auto-lossless", "omni-lossless"]
+    assert names == ["resident", "omni", "omni-budget (8GiB)", "omni-auto", "omni-lossless"]
     by = {r["strategy"]: r for r in report["strategies"]}
     assert all(r["status"] == "ok" for r in by.values()), {n: r.get("error") for n, r in by.items()}
     assert all(r["sha256"] == by["resident"]["sha256"] for r in by.values())  # every budget: the same image
     rows = {row["strategy"]: row for row in report["budget_sweep"]["rows"]}
     assert list(rows) == names[1:]  # omni (no budget), then one row per run
     assert rows["omni-budget (8GiB)"]["planned_budget_bytes"] > 0
-    for name in ("omni-auto", "omni-auto-lossless"):
-        plan = by[name]["omni_plan"]
-        assert plan["budget"] == "auto" and plan["max_device_memory"] == "auto"
-        assert plan["planned_budget_bytes"] > 0 and plan["auto"][0].startswith("max_device_memory=auto: ")
-        assert plan["auto_readings"]["device"] == "cpu" and "mem_available" in plan["auto_readings"]
-        assert any(n.startswith("auto read: ") for n in plan["report_notes"])
-        assert rows[name]["auto_readings"] == plan["auto_readings"]
-    assert by["omni-auto-lossless"]["omni_plan"]["compression"] == "lossless"
-    assert by["omni-auto"]["omni_plan"]["compression"] is None
-    # On the CPU auto reads host memory: every tiny block fits, none streams through the lossless store; with no
-    # budget every block streams, coded.
-    assert by["omni-auto-lossless"]["omni_plan"]["compression_ratio"] is None
+    plan = by["omni-auto"]["omni_plan"]
+    assert plan["budget"] == "auto" and plan["max_device_memory"] == "auto" and plan["compression"] is None
+    assert plan["planned_budget_bytes"] > 0 and plan["auto"][0].startswith("max_device_memory=auto: ")
+    assert plan["auto_readings"]["device"] == "cpu" and "mem_available" in plan["auto_readings"]
+    assert any(n.startswith("auto read: ") for n in plan["report_notes"])
+    assert rows["omni-auto"]["auto_readings"] == plan["auto_readings"]
+    # With no budget every block streams, coded.
+    assert by["omni-lossless"]["omni_plan"]["compression"] == "lossless"
     assert 0.5 < by["omni-lossless"]["omni_plan"]["compression_ratio"] < 0.8
     text = out.with_suffix(".md").read_text()
     assert "## Budget sweep" in text and "| omni-auto | auto | auto chose " in text
