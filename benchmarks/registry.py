@@ -92,6 +92,11 @@ _PIPELINE_TIME = "450"
 # s: the time budget skips the last ones first (resident's 48 s and omni's 70 s come first).
 _FLUX_SWEEP = "9GiB,10GiB,11GiB,6GiB,4GiB"
 
+# offload_bench beside a baseline commit's tree (benchmarks/h200/side_by_side.sh, .baseline/ and .whl/ carried; set
+# BASELINE_COMMIT and OMNI_COMMIT): MODEL:BASELINE_VARIANTS:CURRENT_VARIANTS[:BUDGET], an empty BASELINE_VARIANTS runs
+# only this tree (FLUX's lossless is new, the baseline has none).
+_SIDE_BY_SIDE = ("wan:layerwise:layerwise:12GiB", "flux::layerwise,lossless:12GiB")
+
 SCENARIOS: tuple[Scenario, ...] = (
     # Attention ---------------------------------------------------------------------------------------------------
     Scenario("attention", "attention_bench", "TFLOP/s and error of every attention backend at the models' shapes",
@@ -133,6 +138,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              (README, OFFLOAD, DESIGN_OFFLOAD), args=("--models", "flux", "--variants", "layerwise,budget")),
     Scenario("offload-flux-lossless", "offload_bench", "FLUX.1-dev size: layerwise with compression=lossless vs plain",
              "gpu", (), args=("--models", "flux", "--variants", "layerwise,lossless")),
+    Scenario("offload-side-by-side", "side_by_side",
+             "offload_bench of this tree beside a baseline commit's (benchmarks/h200/side_by_side.sh), step times "
+             "compared", "gpu", (), args=_SIDE_BY_SIDE, smoke=None),
     Scenario("codec-ratio", "codec_ratio", "lossless code's ratio on trained weights (PyPI wheels) and random ones",
              "cpu", (), smoke=("--random-weights", "4096")),
     Scenario("offload-distributed-flux", "offload_bench", "FLUX.1-dev size: distributed layerwise (N = 1), mmap",

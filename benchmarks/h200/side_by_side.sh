@@ -8,6 +8,12 @@
 # Each argument is MODEL:BASELINE_VARIANTS:CURRENT_VARIANTS[:BUDGET] (offload_bench's --models, --variants and
 # --budget; an empty BASELINE_VARIANTS runs only the current tree). Every run writes PREFIX.json/.md/.png; they come
 # back in one archive, $OUT/side_by_side.tgz, with the log ($OUT allows few files).
+# Filed as a result (benchmarks/results/ holds only registered scenarios' suites, never these raw files):
+#   python -m benchmarks run offload-side-by-side    wraps this script (the scenario's specs in benchmarks/registry.py;
+#                                                    BASELINE_COMMIT and OMNI_COMMIT set) and files the comparison
+#   python -m benchmarks.side_by_side --collect side_by_side.tgz --out X    collects an archive brought back from a
+#                                                    device call (X.json, X.md); --file-result files it as the
+#                                                    scenario's latest.json (meta from commits.txt and the reports)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
