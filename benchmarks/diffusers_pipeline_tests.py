@@ -5,6 +5,11 @@ installed Diffusers)::
 
     python -m benchmarks run diffusers-pipeline-tests -- /tmp/diffusers-src --modes stock layerwise model_level
 
+Diffusers' tests import ``parameterized`` and ``requests_mock`` (its test extras, not installed here): without them
+most test files fail at collection in every mode, so the driver stops first (``TEST_MODULES``); install them apart,
+e.g. ``pip install --target DIR parameterized requests-mock`` and ``DIR`` on ``PYTHONPATH``. ``--compare-with
+latest.json`` compares a (partial) run with the committed one on the same test files.
+
 Modes:
 
 - ``stock``: Diffusers' classes, as Diffusers runs them.
@@ -168,6 +173,15 @@ STAND_INS = ("hf-internal-testing/tiny-random-t5", "hf-internal-testing/tiny-ran
              "hf-internal-testing/tiny-random-Qwen2VLForConditionalGeneration", "hf-internal-testing/tiny-gemma3",
              "hf-internal-testing/tiny-cosmos3-modular-pipe")
 
+# Modules Diffusers' test files import that are not Diffusers' own dependencies.
+TEST_MODULES = ("parameterized", "requests_mock")
+
+
+def missing_test_modules() -> list[str]:
+    import importlib.util
+
+    return [name for name in TEST_MODULES if importlib.util.find_spec(name) is None]
+
 
 def make_stand_ins(hub: Path) -> list[str]:
     """Build the ``STAND_INS`` under ``hub`` (tokenizers and LTX-2's tiny Gemma 3 from ``diffusers_omni.testing``;
@@ -309,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.src / "tests" / "pipelines" / "test_pipelines_common.py").exists():
         parser.error(f"src={str(args.src)!r}: no tests/pipelines/test_pipelines_common.py there; "
                      "give a checkout of huggingface/diffusers")
+    if args.modes and not args.merge and (missing := missing_test_modules()):
+        parser.error(f"Diffusers' tests import {', '.join(missing)}, not installed: install them (e.g. pip install "
+                     f"--target DIR {' '.join(m.replace('_', '-') for m in missing)}, DIR on PYTHONPATH)")
 
     import diffusers
     import torch

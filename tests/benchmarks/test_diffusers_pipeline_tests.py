@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from diffusers import FluxPipeline
 
+from benchmarks import diffusers_pipeline_tests
 from benchmarks.diffusers_pipeline_tests import _offloaded_class, compare, summarize
 from diffusers_omni.pipelines.flux import OmniFluxPipeline
 from diffusers_omni.testing.tiny import tiny_flux_components
@@ -59,3 +60,14 @@ def test_compare_restricts_the_committed_run_to_the_files_run_now_and_lists_what
     assert diff["only_now"] == ["t/a.py::A::w"] and diff["only_committed"] == ["t/a.py::A::z"]
     assert diff["differences"] == [{"test": "t/a.py::A::y", "now": "failed", "committed": "passed",
                                     "stock_committed": "passed", "error_now": "new", "error_committed": ""}]
+
+
+def test_a_run_stops_before_pytest_when_a_module_diffusers_tests_import_is_missing(tmp_path, monkeypatch, capsys):
+    (tmp_path / "tests" / "pipelines").mkdir(parents=True)
+    (tmp_path / "tests" / "pipelines" / "test_pipelines_common.py").write_text("")
+    monkeypatch.setattr(diffusers_pipeline_tests, "TEST_MODULES", ("pytest", "no_such_module_xyz"))
+    assert diffusers_pipeline_tests.missing_test_modules() == ["no_such_module_xyz"]
+    with pytest.raises(SystemExit):
+        diffusers_pipeline_tests.main([str(tmp_path), "--modes", "omni", "--hub", str(tmp_path / "hub")])
+    assert "no_such_module_xyz, not installed" in capsys.readouterr().err
+    assert not (tmp_path / "hub").exists()  # stopped before building the stand-ins
