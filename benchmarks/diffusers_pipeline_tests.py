@@ -5,6 +5,11 @@ installed Diffusers)::
 
     python -m benchmarks run diffusers-pipeline-tests -- /tmp/diffusers-src --modes stock layerwise model_level
 
+Diffusers' tests import ``parameterized`` and ``requests_mock`` (its test extras, not installed here): without them
+most test files fail at collection in every mode, so the driver stops first (``TEST_MODULES``); install them apart,
+e.g. ``pip install --target DIR parameterized requests-mock`` and ``DIR`` on ``PYTHONPATH``. ``--compare-with
+latest.json`` compares a (partial) run with the committed one on the same test files.
+
 Modes:
 
 - ``stock``: Diffusers' classes, as Diffusers runs them.
@@ -168,6 +173,15 @@ STAND_INS = ("hf-internal-testing/tiny-random-t5", "hf-internal-testing/tiny-ran
              "hf-internal-testing/tiny-random-Qwen2VLForConditionalGeneration", "hf-internal-testing/tiny-gemma3",
              "hf-internal-testing/tiny-cosmos3-modular-pipe")
 
+# Modules Diffusers' test files import that are not Diffusers' own dependencies.
+TEST_MODULES = ("parameterized", "requests_mock")
+
+
+def missing_test_modules() -> list[str]:
+    import importlib.util
+
+    return [name for name in TEST_MODULES if importlib.util.find_spec(name) is None]
+
 
 def make_stand_ins(hub: Path) -> list[str]:
     """Build the ``STAND_INS`` under ``hub`` (tokenizers and LTX-2's tiny Gemma 3 from ``diffusers_omni.testing``;
@@ -259,6 +273,32 @@ def summarize(runs: dict[str, dict]) -> dict:
     return runs
 
 
+def compare(now: dict, committed: dict) -> dict:
+    """Each mode of ``now`` against the same mode of ``committed`` (a result, with or without its meta block),
+    restricted to the test files ``now`` ran: counts on both sides, the ids only one side has, and every id whose
+    outcome differs (with the committed stock outcome, where there is one, and both sides' error lines)."""
+    now, committed = now.get("payload", now), committed.get("payload", committed)
+    stock = committed["runs"].get("stock", {}).get("outcomes", {})
+    out = {}
+    for mode, run in now["runs"].items():
+        files = tuple(f"{path}::" for path in run.get("files", []))
+        before = committed["runs"].get(mode, {})
+        old = {k: v for k, v in before.get("outcomes", {}).items() if k.startswith(files)}
+        new = run["outcomes"]
+
+        def counts(outcomes: dict) -> dict:
+            return {o: sum(v == o for v in outcomes.values()) for o in ("passed", "failed", "skipped", "error")}
+
+        out[mode] = {"counts_now": counts(new), "counts_committed": counts(old),
+                     "committed_commit": before.get("commit", committed.get("commit", "")),
+                     "only_now": sorted(set(new) - set(old)), "only_committed": sorted(set(old) - set(new)),
+                     "differences": [{"test": k, "now": new[k], "committed": old[k], "stock_committed": stock.get(k),
+                                      "error_now": run.get("failures", {}).get(k, ""),
+                                      "error_committed": before.get("failures", {}).get(k, "")}
+                                     for k in sorted(set(new) & set(old)) if new[k] != old[k]]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("src", type=Path, help="a checkout of huggingface/diffusers (its tests/ is run)")
@@ -276,10 +316,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", nargs="+", type=Path, default=[],
                         help="result files of separate runs (e.g. one per mode, run in parallel) to merge into --out")
     parser.add_argument("--out", type=Path, default=None, help="JSON results (merged into an existing file)")
+    parser.add_argument("--compare-with", type=Path, default=None,
+                        help="a committed result (e.g. results/diffusers-pipeline-tests/latest.json): each mode's "
+                             "outcomes are compared with it, on the same test files (recorded as 'comparison')")
     args = parser.parse_args(argv)
     if not (args.src / "tests" / "pipelines" / "test_pipelines_common.py").exists():
         parser.error(f"src={str(args.src)!r}: no tests/pipelines/test_pipelines_common.py there; "
                      "give a checkout of huggingface/diffusers")
+    if args.modes and not args.merge and (missing := missing_test_modules()):
+        parser.error(f"Diffusers' tests import {', '.join(missing)}, not installed: install them (e.g. pip install "
+                     f"--target DIR {' '.join(m.replace('_', '-') for m in missing)}, DIR on PYTHONPATH)")
 
     import diffusers
     import torch
@@ -327,6 +373,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: {run['counts']}; beyond stock: {len(run['beyond_stock'])}")
         for nodeid in run["beyond_stock"]:
             print(f"  {nodeid}: {run['failures'][nodeid]}")
+    if args.compare_with:
+        result["comparison"] = compare(result, json.loads(args.compare_with.read_text()))
+        for mode, diff in result["comparison"].items():
+            print(f"{mode}: now {diff['counts_now']}, committed {diff['counts_committed']}; "
+                  f"{len(diff['differences'])} differ, {len(diff['only_now'])} only now, "
+                  f"{len(diff['only_committed'])} only committed")
+            for d in diff["differences"]:
+                print(f"  {d['test']}: {d['committed']} -> {d['now']} (stock {d['stock_committed']}) {d['error_now']}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
     return 0
