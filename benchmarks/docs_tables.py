@@ -225,6 +225,31 @@ OFFLOAD_BUDGET_HISTORY = (
 )
 
 
+def offload_lossless() -> str:
+    """compression="lossless" on the H200 (offload-side-by-side's current FLUX.1-dev-size run) and the code's ratio on
+    trained and random weights (codec-ratio, CPU)."""
+    run = result("offload-side-by-side")
+    report = next(r for name, r in run["runs"].items() if name.startswith("current-flux"))
+    variants = {v["variant"]: v for v in report["models"][0]["variants"]}
+    plain, coded = variants["omni layerwise"], variants["omni layerwise lossless"]
+    rows = [[label, f"{v['step_s']:.3f} s", f"{v['step_s'] / v['stream_floor_s']:.2f}", gib(v.get("moved_bytes",
+             v["streamed_bytes"])), gib(v["peak_device_bytes"]), f"{v['setup_s']:.1f} s",
+             "yes" if v.get("same_output_as_resident") else "NO"]
+            for label, v in (("layerwise", plain), ('layerwise, compression="lossless"', coded))]
+    text = (f"**FLUX.1-dev size**, one transformer forward, NVIDIA H200; {source('offload-side-by-side')}\n\n"
+            + table(["Offload", "Step", "÷ bf16 floor", "Moved per step", "Device peak", "Enable", "Same output as "
+                     "resident"], rows)
+            + f"\nCoded to {coded['coded_ratio']:.3f} of the bf16 bytes, decoded by the {coded['decode_kernel']}; "
+              f"the bf16 floor is the streamed bf16 bytes over the measured host→device bandwidth "
+              f"({plain['stream_floor_s']:.3f} s).\n\n")
+    ratio = result("codec-ratio")["rows"]
+    rows = [[r["source"], r["kind"], f"{r['weights']:,}", f"{r['exponent_entropy_bits']:.2f}",
+             f"{r['ideal_ratio']:.3f}", f"{r['ratio']:.3f}"] for r in ratio]
+    return text + (f"The code's size on trained weights (shipped in PyPI wheels) and random ones, CPU; "
+                   f"{source('codec-ratio')}\n\n"
+                   + table(["Weights of", "Kind", "Weights", "Exponent entropy (bits)", "Ideal", "Code"], rows))
+
+
 def offload_budget_window() -> str:
     rows = []
     for name in OFFLOAD_BUDGET_HISTORY:
@@ -1669,6 +1694,7 @@ RENDERERS = {
     "sage-pipelines": sage_pipelines,
     "offload-summary": offload_summary,
     "offload-budget-window": offload_budget_window,
+    "offload-lossless": offload_lossless,
     "distributed-summary": distributed_summary,
     "distributed-example": distributed_example,
     "fp8-kernels": fp8_kernels,

@@ -140,9 +140,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              "gpu", (), args=("--models", "flux", "--variants", "layerwise,lossless")),
     Scenario("offload-side-by-side", "side_by_side",
              "offload_bench of this tree beside a baseline commit's (benchmarks/h200/side_by_side.sh), step times "
-             "compared", "gpu", (), args=_SIDE_BY_SIDE, smoke=None),
+             "compared", "gpu", (OFFLOAD,), args=_SIDE_BY_SIDE, smoke=None),
     Scenario("codec-ratio", "codec_ratio", "lossless code's ratio on trained weights (PyPI wheels) and random ones",
-             "cpu", (), smoke=("--random-weights", "4096")),
+             "cpu", (OFFLOAD,), smoke=("--random-weights", "4096")),
     Scenario("offload-distributed-flux", "offload_bench", "FLUX.1-dev size: distributed layerwise (N = 1), mmap",
              "gpu", (DISTRIBUTED, DESIGN_OFFLOAD),
              args=("--models", "flux", "--variants", "layerwise,budget,distributed,mmap", "--skip-model-level")),
