@@ -250,6 +250,29 @@ def offload_lossless() -> str:
                    + table(["Weights of", "Kind", "Weights", "Exponent entropy (bits)", "Ideal", "Code"], rows))
 
 
+def offload_auto() -> str:
+    """``max_device_memory="auto"`` on a whole pipeline (pipeline-offload-flux-auto): what it chose, against no budget
+    and resident, and whether the image stayed the resident one."""
+    report = result("pipeline-offload-flux-auto")
+    by = {r["strategy"]: r for r in report["strategies"]}
+    reference = by["resident"]
+    rows = []
+    for name, row in by.items():
+        if row.get("status") != "ok":
+            continue
+        plan = row.get("omni_plan") or {}
+        chosen = gib(plan["planned_budget_bytes"]) if plan.get("planned_budget_bytes") else (
+            "none (two-block window)" if name.startswith("omni") else "")
+        same = "reference" if name == "resident" else ("yes" if row["sha256"] == reference["sha256"] else "**no**")
+        rows.append([name, chosen, f"{row['end_to_end_s']:.2f} s", f"{row['phases']['decode_s']:.2f} s",
+                     f"{gib(row['device_peak_allocated'])} / {gib(row['device_peak_reserved'])}", same])
+    card = report["strategies"][0].get("card_bytes") or by["omni"].get("card_bytes")
+    return (f"**FLUX.1-dev**, {report['steps']} steps, card emulated at {gib(card)}, NVIDIA H200; "
+            f"{source('pipeline-offload-flux-auto')}\n\n"
+            + table(["Run", "Budget (auto: its choice)", "End to end", "VAE decode", "Device peak (allocated / "
+                     "reserved)", "Same image as resident"], rows))
+
+
 def offload_budget_window() -> str:
     rows = []
     for name in OFFLOAD_BUDGET_HISTORY:
@@ -1695,6 +1718,7 @@ RENDERERS = {
     "offload-summary": offload_summary,
     "offload-budget-window": offload_budget_window,
     "offload-lossless": offload_lossless,
+    "offload-auto": offload_auto,
     "distributed-summary": distributed_summary,
     "distributed-example": distributed_example,
     "fp8-kernels": fp8_kernels,

@@ -199,7 +199,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("pipeline-offload-flux-auto", "pipeline_offload_bench",
              "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: omni with no budget, with "
              "max_device_memory 8 GiB and auto (its reading and choice recorded), and compression=lossless with no "
-             "budget (the sweep's other budgets: pipeline-offload-flux-sweep, another call)", "gpu", (),
+             "budget (the sweep's other budgets: pipeline-offload-flux-sweep, another call)", "gpu", (OFFLOAD,),
              args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", "resident,omni",
                    "--omni-budget", "8GiB,auto", "--omni-lossless", "none", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-flux-sweep", "pipeline_offload_bench",

@@ -73,7 +73,7 @@ def test_flux_sweep_scenario_runs_the_other_budgets_after_resident():
 
 def test_flux_auto_scenario_smoke_records_auto_budget_and_lossless_and_plots(tmp_path):
     scenario = registry.get("pipeline-offload-flux-auto")
-    assert scenario.docs == () and scenario.smoke == ("--smoke",)
+    assert scenario.docs == ("docs/user_guide/offload.md",) and scenario.smoke == ("--smoke",)
     assert scenario.args[scenario.args.index("--omni-budget") + 1] == "8GiB,auto"
     out = tmp_path / "run"
     assert bench.main([*scenario.args, *scenario.smoke, "--in-process", "--out", str(out)]) == 0
