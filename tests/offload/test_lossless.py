@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from diffusers_omni.config.offload import LayerwiseOffloadConfig
-from offload_helpers import flux_pipe, generate, wan22_pipe
+from diffusers_omni.offload.stores import LosslessStore
+from offload_helpers import assert_same_snapshot, flux_pipe, generate, pipeline_snapshot, wan22_pipe
 
 
 def test_config_refuses_an_unknown_mode_naming_the_field():
@@ -67,3 +68,25 @@ def test_distributed_allgather_refuses_compression_naming_the_way_out():
     with pytest.raises(ValueError, match=r"compression='lossless' with use_allgather=True is not built yet.*"
                                          r"use_allgather=False"):
         DistributedLayerwiseOffloadConfig(device="cpu", compression="lossless")
+
+
+def test_lossless_enable_failing_part_way_rolls_back_from_the_coded_copy_exactly(monkeypatch):
+    pipe = wan22_pipe()
+    pipe.to(torch.bfloat16)
+    reference = generate(pipe, steps=2)
+    before = pipeline_snapshot(pipe)
+    take, calls = LosslessStore.take, []
+
+    def failing_take(self, journal):
+        calls.append(self.weights.path)
+        if len(calls) == 3:  # two blocks already coded and parked, their originals gone
+            raise RuntimeError("injected failure while coding")
+        take(self, journal)
+
+    monkeypatch.setattr(LosslessStore, "take", failing_take)
+    with pytest.raises(RuntimeError, match="injected failure while coding"):
+        pipe.enable_layerwise_offload(device="cpu", compression="lossless")
+    assert pipe.omni_offload_backend is None
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+    monkeypatch.setattr(LosslessStore, "take", take)
+    assert torch.equal(generate(pipe, steps=2), reference)

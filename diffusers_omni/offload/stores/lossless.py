@@ -47,8 +47,10 @@ class LosslessStore(BlockStore):
 
     def take(self, journal: Journal) -> None:
         weights = self.weights
-        originals = weights.tensors.current()
-        journal.record(f"restore {weights.path}", lambda: weights.park(originals))
+        # Nothing here rebinds the block's tensors (the caller parks them once this returns), so a failure before
+        # the end needs no undo; the undo recorded at the end decodes the coded copy rather than keeping the
+        # original tensors alive until the enable ends (a second full copy of the model in RAM while coding).
+        devices = [tensor.device for tensor in weights.tensors.current()]
         flat = weights.current_flat()
         coded = {dtype: self._encode(tensor) for dtype, tensor in flat.items() if dtype in CODED_DTYPES}
         raw = {dtype: tensor for dtype, tensor in flat.items() if dtype not in CODED_DTYPES}
@@ -69,6 +71,15 @@ class LosslessStore(BlockStore):
         self.raw_dtypes = list(raw)
         self.layout = [(offset, part.numel(), part.dtype) for part, offset in zip(parts, offsets)]
         self.coded, self.raw = self._arrange(views, coded)
+        journal.record(f"restore {weights.path}", lambda: weights.park(
+            [view if device.type == "cpu" else view.to(device) for view, device in zip(self._decoded(True), devices)]))
+
+    def _decoded(self, clone_raw: bool) -> list[torch.Tensor]:
+        """The block's tensors decoded from the coded copy, as host tensors (``clone_raw``: the other dtypes copied
+        out of the host buffer, which is released with the offload's host memory)."""
+        flat = {dtype: decode(encoded) for dtype, encoded in self.coded.items()}
+        flat.update({dtype: raw.clone() if clone_raw else raw for dtype, raw in self.raw.items()})
+        return self.weights.views_into(flat)
 
     def counters(self) -> dict[str, int]:
         counts = {"coded bytes": sum(encoded.nbytes for encoded in self.coded.values()),
@@ -131,12 +142,8 @@ class LosslessStore(BlockStore):
             decode_into(encoded, buffers[dtype])
 
     def host_views(self) -> list[torch.Tensor]:
-        flat = {dtype: decode(encoded) for dtype, encoded in self.coded.items()}
-        flat.update(self.raw)
-        return self.weights.views_into(flat)
+        return self._decoded(False)
 
     def give_back(self) -> None:
-        flat = {dtype: decode(encoded) for dtype, encoded in self.coded.items()}
-        clone = self.context.clone_on_release  # the raw parts are in the offload's host memory, released next
-        flat.update({dtype: raw.clone() if clone else raw for dtype, raw in self.raw.items()})
-        self.weights.park(self.weights.views_into(flat), final=True)
+        # The raw parts are in the offload's host memory, released next where it cannot be kept.
+        self.weights.park(self._decoded(self.context.clone_on_release), final=True)
