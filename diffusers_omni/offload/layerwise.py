@@ -55,6 +55,7 @@ from .hooks import ForwardLock, InstalledHooks, inference_only_message, refresh_
 from .memory import HostMemory, PackedWeights, Transfers, release_freed_device_memory, release_freed_host_memory
 from .phases import Phases, PhaseUnit
 from .residency import plan_residency
+from .residents import ResidentBlocks
 from .stats import LayerwiseStats
 from .stores import FileStore, ShardGroup, StoreContext, store_for
 from .stores.file import file_views, plan_disk_blocks, request_reads, start_staging
@@ -386,7 +387,12 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
     def _install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         state.lock = self._forward_lock()
-        state.phases = Phases(state.units, state.streamer, self.device, state.stats, state.lock)
+        # Resident DiT blocks may leave to make room for a VAE; each DiT's entry hook brings them back.
+        residents = [weights for kind, row_weights, row_resident in zip(state.kinds, state.weights, state.resident)
+                     if kind == DIT for weights, resident in zip(row_weights, row_resident)
+                     if resident and not weights.empty]
+        state.phases = Phases(state.units, state.streamer, self.device, state.stats, state.lock,
+                              ResidentBlocks(residents, self.device) if residents else None)
         install_stream_hooks(state, state.phases, self.config.prefetch_depth,
                              lambda label: self._inference_only(state, label), journal)
 
@@ -406,7 +412,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         for component in state.topology.vaes:  # a VAE phase that does not fit untiled runs in tiles
             if component.label in state.managed:
                 vae_tiling.install(component.module, component.label, self._guards.set, self._guard_undo,
-                                   state.stats.tiled_vaes.append)
+                                   state.stats.tiled_vaes.append, state.phases.make_room)
         way_out = self._guard_installer(state, self._guards).way_out
         install_state_dict_guards(state, self._managed_modules(state), way_out, self._guards)
 

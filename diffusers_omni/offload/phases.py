@@ -17,6 +17,7 @@ import torch.nn as nn
 from .hooks import EAGER_ONLY
 from .memory import PackedWeights
 from .stats import LayerwiseStats
+from .residents import ResidentBlocks
 from .streamer import StreamedBlock, Streamer
 
 
@@ -56,13 +57,26 @@ class Phases:
     """Moves the phase units of one enabled offload; every method runs under the offload's forward lock."""
 
     def __init__(self, units: list[PhaseUnit], streamer: Streamer | None, device: torch.device,
-                 stats: LayerwiseStats, lock: Any) -> None:
+                 stats: LayerwiseStats, lock: Any, residents: ResidentBlocks | None = None) -> None:
         self.units = units
         self.streamer = streamer
         self.device = device
         self.stats = stats
         self.lock = lock
+        self.residents = residents  # resident DiT blocks that may leave for a phase that needs their room
         self.active = True  # False once disabled: a late call of a guard's on-use callback does nothing
+
+    def make_room(self) -> int:
+        """The resident DiT blocks leave the device (under the forward lock: no DiT is running on them); the bytes
+        freed, 0 when there are none or they are away already. They come back when a DiT runs."""
+        if self.residents is None or not self.active:
+            return 0
+        with self.lock:
+            freed = self.residents.leave()
+        if freed:
+            self.stats.residents_left += 1
+            self.stats.residents_left_bytes = freed
+        return freed
 
     @torch.compiler.disable(reason=EAGER_ONLY)
     def enter(self, unit: PhaseUnit | None, own: frozenset[int] = frozenset()) -> None:
@@ -86,10 +100,20 @@ class Phases:
     def enter_stack(self, ring: list[StreamedBlock], first: tuple[StreamedBlock, ...], own: frozenset[int]) -> None:
         """A DiT's forward starts. Blocks another stack prefetched and did not run are freed (with or without
         phase units): left in the window, they would keep its room until evicted, and every block of this stack
-        would load on demand."""
+        would load on demand. Resident blocks that left for another phase come back first."""
+        if self.residents is not None:
+            self.residents.come_back()
         if self.units:
             self.enter(None, own)
         self.streamer.enter_stack(ring, first, own)
+
+    def enter_resident_stack(self, unit: PhaseUnit | None) -> None:
+        """A DiT whose every block is resident starts: its blocks come back if they left, its non-block unit
+        (``None``: resident too) comes in."""
+        if self.residents is not None:
+            self.residents.come_back()
+        if unit is not None:
+            self.enter(unit)
 
     def enter_encoder(self, unit: PhaseUnit | None, ring: list[StreamedBlock], first: tuple[StreamedBlock, ...],
                       own: frozenset[int]) -> None:

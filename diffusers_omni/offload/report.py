@@ -368,6 +368,10 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
             f"in host memory)" for name, nbytes in store_bytes.items()))
     if "lossless" in (store_bytes or {}):
         notes.extend(_lossless_notes(stats, backend))
+    if getattr(stats, "residents_left", 0):
+        notes.append(f"resident DiT blocks left the device {stats.residents_left} times "
+                     f"({format_bytes(stats.residents_left_bytes)}) to make room for a VAE that ran out of memory "
+                     "beside them; they come back when the DiT runs (exact: the output is unchanged)")
     for label in dict.fromkeys(getattr(stats, "tiled_vaes", ())):
         notes.append(f"{label}: ran out of device memory untiled; it decodes and encodes in tiles now "
                      "(vae.enable_tiling(); disable_omni_offload() puts its own setting back)")

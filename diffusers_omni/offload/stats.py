@@ -50,4 +50,6 @@ class LayerwiseStats:
     # per store and component (the first part of a block's path): the sums of the store's ``counters()``
     store_counters: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
+    residents_left: int = 0  # times the resident DiT blocks left the device to make room for a VAE
+    residents_left_bytes: int = 0
 

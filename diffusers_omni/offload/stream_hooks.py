@@ -31,11 +31,12 @@ def install_stream_hooks(state: Any, phases: Phases, depth: int, inference_only:
     for index, (stack, row, kind) in enumerate(zip(state.stacks, state.streamed, state.kinds)):
         ring = [b for b in row if b is not None]
         unit = state.stack_units.get(index)
-        if not ring:
-            if unit is not None and not unit.resident:  # every block resident: only its other weights swap
+        if not ring:  # every block resident: only its other weights swap, and resident blocks that left come back
+            swaps = unit is not None and not unit.resident
+            if swaps or (kind == DIT and phases.residents is not None):
                 state.hooks.install(stack.owner, LockedCallbackHook(
-                    state.lock, stack.name, before=partial(phases.enter, unit),
-                    after=partial(phases.leave, unit)), LAYERWISE_ENTRY_HOOK)
+                    state.lock, stack.name, before=partial(phases.enter_resident_stack, unit if swaps else None),
+                    after=partial(phases.leave, unit) if swaps else None), LAYERWISE_ENTRY_HOOK)
             continue
         first = tuple(ring[:depth])
         own = frozenset(id(b) for b in ring)

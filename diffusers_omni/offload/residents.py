@@ -1,0 +1,54 @@
+"""Resident DiT blocks that make room: the blocks a ``max_device_memory`` budget keeps on the device leave it for a
+phase that does not fit beside them, and come back when their DiT runs again.
+
+A budget sizes the resident set for the denoising loop. The VAE's phase comes after it, with the DiT's resident
+blocks still on the device; at a large resolution the VAE's activations may not fit beside them (measured on an
+H200: ``max_device_memory="auto"`` on a 12 GiB card). Every resident block keeps its packed host copy, so leaving is
+exact and cheap: its tensors are rebound to the host copy and the device buffers are freed. Each DiT's entry hook
+(``Phases.enter_stack``, or ``enter_resident_stack`` for a DiT whose every block is resident) copies them back
+before its first block runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .memory import PackedWeights, release_freed_device_memory
+
+
+class ResidentBlocks:
+    """The resident DiT blocks that may leave the device for a while (see the module's docstring)."""
+
+    def __init__(self, weights: list[PackedWeights], device: torch.device) -> None:
+        self.weights = weights
+        self.device = device
+        self.away = False
+        self.departures = 0  # how many times they left
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
+
+    def leave(self) -> int:
+        """Rebind every resident block to its host copy and free its device buffers; the bytes freed (0 when there
+        is nothing to free: none resident, or away already)."""
+        if self.away or not self.weights:
+            return 0
+        for weights in self.weights:
+            weights.park(weights.host_views)
+        self.away = True
+        self.departures += 1
+        release_freed_device_memory(self.device)
+        return self.nbytes
+
+    def come_back(self) -> None:
+        """Copy the blocks back to fresh device buffers (on the current stream, ordered before the blocks run) and
+        compute on them again. Nothing when they are on the device."""
+        if not self.away:
+            return
+        for weights in self.weights:
+            _, views = weights.device_buffers(self.device)
+            for host, view in zip(weights.host_views, views):
+                view.copy_(host, non_blocking=True)
+            weights.bind(views)
+        self.away = False
