@@ -610,12 +610,11 @@ def sweep_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in report["strategies"] if r["strategy"] in runs and r["strategy"] != "omni-budget"]
 
 
-def least_device_budget(omni: Any, device: torch.device, compression: str | None) -> int:
-    """The least ``max_device_memory`` the pipeline allows (read from the error a 1-byte budget raises: nothing is
-    changed by a refused enable)."""
-    kwargs = {"compression": compression} if compression else {}
+def least_budget(omni: Any, device: torch.device, **options: Any) -> int:
+    """The least budget layerwise offload allows with ``options`` (one of them a 1-byte ``max_device_memory`` or
+    ``max_host_memory``): read from the error that budget raises (nothing is changed by a refused enable)."""
     try:
-        omni.enable_layerwise_offload(device=str(device), max_device_memory=1, **kwargs)
+        omni.enable_layerwise_offload(device=str(device), **options)
     except ValueError as error:
         found = re.search(r"at least (\d+)", str(error))
         if found:
@@ -623,6 +622,11 @@ def least_device_budget(omni: Any, device: torch.device, compression: str | None
         raise
     omni.disable_omni_offload()
     return 1
+
+
+def least_device_budget(omni: Any, device: torch.device, compression: str | None) -> int:
+    """The least ``max_device_memory`` the pipeline allows."""
+    return least_budget(omni, device, max_device_memory=1, **({"compression": compression} if compression else {}))
 
 
 def omni_budget(args: argparse.Namespace, strategy: str = "omni-budget", least: Callable[[], int] | None = None
@@ -684,17 +688,7 @@ def host_budget(omni: Any, device: torch.device, args: argparse.Namespace) -> st
     (read from the error a 1-byte budget raises), so that blocks go to disk there too."""
     if not args.smoke:
         return args.omni_host_budget
-    import re
-
-    try:
-        omni.enable_layerwise_offload(device=str(device), max_host_memory=1)
-    except ValueError as error:
-        found = re.search(r"at least (\d+)", str(error))
-        if found:
-            return int(found.group(1))
-        raise
-    omni.disable_omni_offload()
-    return 1
+    return least_budget(omni, device, max_host_memory=1)
 
 
 def disk_checkpoint(pipe: Any, spec: "ModelSpec", args: argparse.Namespace) -> dict[str, Any]:
