@@ -356,6 +356,8 @@ def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], 
                 "moved_bytes": stats.streamed_bytes_per_pass - stats.store_bytes["lossless"]
                 + stats.store_host_bytes["lossless"],
             })
+            if getattr(stats, "cache_counters", None):  # compression_cache_dir: what the enable read or wrote
+                result["cache_counters"] = dict(stats.cache_counters)
     start = time.perf_counter()
     teardown(handle)
     synchronize(device)
@@ -479,10 +481,10 @@ def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, b
     variants: list[dict] = []
     use_stream = device.type == "cuda"
 
-    def omni(budget: str | None, compression: str | None = None):
+    def omni(budget: str | None, compression: str | None = None, cache_dir: str | None = None):
         def setup():
             return apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory=budget,
-                                                      compression=compression))
+                                                      compression=compression, compression_cache_dir=cache_dir))
         return setup
 
     def omni_teardown(backend):
@@ -493,6 +495,17 @@ def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, b
     if "lossless" in args.variants:  # bfloat16 blocks moved coded, decoded on the device (#37)
         variants.append(run_variant("omni layerwise lossless", omni(None, "lossless"), omni_teardown, model, inputs,
                                     device, args))
+    if "lossless-cache" in args.variants:  # compression_cache_dir: the enable that writes it, then one that reads it
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="omni-lossless-cache-", dir=args.cache_parent)
+        try:
+            for how in ("writes", "reads"):
+                variants.append(run_variant(f"omni layerwise lossless, cache {how}", omni(None, "lossless", folder),
+                                            omni_teardown, model, inputs, device, args))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
     if "distributed" in args.variants:
         # Issue #4 on one GPU: world_size=1 process group (NCCL on CUDA, gloo on CPU); AllGather with one rank is the
         # single-device ring plus a staging copy and a one-rank all-gather per block.
@@ -669,6 +682,10 @@ def markdown(report: dict) -> str:
                       f"{_gib(v['moved_bytes'])} moved per step, decoded by {v['decode_kernel']}; step "
                       f"{v['step_s']:.3f} s = {v['ratio_to_bf16_floor']:.3f} × the bf16 floor "
                       f"({v['stream_floor_s']:.3f} s); setup (coding included) {v['setup_s']:.1f} s"
+                      + (f" = {v['setup_s'] / (v['coded_logical_bytes'] / 1e9):.2f} s per GB of coded weights"
+                         if v.get("coded_logical_bytes") else "")
+                      + (f"; compression_cache_dir: read {v['cache_counters']['cache blocks read']} blocks, wrote "
+                         f"{v['cache_counters']['cache blocks written']}" if v.get("cache_counters") else "")
                       for v in coded]
         distributed = [v for v in entry["variants"] if "ratio_to_layerwise" in v]
         if distributed:
@@ -751,10 +768,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--encoder-bytes", type=int, default=4 * GiB, help="synthetic encoder for the switch test")
     parser.add_argument("--switch-repeats", type=int, default=3)
     parser.add_argument("--skip-model-level", action="store_true")
+    parser.add_argument("--cache-parent", default=None,
+                        help="lossless-cache: the folder under which its compression_cache_dir is made (default: the "
+                             "temporary directory; it needs the coded model's bytes free)")
     parser.add_argument(
         "--variants",
         default="layerwise,budget,model-level,diffusers",
-        help="comma-separated subset of layerwise, lossless (compression=lossless), lossless-budget (both), budget, model-level, diffusers, "
+        help="comma-separated subset of layerwise, lossless (compression=lossless), lossless-budget (both), "
+        "lossless-cache (with compression_cache_dir: the enable that writes it, then one that reads it), budget, "
+        "model-level, diffusers, "
         "distributed (world_size=1), mmap (save the model, mmap-load it, report host RSS) (resident always runs: "
         "the targets need it)",
     )
@@ -765,7 +787,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--models: unknown {unknown}; allowed: flux, wan")
     args.budget_models = [m.strip() for m in args.budget_models.split(",") if m.strip()]
     args.variants = {v.strip() for v in args.variants.split(",") if v.strip()}
-    allowed_variants = {"layerwise", "lossless", "lossless-budget", "budget", "model-level", "diffusers", "distributed", "mmap"}
+    allowed_variants = {"layerwise", "lossless", "lossless-budget", "lossless-cache", "budget", "model-level",
+                        "diffusers", "distributed", "mmap"}
     unknown_variants = sorted(args.variants - allowed_variants)
     if unknown_variants:
         parser.error(f"--variants: unknown {unknown_variants}; allowed: {', '.join(sorted(allowed_variants))}")

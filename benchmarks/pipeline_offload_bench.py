@@ -32,6 +32,9 @@ enabled (every strategy but ``resident``). Strategies:
   (``load_transformer_mmap``: no private copy in RAM), so the blocks beyond the budget are read from those files at
   every load; with ``--drop-page-cache`` (default) the files' cached pages are dropped
   (``posix_fadvise(DONTNEED)``) before every transformer forward, so those reads come from the disk, not RAM.
+  ``omni-host-lossless``: the same with ``compression="lossless"`` and ``compression_cache_dir`` in
+  ``--checkpoint-dir`` (``lossless-cache``): the blocks beyond the budget are read coded from the cache (its pages
+  dropped too) and decoded on the device; its enable writes the cache, or reads it when a previous run left it;
   ``--omni-attention`` chooses the attention ``omnify`` installs: ``off`` (default) keeps Diffusers' own processors,
   as every other strategy runs, so that only the offload differs (and the image can match ``resident`` bit for bit);
   ``auto`` is ``omnify(pipe)``'s default (omni attention with the platform's choice); any other value is passed on;
@@ -104,10 +107,11 @@ from benchmarks.offload_bench import (
 
 GiB = 2**30
 MiB = 2**20
-STRATEGIES = ("resident", "omni", "omni-budget", "omni-host", "diffusers-group", "diffusers-model",
-              "diffusers-sequential", "mmgp2", "mmgp4")
+STRATEGIES = ("resident", "omni", "omni-budget", "omni-host", "omni-host-lossless", "diffusers-group",
+              "diffusers-model", "diffusers-sequential", "mmgp2", "mmgp4")
 NEEDS_CUDA = {"diffusers-group", "diffusers-model", "diffusers-sequential", "mmgp2", "mmgp4"}
-OMNI = ("omni", "omni-budget", "omni-host")
+OMNI = ("omni", "omni-budget", "omni-host", "omni-host-lossless")
+HOST = ("omni-host", "omni-host-lossless")  # runs under --omni-host-budget, reading blocks from disk
 AUTO = "auto"
 LOSSLESS = "lossless"
 PHASES = ("encode", "denoise", "decode")
@@ -683,6 +687,11 @@ def plan_summary(stats: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     }
 
 
+def lossless_cache_dir(args: argparse.Namespace) -> str:
+    """omni-host-lossless's ``compression_cache_dir``: beside the DiTs' checkpoint (removed with it)."""
+    return str(Path(args.checkpoint_dir) / "lossless-cache")
+
+
 def host_budget(omni: Any, device: torch.device, args: argparse.Namespace) -> str | int:
     """``max_host_memory`` of omni-host: ``--omni-host-budget``; in a smoke run, the least the tiny pipeline allows
     (read from the error a 1-byte budget raises), so that blocks go to disk there too."""
@@ -766,8 +775,12 @@ def enable_strategy(strategy: str, pipe: Any, device: torch.device, args: argpar
             omni = omnify(pipe, enable_attention=False)
         else:
             omni = omnify(pipe, None if args.omni_attention == "auto" else args.omni_attention)
-        if strategy == "omni-host":
-            backend = omni.enable_layerwise_offload(device=str(device), max_host_memory=host_budget(omni, device, args))
+        if strategy in HOST:
+            kwargs = {}
+            if strategy == "omni-host-lossless":
+                kwargs = {"compression": LOSSLESS, "compression_cache_dir": lossless_cache_dir(args)}
+            backend = omni.enable_layerwise_offload(device=str(device), max_host_memory=host_budget(omni, device, args),
+                                                    **kwargs)
             return omni, backend
         run = (args.omni_runs or {}).get(strategy)
         if strategy != "omni" and run is None:
@@ -963,7 +976,7 @@ def run_child(args: argparse.Namespace) -> int:
         steps = args.steps
         if strategy == "diffusers-sequential" and args.sequential_steps:
             steps = min(args.steps, args.sequential_steps)
-        if strategy == "omni-host" and args.host_steps:
+        if strategy in HOST and args.host_steps:
             steps = args.host_steps
         warmup_steps = min(args.warmup_steps, steps)
         result.update(steps=steps, warmup_steps=warmup_steps)
@@ -1003,7 +1016,7 @@ def run_child(args: argparse.Namespace) -> int:
         save()
         print(f"built in {build['build_s']:.1f} s; host RSS {rss['rss'] / GiB:.1f} GiB", flush=True)
         dropper = None
-        if strategy == "omni-host":
+        if strategy in HOST:
             stage = result["stage"] = "checkpoint"
             save()
             result["checkpoint"] = disk_checkpoint(pipe, spec, args)
@@ -1034,8 +1047,16 @@ def run_child(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             result["enable_device_peak"] = torch.cuda.max_memory_allocated(device)
         result["pinned_after_enable"] = pinned_bytes(pipe, device)
-        if strategy == "omni-host":
+        if strategy in HOST:
             result["max_host_memory"] = handle.config.max_host_memory
+            if dropper is not None and strategy == "omni-host-lossless":  # the coded blocks are read from the cache
+                dropper.files += sorted(str(p) for p in Path(lossless_cache_dir(args)).glob("*.safetensors"))
+                dropper.drop()
+            cache = handle.stats.cache_counters
+            if cache:
+                result["lossless_cache"] = dict(cache)
+                print(f"compression_cache_dir: read {cache['cache blocks read']} blocks, wrote "
+                      f"{cache['cache blocks written']}", flush=True)
         elif is_omni(strategy):
             result["omni_plan"] = omni_plan(target, handle, (args.omni_runs or {}).get(strategy),
                                             getattr(args, "omni_passed_budget", None))
@@ -1202,7 +1223,7 @@ def lower_bounds(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     resident = next((r for r in results if r["strategy"] == "resident"), None)
     bounds = []
     for r in results:
-        if not is_omni(r["strategy"]) or r["strategy"] == "omni-host" or r.get("status") != "ok" or "omni" not in r:
+        if not is_omni(r["strategy"]) or r["strategy"] in HOST or r.get("status") != "ok" or "omni" not in r:
             continue  # omni-host reads from the disk: its own bound is in host_budget_summary
         row: dict[str, Any] = {"strategy": r["strategy"], "streamed_bytes": r["omni"]["streamed_bytes"],
                                "bandwidth_bytes_per_s": r["bandwidth_bytes_per_s"]}
@@ -1452,11 +1473,16 @@ def markdown(report: dict[str, Any]) -> str:
         for note in r.get("notes", []):
             notes.append(f"- {r['strategy']}: {note}")
     notes += [f"- {note}" for note in report.get("notes", [])]
-    summary = report.get("host_budget")
-    if summary:
-        lines += ["", "## Host budget (omni-host against omni)", "",
-                  "| max_host_memory | pinned | host RSS peak | denoise forward (median): omni-host / omni | "
-                  "denoise step (mean): omni-host / omni | first forward of each DiT / the others (median) | "
+    for key, name, title in (
+            ("host_budget", "omni-host", "## Host budget (omni-host against omni)"),
+            ("host_budget_lossless", "omni-host-lossless",
+             "## Host budget, coded blocks read from compression_cache_dir (omni-host-lossless against omni)")):
+        summary = report.get(key)
+        if not summary:
+            continue
+        lines += ["", title, "",
+                  f"| max_host_memory | pinned | host RSS peak | denoise forward (median): {name} / omni | "
+                  f"denoise step (mean): {name} / omni | first forward of each DiT / the others (median) | "
                   "shared buffers | disk blocks | read from disk per pass | disk reads: bytes / seconds / bandwidth | "
                   "loads that waited | page cache |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         ratio = summary.get("forward_ratio")
@@ -1472,6 +1498,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_gib(summary['disk_bytes_per_pass'])} | {_gib(summary['disk_read_bytes'])} / "
             f"{_s(summary['disk_read_seconds'])} / {_gib(summary['disk_bandwidth'])}/s | {summary['disk_waits']} | "
             f"{'dropped before every forward' if summary['page_cache_dropped'] else 'kept'} |")
+        cache = summary.get("lossless_cache")
+        if cache:
+            lines += ["", f"{name}: enable {_s(summary.get('enable_s'))}; compression_cache_dir read "
+                      f"{cache['cache blocks read']} blocks ({_gib(cache['cache bytes read'])}), wrote "
+                      f"{cache['cache blocks written']} ({_gib(cache['cache bytes written'])})."]
     sweep = report.get("budget_sweep")
     if sweep and sweep["rows"]:
         lines += ["", "## Budget sweep", "",
@@ -1510,12 +1541,14 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def host_budget_summary(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any] | None:
-    """omni-host against omni (all host copies pinned) in the same run: pinned bytes, host RSS peak, the median
-    transformer forward of each, and what the disk delivered (the reader thread's bytes and time)."""
+def host_budget_summary(results: list[dict[str, Any]], args: argparse.Namespace,
+                        strategy: str = "omni-host") -> dict[str, Any] | None:
+    """``strategy`` (omni-host or omni-host-lossless) against omni (all host copies pinned) in the same run: pinned
+    bytes, host RSS peak, the median transformer forward of each, and what the disk delivered (the reader thread's
+    bytes and time)."""
     import statistics
 
-    host = next((r for r in results if r["strategy"] == "omni-host" and r.get("status") == "ok"), None)
+    host = next((r for r in results if r["strategy"] == strategy and r.get("status") == "ok"), None)
     if host is None:
         return None
     omni = next((r for r in results if r["strategy"] == "omni" and r.get("status") == "ok"), None)
@@ -1555,6 +1588,7 @@ def host_budget_summary(results: list[dict[str, Any]], args: argparse.Namespace)
         "disk_read_bytes": stats.get("disk_read_bytes"), "disk_read_seconds": seconds,
         "disk_bandwidth": (stats.get("disk_read_bytes") or 0) / seconds if seconds else None,
         "disk_waits": stats.get("disk_waits"), "page_cache_dropped": bool(host.get("page_cache_drops")),
+        "strategy": strategy, "enable_s": host.get("enable_s"), "lossless_cache": host.get("lossless_cache"),
     }
 
 
@@ -1637,8 +1671,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         strategies[at:at] = lossless_runs
     if args.omni_host_budget is not None and "omni-host" not in strategies:
         strategies.append("omni-host")
-    if "omni-host" in strategies and args.omni_host_budget is None and not args.smoke:
-        parser.error("--strategies omni-host needs --omni-host-budget (e.g. 32GiB)")
+    if set(HOST) & set(strategies) and args.omni_host_budget is None and not args.smoke:
+        parser.error("--strategies omni-host / omni-host-lossless need --omni-host-budget (e.g. 32GiB)")
     if args.checkpoint_dir is None:
         args.checkpoint_dir = str(Path(tempfile.gettempdir()) / f"omni-pipeline-checkpoint-{args.model}")
     args.strategies = list(dict.fromkeys(strategies))
@@ -1697,6 +1731,7 @@ def main(argv: list[str] | None = None) -> int:
     def write(final: bool = False) -> None:
         report["lower_bounds"] = lower_bounds(report["strategies"])
         report["host_budget"] = host_budget_summary(report["strategies"], args)
+        report["host_budget_lossless"] = host_budget_summary(report["strategies"], args, "omni-host-lossless")
         report["budget_sweep"] = budget_sweep(report) if sweep else None
         if final and sweep:
             report["plot"] = sweep_chart(report, out.with_suffix(".png"))
@@ -1739,7 +1774,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in scratch.iterdir():
         path.unlink()
     scratch.rmdir()
-    if "omni-host" in args.strategies:  # the DiTs' checkpoint written for omni-host: tens of GB at full size
+    if set(HOST) & set(args.strategies):  # the DiTs' checkpoint written for omni-host: tens of GB at full size
         import shutil
 
         shutil.rmtree(args.checkpoint_dir, ignore_errors=True)

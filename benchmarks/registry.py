@@ -230,6 +230,13 @@ SCENARIOS: tuple[Scenario, ...] = (
              "forward) against omni with every host copy pinned", "gpu", (OFFLOAD,),
              args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--strategies", "omni,omni-host",
                    "--omni-host-budget", "32GiB", "--time-budget", _PIPELINE_TIME)),
+    Scenario("pipeline-offload-wan-host-lossless", "pipeline_offload_bench",
+             "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card, "
+             "max_host_memory=32GiB, page cache dropped before every forward: blocks read from the checkpoint "
+             "(omni-host) against blocks read coded from compression_cache_dir (omni-host-lossless, whose enable "
+             "writes the cache)", "gpu", (),
+             args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--strategies",
+                   "omni-host,omni-host-lossless", "--omni-host-budget", "32GiB", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-wan-mmgp", "pipeline_offload_bench",
              "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card: mmgp's "
              "profiles 2 and 4 against resident", "gpu", (README, OFFLOAD),

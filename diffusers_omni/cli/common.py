@@ -426,6 +426,21 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False, transformer
         with quiet_torchvision_fallback():
             return _load_with_mmap_dits(model, dtype)
 
+    if model in TINY_MODELS:
+        pipe = _tiny_pipeline(model, testing)
+        return pipe if dtype is None else pipe.to(dtype)  # built in float32: --dtype casts it, as torch_dtype would
+    from diffusers import DiffusionPipeline
+
+    kwargs = {"torch_dtype": dtype} if dtype is not None else {}
+    own = published_layout_class(model) or own_pipeline_class(model)
+    with quiet_torchvision_fallback():
+        if own is not None:
+            return own.from_pretrained(model, **kwargs)
+        return DiffusionPipeline.from_pretrained(model, **kwargs)
+
+
+def _tiny_pipeline(model: str, testing: Any):
+    """The tiny pipeline named ``model`` (random weights, built in memory, float32)."""
     if model == "tiny-flux":
         return testing.tiny_flux_pipeline()
     if model == "tiny-wan":
@@ -444,14 +459,7 @@ def load_pipeline(model: str, dtype: Any = None, mmap: bool = False, transformer
         from ..testing.tiny_soulx_singer import tiny_soulx_singer_pipeline
 
         return tiny_soulx_singer_pipeline()
-    from diffusers import DiffusionPipeline
-
-    kwargs = {"torch_dtype": dtype} if dtype is not None else {}
-    own = published_layout_class(model) or own_pipeline_class(model)
-    with quiet_torchvision_fallback():
-        if own is not None:
-            return own.from_pretrained(model, **kwargs)
-        return DiffusionPipeline.from_pretrained(model, **kwargs)
+    raise UsageError(f"no tiny pipeline named {model!r}")
 
 
 def _pipeline_folder(model: str) -> tuple[Path, dict, Callable[[str], type | None]]:

@@ -11,6 +11,7 @@ come from the registered configs' fields.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -97,6 +98,34 @@ def _bytes_or_auto(value: Any, field_name: str) -> int | str:
         raise type(error)(f'{error}; or "auto" (read from the machine when enabling)') from None
 
 
+def _cache_dir(value: Any, compression: str | None) -> str | None:
+    """``compression_cache_dir``: a folder (``str`` or path-like; created when enabling) for ``compression="lossless"``
+    only."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"compression_cache_dir must be a folder (str or os.PathLike) or None, got "
+                        f"{type(value).__name__}: {show(value)}")
+    folder = os.fspath(value)
+    if not folder.strip():
+        raise ValueError("compression_cache_dir='' is empty; allowed: a folder, or None (no cache)")
+    if compression != LOSSLESS:
+        raise ValueError(f"compression_cache_dir={show(folder)} keeps the code of compression=\"lossless\", but "
+                         f"compression={show(compression)}; allowed: compression=\"lossless\", or "
+                         "compression_cache_dir=None")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"compression_cache_dir={show(folder)} is a file, not a folder; allowed: a folder (it is "
+                         "created when enabling if missing)")
+    return folder
+
+
+def _cache_dir_option() -> Any:
+    return offload_option(
+        None, kind="path", help="with --compression lossless: a folder where the coded blocks are written once and "
+        "read back by later enables (checked against the weights), and from which blocks over --max-host-memory "
+        "are read coded")
+
+
 def _compression_option() -> Any:
     return offload_option(
         None, kind="choice", choices=(LOSSLESS,), help="keep streamed bfloat16 blocks losslessly coded in host "
@@ -130,6 +159,11 @@ class LayerwiseOffloadConfig(OffloadConfig):
             0.70 of their bytes on random weights: their exponents take 1 to 4 bits, ``offload.codec``), moves them
             coded and decodes them on the device before they run, bit for bit; float16, float32 and quantized tensors pass through as they are.
             ``None`` (default) keeps plain host copies.
+        compression_cache_dir (`str | os.PathLike`, *optional*): with ``compression="lossless"``, a folder where
+            each streamed block's code is written once (``offload.coded_cache``): later enables read it instead
+            of coding again, after checking it against the model's weights (a digest of every byte), and under
+            ``max_host_memory`` the blocks that keep no host copy are read from it, coded, instead of from the
+            checkpoint. A block whose weights changed is coded again and its file replaced (one file per block).
 
     Example:
     ```py
@@ -149,6 +183,7 @@ class LayerwiseOffloadConfig(OffloadConfig):
         None, kind="bytes", help="bytes of pinned host copies allowed, e.g. 32GiB (streamed blocks that do not fit are "
         "read from the checkpoint's safetensors files at each load), or auto (the RAM available)")
     compression: str | None = _compression_option()
+    compression_cache_dir: str | None = _cache_dir_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -159,6 +194,7 @@ class LayerwiseOffloadConfig(OffloadConfig):
         if self.max_host_memory is not None:
             object.__setattr__(self, "max_host_memory", _bytes_or_auto(self.max_host_memory, "max_host_memory"))
         object.__setattr__(self, "compression", _compression(self.compression))
+        object.__setattr__(self, "compression_cache_dir", _cache_dir(self.compression_cache_dir, self.compression))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +218,8 @@ class DistributedLayerwiseOffloadConfig(OffloadConfig):
             is the default (world) group. Not compared between configs.
         compression (`str`, *optional*): with ``use_allgather=False``, ``"lossless"`` keeps each rank's streamed
             bfloat16 blocks coded in host memory, as ``LayerwiseOffloadConfig.compression`` does.
+        compression_cache_dir (`str | os.PathLike`, *optional*): as ``LayerwiseOffloadConfig.compression_cache_dir``
+            (ranks sharing a folder write the same files, each by an atomic rename).
 
     Example:
     ```py
@@ -202,12 +240,14 @@ class DistributedLayerwiseOffloadConfig(OffloadConfig):
     hsdp: bool = offload_option(False, cli=False, help="the weights are already sharded by HSDP/FSDP")
     process_group: Any = offload_option(None, cli=False, compare=False, help="the ranks sharing the host copy")
     compression: str | None = _compression_option()
+    compression_cache_dir: str | None = _cache_dir_option()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_count(self.prefetch_depth, "prefetch_depth", 1)
         check_bool(self.use_allgather, "use_allgather")
         object.__setattr__(self, "compression", _compression(self.compression))
+        object.__setattr__(self, "compression_cache_dir", _cache_dir(self.compression_cache_dir, self.compression))
         check_bool(self.hsdp, "hsdp")
         check_count(self.resident_layers, "resident_layers", 0)
         check_count(self.tensor_parallel_size, "tensor_parallel_size", 1)

@@ -246,8 +246,8 @@ class OffloadPlan:
 
 # What a field's value is, for the CLI: a flag (``bool``), a whole number (``int``, bounded below by ``minimum``) or
 # a byte size (``bytes``: ``"12GiB"``, checked by ``parse_bytes``) or one of some names (``choice``, given as
-# ``choices``; the config checks the value).
-OPTION_KINDS = ("bool", "int", "bytes", "choice")
+# ``choices``; the config checks the value) or a file-system path (``path``).
+OPTION_KINDS = ("bool", "int", "bytes", "choice", "path")
 
 
 def offload_option(default: Any, *, help: str, kind: str | None = None, minimum: int | None = None,
@@ -258,7 +258,7 @@ def offload_option(default: Any, *, help: str, kind: str | None = None, minimum:
     Args:
         default: the field's default.
         help (`str`): one line for ``--help``; the CLI prefixes the strategies that read the flag.
-        kind (`str`, *optional*): ``"bool"``, ``"int"``, ``"bytes"`` or ``"choice"``; by default from
+        kind (`str`, *optional*): ``"bool"``, ``"int"``, ``"bytes"``, ``"choice"`` or ``"path"``; by default from
             ``default``'s type.
         minimum (`int`, *optional*): the smallest value of an ``int`` field (``1`` → the CLI takes positive ints).
         flag (`str`, *optional*): the flag's name; by default ``--<field-name>`` (a bool field defaulting to

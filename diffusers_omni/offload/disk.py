@@ -221,6 +221,9 @@ class BlockSource:
         self.wanted = 0  # the staging ring's mark (``StagingRing._want``)
         self.owner: Any = None
         self.checksum: int | None = None  # of the sampled windows (``sample_checksum``), set once verified
+        # coded_block.CodedBlock (its layout; ``None``: the bytes are the block's own): the bytes are the block's
+        # lossless code, read from ``compression_cache_dir`` and decoded on the device (``stores.coded_file``)
+        self.coded: Any = None
 
     def drop_tensors(self) -> None:
         """Forget the model's tensors (kept only to verify them)."""
@@ -555,6 +558,13 @@ def _file_checksum(source: BlockSource, reader: DiskReader) -> int:
         for start, size in _windows(piece.length):
             crc = zlib.crc32(os.pread(reader.fds[piece.file], size, piece.offset + start), crc)
     return crc
+
+
+def take_checksum(source: BlockSource, reader: DiskReader) -> None:
+    """Set ``source.checksum`` from its files' bytes, already known to be right (a cache entry just checked):
+    every later read is compared with it."""
+    source.checksum = _file_checksum(source, reader)
+    source.drop_tensors()
 
 
 def verify_block(source: BlockSource, reader: DiskReader, views: FileViews | None = None) -> int:

@@ -38,6 +38,7 @@ from . import budget as machine
 from . import vae_tiling
 from .base import EnableStep, OffloadBackend
 from .budget import AUTO, weights_in_ram
+from .coded_cache import CodedCache
 from .disk import DiskReadError
 from .discovery import (
     DIT,
@@ -58,6 +59,7 @@ from .residency import plan_residency
 from .residents import ResidentBlocks
 from .stats import LayerwiseStats
 from .stores import FileStore, ShardGroup, StoreContext, store_for
+from .stores.coded_file import CodedSources
 from .stores.file import file_views, plan_disk_blocks, request_reads, start_staging
 from .stream_hooks import install_state_dict_guards, install_stream_hooks
 from .streamer import StreamedBlock, Streamer
@@ -105,6 +107,7 @@ class LayerwiseState:
     device_budget: int | None = None  # max_device_memory as planned ("auto" resolved)
     phases: Phases | None = None  # moves the phase units (made with the hooks)
     stores: StoreContext | None = None  # what the blocks' stores share
+    coded_cache: Any = None  # coded_cache.CodedCache of compression_cache_dir
 
 
 class LayerwiseOffloadBackend(OffloadBackend):
@@ -224,13 +227,22 @@ class LayerwiseOffloadBackend(OffloadBackend):
     def _plan_host(self, state: LayerwiseState, journal: Journal) -> None:
         """With ``max_host_memory``: which streamed blocks keep no host copy (read from their files, see
         ``stores.file.plan_disk_blocks``), checked against their files before anything changes."""
+        cache = self._coded_cache(state)
+        coded = CodedSources(cache, self.device) if cache is not None else None
         budget = getattr(self.config, "max_host_memory", None)
         if budget == AUTO:
             views = file_views(state)
             tensors = [slot.leaf.data() for row in state.weights for w in row for slot in w.slots]
             tensors += [slot.leaf.data() for unit in state.units for slot in unit.weights.slots]
             budget = self._resolve(state, AUTO, weights_in_ram(tensors, lambda t: views.locate(t) is not None))
-        plan_disk_blocks(state, budget, self._staging_count(), self.config.show_progress, journal)
+        plan_disk_blocks(state, budget, self._staging_count(), self.config.show_progress, journal, coded)
+
+    def _coded_cache(self, state: LayerwiseState) -> CodedCache | None:
+        """The folder of ``compression_cache_dir`` (opened once per enable; ``None`` without one)."""
+        folder = getattr(self.config, "compression_cache_dir", None)
+        if folder is not None and state.coded_cache is None:
+            state.coded_cache = CodedCache(folder)
+        return state.coded_cache
 
     def _resolve(self, state: LayerwiseState, value: int | str | None, in_ram: int | None = None) -> int | None:
         """A budget as given, or ``"auto"`` read from the machine (``budget.read_machine``): the device budget, or
@@ -267,7 +279,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         # Weights that are views of checkpoint files (load_transformer_mmap) give their pages back once packed.
         context = state.stores = StoreContext(self.device, host_memory, file_views(state).release, state.disk,
                                               state.disk_reader, compression=getattr(self.config, "compression", None),
-                                              shards=self._shards())
+                                              shards=self._shards(), cache=self._coded_cache(state))
         rows = [[None if weights.empty or resident else StreamedBlock(weights, self.device,
                                                                       store_for(weights, context))
                  for weights, resident in zip(row_weights, row_resident)]
@@ -311,6 +323,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
                         block.weights.path.split(".")[0], {})
                     for key, value in block.store.counters().items():
                         component[key] = component.get(key, 0) + value
+        if state.coded_cache is not None:
+            state.stats.cache_dir = str(state.coded_cache.folder)
+            state.stats.cache_counters = state.coded_cache.counters()
         release_freed_host_memory()
         release_freed_device_memory(self.device)
 

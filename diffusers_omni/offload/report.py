@@ -135,21 +135,36 @@ class OffloadReport:
 
 
 def _lossless_notes(stats: Any, backend: Any) -> list[str]:
-    """What compression="lossless" coded: bytes in host memory against their bf16 size, per component, the code
-    widths, what passed through, and the decoder that runs on the execution device."""
-    coded, logical = stats.store_host_bytes["lossless"], stats.store_bytes["lossless"]
+    """What compression="lossless" coded: bytes in host memory (or on disk, read coded from compression_cache_dir)
+    against their bf16 size, per component, the code widths, what passed through, the decoder that runs on the
+    execution device, and what the cache folder served."""
     device = getattr(backend, "execution_device", None) or torch.device("cpu")
-    notes = [f"lossless: {stats.store_blocks['lossless']} streamed blocks held coded, {format_bytes(coded)} in host "
-             f"memory for {format_bytes(logical)} ({coded / max(logical, 1):.3f}); codec: bfloat16 exponents as "
-             f"1- to 4-bit codes with escapes (offload.codec), decoded on {device} by {codec_kernel_name(device)}"]
-    for component, counts in stats.store_counters.get("lossless", {}).items():
-        widths = ", ".join(f"{counts[key]} {key}" for key in sorted(counts) if key.endswith("-bit buffers"))
-        ratio = counts.get("coded bytes", 0) / max(counts.get("logical bytes", 0), 1)
-        notes.append(f"lossless {component}: bfloat16 {format_bytes(counts.get('logical bytes', 0))} → "
-                     f"{format_bytes(counts.get('coded bytes', 0))} ({ratio:.3f}; {widths}; "
-                     f"{counts.get('escapes', 0):,} escapes); other dtypes passed through as they are: "
-                     f"{format_bytes(counts.get('passed bytes', 0))}")
+    notes = []
+    for store, where in (("lossless", "held coded in host memory"),
+                         ("disk (lossless)", "read coded from compression_cache_dir at each load")):
+        if store not in stats.store_bytes:
+            continue
+        counts = stats.store_counters.get(store, {})
+        coded = sum(c.get("coded bytes", 0) + c.get("passed bytes", 0) for c in counts.values())
+        logical = stats.store_bytes[store]
+        notes.append(f"{store}: {stats.store_blocks[store]} streamed blocks {where}, {format_bytes(coded)} for "
+                     f"{format_bytes(logical)} ({coded / max(logical, 1):.3f}); codec: bfloat16 exponents as 1- to "
+                     f"4-bit codes with escapes (offload.codec), decoded on {device} by {codec_kernel_name(device)}")
+        for component, counts in counts.items():
+            widths = ", ".join(f"{counts[key]} {key}" for key in sorted(counts) if key.endswith("-bit buffers"))
+            ratio = counts.get("coded bytes", 0) / max(counts.get("logical bytes", 0), 1)
+            notes.append(f"{store} {component}: bfloat16 {format_bytes(counts.get('logical bytes', 0))} → "
+                         f"{format_bytes(counts.get('coded bytes', 0))} ({ratio:.3f}; {widths}; "
+                         f"{counts.get('escapes', 0):,} escapes); other dtypes passed through as they are: "
+                         f"{format_bytes(counts.get('passed bytes', 0))}")
+    cache = getattr(stats, "cache_counters", None)
+    if cache:
+        notes.append(f"compression_cache_dir {stats.cache_dir}: this enable read {cache['cache blocks read']} blocks' "
+                     f"code ({format_bytes(cache['cache bytes read'])}) and wrote {cache['cache blocks written']} "
+                     f"({format_bytes(cache['cache bytes written'])}; {cache['cache files replaced']} files "
+                     "replaced: weights changed or files damaged)")
     return notes
+
 
 def _cell(nbytes: int) -> str:
     return format_bytes(nbytes) if nbytes else "-"
@@ -348,9 +363,14 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
     stats = getattr(getattr(backend, "_state", None), "stats", None)
     if getattr(stats, "staging_bytes", 0):
         mode = getattr(getattr(backend._state, "host_memory", None), "mode", None)
-        notes.append(f"disk: {stats.disk_blocks} streamed blocks have no host copy and are read from their checkpoint "
-                     f"files at each load, through a staging ring of {format_bytes(stats.staging_bytes)} of "
-                     f"{_host_kind(mode)} host memory (not in the columns above: it holds no weight of its own)")
+        coded = getattr(stats, "store_blocks", {}).get("disk (lossless)", 0)
+        where = "their checkpoint files" if not coded else (
+            f"compression_cache_dir, coded" if coded == stats.disk_blocks else
+            f"their checkpoint files ({coded} of them from compression_cache_dir, coded)")
+        notes.append(f"disk: {stats.disk_blocks} streamed blocks have no host copy and are read from {where} at each "
+                     f"load ({format_bytes(stats.disk_bytes_per_pass)} per pass), through a staging ring of "
+                     f"{format_bytes(stats.staging_bytes)} of {_host_kind(mode)} host memory (not in the columns "
+                     "above: it holds no weight of its own)")
     if getattr(stats, "shared_buffers", 0):
         mode = getattr(getattr(backend._state, "host_memory", None), "mode", None)
         notes.append(f"shared: {stats.shared_blocks} blocks of the alternating DiTs share {stats.shared_buffers} "
@@ -366,7 +386,7 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
         notes.append("streamed blocks by store: " + ", ".join(
             f"{name} {stats.store_blocks[name]} blocks ({format_bytes(nbytes)}, {format_bytes(held.get(name, 0))} "
             f"in host memory)" for name, nbytes in store_bytes.items()))
-    if "lossless" in (store_bytes or {}):
+    if {"lossless", "disk (lossless)"} & set(store_bytes or {}):
         notes.extend(_lossless_notes(stats, backend))
     if getattr(stats, "residents_left", 0):
         notes.append(f"resident DiT blocks left the device {stats.residents_left} times "

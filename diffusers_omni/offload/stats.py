@@ -49,6 +49,9 @@ class LayerwiseStats:
     store_host_bytes: dict[str, int] = field(default_factory=dict)  # what each store holds in host memory for them
     # per store and component (the first part of a block's path): the sums of the store's ``counters()``
     store_counters: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    # compression_cache_dir: the folder, and what this enable read from and wrote to it (``CodedCache.counters``)
+    cache_dir: str | None = None
+    cache_counters: dict[str, int] = field(default_factory=dict)
     tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
     residents_left: int = 0  # times the resident DiT blocks left the device to make room for a VAE
     residents_left_bytes: int = 0

@@ -114,3 +114,27 @@ def test_host_budget_summary_compares_the_median_forward_with_omni():
     assert summary["switch_forward_s"] == 1.3 and summary["other_forward_s"] == pytest.approx(1.35)
     assert ("| 34.36 GB | 30.00 GiB | 38.00 GiB | 1.30 s / 1.10 s (1.18×) | 1.00 s / 0.82 s (1.21×) | 1.30 s / 1.35 s "
             "| 0, 0.00 GiB | 40 |") in text
+
+
+def test_wan_host_lossless_scenario_smoke_reads_coded_blocks_from_the_cache(tmp_path):
+    import json
+
+    from benchmarks import registry
+
+    scenario = registry.get("pipeline-offload-wan-host-lossless")
+    out = tmp_path / "run"
+    argv = [*scenario.args, *scenario.smoke, "--in-process", "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--out", str(out)]
+    assert bench.main(argv) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    by = {r["strategy"]: r for r in report["strategies"]}
+    assert list(by) == ["omni-host", "omni-host-lossless"]
+    assert all(r["status"] == "ok" for r in by.values()), {n: r.get("error") for n, r in by.items()}
+    assert by["omni-host"]["sha256"] == by["omni-host-lossless"]["sha256"]  # the same video, bit for bit
+    coded, plain = report["host_budget_lossless"], report["host_budget"]
+    assert coded["lossless_cache"]["cache blocks written"] > 0
+    stats = by["omni-host-lossless"]["omni"]["stats"]
+    assert stats["store_blocks"].get("disk (lossless)", 0) > 0 and coded["disk_read_bytes"] > 0  # read coded
+    assert plain is not None and "disk (lossless)" not in by["omni-host"]["omni"]["stats"]["store_blocks"]
+    text = out.with_suffix(".md").read_text()
+    assert "(omni-host-lossless against omni)" in text and "omni-host-lossless: enable" in text

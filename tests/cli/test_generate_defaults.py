@@ -120,3 +120,11 @@ def test_help_states_the_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "default: the pipeline's, e.g. 28 for FLUX.1-dev; 4 for the tiny models" in text
     assert "e.g. 1024 for FLUX.1-dev; 64 for the tiny models" in text
+
+
+def test_dtype_casts_a_tiny_pipeline(tmp_path, capsys):
+    """``--dtype`` applies to the tiny pipelines too (built in float32, cast as ``torch_dtype`` would load them)."""
+    assert main(["generate", "--model", "tiny-flux", "--dtype", "bfloat16", "--output", str(tmp_path / "a.png")]) == 0
+    assert "(OmniFluxPipeline, bfloat16)" in capsys.readouterr().out
+    assert main(["generate", "--model", "tiny-flux", "--output", str(tmp_path / "b.png")]) == 0
+    assert "(OmniFluxPipeline, float32)" in capsys.readouterr().out

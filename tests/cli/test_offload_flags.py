@@ -40,11 +40,11 @@ def test_generate_offers_every_registered_strategy_and_field(capsys):
     fields = {f.name for entry in offload_strategies() for f in dataclasses.fields(entry.config)
               if f.init and f.metadata.get("cli")}
     assert {flag.field for flag in offload_flags()} == fields == {
-        "max_device_memory", "prefetch_depth", "dits_only", "max_host_memory", "compression", "use_allgather",
-        "resident_layers"}
+        "max_device_memory", "prefetch_depth", "dits_only", "max_host_memory", "compression",
+        "compression_cache_dir", "use_allgather", "resident_layers"}
     assert [flag.flag for flag in offload_flags()] == [
         "--max-device-memory", "--prefetch-depth", "--dits-only", "--max-host-memory", "--compression",
-        "--no-allgather", "--resident-layers"]
+        "--compression-cache-dir", "--no-allgather", "--resident-layers"]
 
 
 def test_tune_offers_the_strategies_of_one_process(capsys):

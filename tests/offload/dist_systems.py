@@ -42,18 +42,28 @@ def soulx_singer_parity(rank: int, world: int, use_allgather: bool) -> dict[str,
     return _parity(pipe, run, use_allgather)
 
 
-def lossless_parity(rank: int, world: int, use_allgather: bool) -> dict[str, Any]:
+def lossless_parity(rank: int, world: int, use_allgather: bool, cache_dir: str | None = None) -> dict[str, Any]:
     """Distributed layerwise offload with compression="lossless" (each rank's full host copy coded) on tiny FLUX in
-    bfloat16."""
+    bfloat16. With ``cache_dir`` (shared by the ranks: each writes the same files by an atomic rename) a second
+    enable reads every block's code from it."""
     from offload_helpers import flux_pipe, generate
 
     pipe = flux_pipe()
     pipe.to(torch.bfloat16)
     reference = generate(pipe, steps=2)
-    backend = pipe.enable_distributed_layerwise_offload(use_allgather=False, device="cpu", compression="lossless")
+    extra = {} if cache_dir is None else {"compression_cache_dir": cache_dir}
+    backend = pipe.enable_distributed_layerwise_offload(use_allgather=False, device="cpu", compression="lossless",
+                                                        **extra)
     coded = backend.stats.store_blocks.get("lossless", 0) > 0
     outputs = [generate(pipe, steps=2) for _ in range(2)]
     pipe.disable_omni_offload()
-    return {"equal": all(torch.equal(o, reference) for o in outputs), "after": torch.equal(generate(pipe, steps=2),
-                                                                                          reference),
-            "streamed": coded}
+    result = {"equal": all(torch.equal(o, reference) for o in outputs),
+              "after": torch.equal(generate(pipe, steps=2), reference), "streamed": coded}
+    if cache_dir is not None:
+        backend = pipe.enable_distributed_layerwise_offload(use_allgather=False, device="cpu", compression="lossless",
+                                                            **extra)
+        counters = backend.stats.cache_counters
+        result["read_all"] = counters["cache blocks read"] == backend.stats.store_blocks["lossless"]
+        result["equal_cached"] = torch.equal(generate(pipe, steps=2), reference)
+        pipe.disable_omni_offload()
+    return result

@@ -10,7 +10,8 @@ import torch
 from diffusers_omni.config.offload import LayerwiseOffloadConfig
 from diffusers_omni.offload import budget
 from diffusers_omni.offload.budget import MachineReading, device_budget, host_budget
-from offload_helpers import flux_pipe, generate
+from offload_helpers import assert_same_snapshot, flux_pipe, generate, pipeline_snapshot
+from test_host_budget import COMPONENTS, _host_bytes, _image, _load, _state_dicts, saved  # noqa: F401 (fixture)
 
 GiB = 1 << 30
 
@@ -88,3 +89,52 @@ def test_host_auto_keeps_every_host_copy_when_ram_allows(monkeypatch):
     assert backend.stats.disk_blocks == 0 and backend.stats.auto[0].startswith("max_host_memory=auto: ")
     assert torch.equal(generate(pipe, steps=2), reference)
     pipe.disable_omni_offload()
+
+
+def test_host_auto_under_a_cgroup_cap_reads_the_rest_from_disk_and_the_cap_holds(saved, monkeypatch):
+    """An injected cgroup limit (the CPU machine's stand-in for a ``memory.max`` on the GPU machine): auto pins what
+    the cap leaves, the other blocks are read from the checkpoint, and the image is the same."""
+    pipe = _load(saved)
+    reference = _image(pipe)
+    expected = _state_dicts(pipe)
+    everything = _host_bytes(pipe)
+    chosen = []
+    host_budget = budget.host_budget
+
+    def capture(reading, in_ram):
+        chosen.append(host_budget(reading, in_ram))
+        return chosen[-1]
+
+    monkeypatch.setattr(budget, "host_budget", capture)
+    # The cap leaves the margin (1 GiB at this size) less a quarter of the host copies: with the weights in RAM
+    # (auto counts those back in) about three quarters of the host copies fit.
+    room = GiB - everything // 4
+    monkeypatch.setattr(budget, "read_machine", lambda device: MachineReading(
+        str(device), mem_available=64 * GiB, cgroup_limit=8 * GiB, cgroup_usage=8 * GiB - room))
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory="auto")
+    stats = backend.stats
+    (auto,) = chosen
+    assert any("cgroup limit 8.00 GiB" in step for step in auto.steps)
+    assert stats.disk_blocks > 0  # the cap did not hold every host copy
+    assert stats.host_bytes + stats.staging_bytes + stats.shared_bytes <= auto.nbytes  # the cap holds
+    for _ in range(2):
+        assert torch.equal(_image(pipe), reference)
+    report = str(pipe.omni_offload_report())
+    assert "auto read: device cpu" in report and "cgroup_limit 8.00 GiB" in report
+    pipe.disable_omni_offload()
+    actual = _state_dicts(pipe)
+    assert all(torch.equal(actual[n][k], expected[n][k]) for n in COMPONENTS for k in expected[n])  # nothing lost
+    assert torch.equal(_image(pipe), reference)
+
+
+def test_host_auto_refuses_a_model_without_files_that_does_not_fit_before_pinning(monkeypatch):
+    pipe = flux_pipe()
+    before = pipeline_snapshot(pipe)
+    everything = _host_bytes(pipe)
+    monkeypatch.setattr(budget, "read_machine", lambda device: MachineReading(
+        str(device), mem_available=64 * GiB, cgroup_limit=8 * GiB, cgroup_usage=7 * GiB + everything // 2))
+    with pytest.raises(ValueError, match=r"max_host_memory=\d+ \(.*\) is too small; allowed: at least") as info:
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory="auto")
+    assert "not loaded from local safetensors files" in str(info.value)  # how much it needs, and the way out
+    assert pipe.omni_offload_backend is None
+    assert_same_snapshot(before, pipeline_snapshot(pipe))

@@ -32,10 +32,11 @@ def test_each_config_holds_the_shared_fields_and_only_its_own():
     assert _fields(NoOffloadConfig) == SHARED
     assert _fields(ModelLevelOffloadConfig) == SHARED
     assert _fields(LayerwiseOffloadConfig) == SHARED + ["max_device_memory", "prefetch_depth", "dits_only",
-                                                        "max_host_memory", "compression"]
+                                                        "max_host_memory", "compression",
+                                                        "compression_cache_dir"]
     assert _fields(DistributedLayerwiseOffloadConfig) == SHARED + [
         "use_allgather", "resident_layers", "prefetch_depth", "tensor_parallel_size", "hsdp", "process_group",
-        "compression"]
+        "compression", "compression_cache_dir"]
     for config_type, strategy in zip(CONFIGS, OffloadStrategy):
         assert config_type.strategy is strategy
         assert issubclass(config_type, OffloadConfig)

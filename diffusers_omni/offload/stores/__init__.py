@@ -1,7 +1,8 @@
-"""Block stores (see ``base``): the pinned host copy, the file-backed block, the lossless (coded) host copy and the
-rank's 1/N shard (AllGather), registered on import."""
+"""Block stores (see ``base``): the pinned host copy, the file-backed block, the lossless (coded) host copy, the
+block read coded from ``compression_cache_dir`` and the rank's 1/N shard (AllGather), registered on import."""
 
 from .base import BlockStore, StoreContext, register_store, registered_stores, store_for, unregister_store
+from .coded_file import CodedFileStore
 from .file import FileStore
 from .lossless import LosslessStore
 from .pinned import PinnedStore
@@ -9,6 +10,7 @@ from .shard import ShardGroup, ShardStore
 
 __all__ = [
     "BlockStore",
+    "CodedFileStore",
     "FileStore",
     "LosslessStore",
     "PinnedStore",

@@ -49,6 +49,7 @@ class StoreContext:
     ring: Any = None  # disk.StagingRing
     compression: str | None = None  # the offload's ``compression`` ("lossless" lets the lossless store claim blocks)
     shards: Any = None  # shard.ShardGroup under AllGather: the shard store claims every streamed block
+    cache: Any = None  # coded_cache.CodedCache of ``compression_cache_dir`` (None: no cache)
 
     @property
     def clone_on_release(self) -> bool:

@@ -110,11 +110,13 @@ def file_views(state: Any) -> FileViews:
 
 
 def plan_disk_blocks(state: Any, budget: int | None, staging_count: int, show_progress: Any,
-                     journal: Journal) -> None:
+                     journal: Journal, coded: Any = None) -> None:
     """With ``max_host_memory``: which streamed blocks keep no host copy of their own (``plan_host_memory``:
     read from disk at every load, or sharing a buffer with the blocks of the alternating DiTs at the same
     position), each mapped to its checkpoint files and checked against them (names, dtypes, shapes, bytes),
-    before anything changes."""
+    before anything changes. ``coded`` (``coded_file.CodedSources``, with ``compression_cache_dir``): the blocks it
+    claims are written to the cache first, count at their coded size and, on disk, are read coded from the cache
+    (no checkpoint needed)."""
     if budget is None:
         return
     components: dict[int, tuple[Any, dict[int, list[str]], dict[int, str]]] = {}
@@ -125,31 +127,45 @@ def plan_disk_blocks(state: Any, budget: int | None, staging_count: int, show_pr
     mapped: set[int] = set()  # id(PackedWeights) of quantized blocks read back from the files they are views of
     positions: dict[int, int] = {}  # id(component module) → streamed blocks seen so far (load order)
     resident_bytes = 0
-    for index, (stack, row, resident_row, kind) in enumerate(
-            zip(state.stacks, state.weights, state.resident, state.kinds)):
-        component = component_of(state.topology, stack.owner)
-        if component is not None and id(component.module) not in components:
-            components[id(component.module)] = (component, *checkpoint_names(component.module))
-        group = groups.get(id(component.module), -1) if component is not None and kind == DIT else -1
-        for weights, resident in zip(row, resident_row):
-            if weights.empty:
-                continue
-            if resident:
-                resident_bytes += weights.nbytes
-                continue
-            if component is None:
-                reason = "not part of a pipeline component (its checkpoint is unknown)"
-            else:
-                reason, from_views, kept = _disk_refusal(weights, components[id(component.module)][2], views)
-                owners[id(weights)] = component
-                if from_views:
-                    mapped.add(id(weights))
-            position = 0
-            if group >= 0:
-                position = positions.get(id(component.module), 0)
-                positions[id(component.module)] = position + 1
-            candidates.append(HostCandidate(weights, weights.path, weights.nbytes, index, kind == ENCODER, reason,
-                                            group, position, kept if component is not None else 0))
+    coded_ids: set[int] = set()  # id(PackedWeights) of the blocks read coded from compression_cache_dir
+    coding = sum(w.nbytes for row, resident_row in zip(state.weights, state.resident)
+                 for w, resident in zip(row, resident_row)
+                 if not resident and not w.empty and coded is not None and coded.claims(w))
+    with byte_progress(coding, "layerwise offload: lossless code in compression_cache_dir (checked, or written once)",
+                       show_progress if coding else False, state.target) as bar:
+        for index, (stack, row, resident_row, kind) in enumerate(
+                zip(state.stacks, state.weights, state.resident, state.kinds)):
+            component = component_of(state.topology, stack.owner)
+            if component is not None and id(component.module) not in components:
+                components[id(component.module)] = (component, *checkpoint_names(component.module))
+            group = groups.get(id(component.module), -1) if component is not None and kind == DIT else -1
+            for weights, resident in zip(row, resident_row):
+                if weights.empty:
+                    continue
+                if resident:
+                    resident_bytes += weights.nbytes
+                    continue
+                nbytes = weights.nbytes
+                if coded is not None and coded.claims(weights):
+                    reason, kept = "", 0
+                    nbytes = coded.prepare(weights)
+                    coded_ids.add(id(weights))
+                    if component is not None:
+                        owners[id(weights)] = component
+                    bar.update(weights.nbytes)
+                elif component is None:
+                    reason = "not part of a pipeline component (its checkpoint is unknown)"
+                else:
+                    reason, from_views, kept = _disk_refusal(weights, components[id(component.module)][2], views)
+                    owners[id(weights)] = component
+                    if from_views:
+                        mapped.add(id(weights))
+                position = 0
+                if group >= 0:
+                    position = positions.get(id(component.module), 0)
+                    positions[id(component.module)] = position + 1
+                candidates.append(HostCandidate(weights, weights.path, nbytes, index, kind == ENCODER, reason,
+                                                group, position, kept if component is not None else 0))
     fixed = {"phase units": sum(u.weights.nbytes for u in state.units), "resident blocks": resident_bytes}
     count = staging_count
     checkpoints: dict[int, tuple[Any, str]] = {}
@@ -157,13 +173,16 @@ def plan_disk_blocks(state: Any, budget: int | None, staging_count: int, show_pr
         # Disk is needed: the blocks whose component was not loaded from local safetensors files keep theirs.
         for candidate in candidates:
             component = owners.get(id(candidate.key))
-            if candidate.reason or component is None or id(candidate.key) in mapped:
+            if candidate.reason or component is None or id(candidate.key) in mapped | coded_ids:
                 continue
             if id(component.module) not in checkpoints:
                 checkpoints[id(component.module)] = find_checkpoint(component.module, component.path)
             checkpoint, why = checkpoints[id(component.module)]
             if checkpoint is None:
                 candidate.reason = f"{component.label!r}: {why}"
+                if torch.bfloat16 in candidate.key.numel:  # the lossless code on disk needs no checkpoint
+                    candidate.reason += ("; or compression=\"lossless\" with compression_cache_dir: its bfloat16 "
+                                         "blocks are then read coded from that folder")
     plan = plan_host_memory(candidates, fixed, budget, count)
     if not plan:
         logger.info("layerwise offload: max_host_memory %s: every host copy fits", format_bytes(budget))
@@ -172,6 +191,10 @@ def plan_disk_blocks(state: Any, budget: int | None, staging_count: int, show_pr
     sources: dict[int, BlockSource] = {}
     for candidate in plan.blocks:
         weights = candidate.key
+        if id(weights) in coded_ids:
+            owner = owners.get(id(weights))
+            sources[id(weights)] = coded.source(weights, owner.label if owner is not None else "", files)
+            continue
         component, names, _ = components[id(owners[id(weights)].module)]
         if id(weights) in mapped:
             source = view_source(weights.path, component.label, views, files, weights.slots, weights.numel)
@@ -189,7 +212,10 @@ def plan_disk_blocks(state: Any, budget: int | None, staging_count: int, show_pr
     with byte_progress(total, "layerwise offload: checking disk-backed blocks against their files",
                        show_progress, state.target) as bar:
         for source in sources.values():
-            verify_block(source, reader, views)
+            if source.coded is not None:
+                coded.verify(source, reader)
+            else:
+                verify_block(source, reader, views)
             bar.update(source.read_bytes)
     state.disk, state.disk_reader = sources, reader
     state.shared = [[sources[id(c.key)] for c in group] for group in plan.shared]

@@ -1,0 +1,95 @@
+"""The coded file store: under ``max_host_memory`` with ``compression="lossless"`` and ``compression_cache_dir``, the
+blocks that keep no host copy are read from their cache file — their lossless code, about 0.7 of their bytes —
+instead of from the checkpoint, and decoded on the device.
+
+``CodedSources`` is what the host planner (``stores.file.plan_disk_blocks``) asks about such blocks: they count at
+their coded size (for the host copies the budget keeps and for the staging ring), need no checkpoint (the cache
+holds the block's bytes as the model has them: a model built in memory, non-persistent buffers, a permuted layout),
+and each is written to the cache once (``coded_cache.CodedCache.ensure``) before the plan is made. A disk-backed
+block's source is then one piece of its cache file, read by the reader thread into the staging ring as any
+disk-backed block is; ``CodedFileStore`` copies the staged code to the device and decodes it there
+(``lossless.upload_and_decode``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..coded_block import CodedBlock
+from ..coded_cache import CodedCache
+from ..disk import BlockSource, DiskReader, Piece, take_checksum
+from ..memory import PackedWeights, Transfers
+from .base import StoreContext, register_store
+from .file import FileStore
+from .lossless import codes, upload_and_decode
+
+
+class CodedSources:
+    """The host planner's view of the blocks the lossless code serves, with a cache folder (see the module)."""
+
+    def __init__(self, cache: CodedCache, device: torch.device) -> None:
+        self.cache = cache
+        self.device = device
+        self._entries: dict[int, Any] = {}  # id(PackedWeights) → coded_cache.Entry
+
+    def claims(self, weights: PackedWeights) -> bool:
+        return codes(weights)
+
+    def prepare(self, weights: PackedWeights) -> int:
+        """Make sure the cache holds the block's code (checked, or written now); its size in bytes."""
+        entry = self._entries[id(weights)] = self.cache.ensure(weights, self.device)
+        return entry.nbytes
+
+    def source(self, weights: PackedWeights, component: str, files: list[Path]) -> BlockSource:
+        """The block's source: its whole cache file's coded bytes (``files`` is the reader's list, extended)."""
+        entry = self._entries[id(weights)]
+        if entry.file not in files:
+            files.append(entry.file)
+        piece = Piece(files.index(entry.file), entry.offset, 0, entry.nbytes, f"{weights.path} (lossless code)")
+        source = BlockSource(weights.path, component, {torch.uint8: entry.nbytes}, [piece])
+        # The layout only (views of a meta tensor: no memory); loads decode the staged bytes through it.
+        source.coded = CodedBlock.from_metadata(entry.meta, torch.empty(entry.nbytes, dtype=torch.uint8,
+                                                                        device="meta"))
+        return source
+
+    @staticmethod
+    def verify(source: BlockSource, reader: DiskReader) -> None:
+        """The code was checked by ``prepare``: the checksum later reads are compared with is taken now."""
+        take_checksum(source, reader)
+
+
+@register_store
+class CodedFileStore(FileStore):
+    """A disk-backed block whose bytes are its lossless code in ``compression_cache_dir``: staged by the reader
+    thread, copied to the device coded, decoded there into the block's buffers."""
+
+    name = "disk (lossless)"
+    priority = 110
+
+    @classmethod
+    def claims(cls, weights: PackedWeights, context: StoreContext) -> bool:
+        source = context.sources.get(id(weights))
+        return source is not None and source.coded is not None
+
+    def fill(self, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for, done) -> None:
+        ring, source = self.context.ring, self.source
+        staged = ring.take(source)
+        try:
+            upload_and_decode(source.coded, staged.buffer.narrow(0, 0, source.nbytes), buffers, transfers, wait_for,
+                              done)
+        except BaseException:
+            transfers.synchronize()  # nothing may still copy from the buffer given back here
+            ring.release(staged)
+            raise
+        # The staging buffer is free once the copy to the device is done (the decode reads the device copy).
+        ring.release(staged, transfers.record_on_copy if transfers.asynchronous else None)
+
+    def host_views(self) -> list[torch.Tensor]:
+        flat = self.context.reader.read_pageable(self.source)[torch.uint8]
+        return self.weights.views_into(self.source.coded.decoded(flat))
+
+    def counters(self) -> dict[str, int]:
+        return self.source.coded.counters()
