@@ -106,6 +106,9 @@ class DistributedLayerwiseOffloadBackend(LayerwiseOffloadBackend):
                 self._allocate_slots, self._install_hooks, self._install_step_check, self._install_guards,
                 self._agree_local, self._prime, self._agree_primed)
 
+    # A rank that started its step again would put its collectives out of step with the other ranks'.
+    retries_out_of_memory = False
+
     @property
     def max_device_memory(self) -> None:
         """No byte budget: ``resident_layers`` chooses the resident blocks and every other block streams."""

@@ -109,6 +109,11 @@ class ForwardLock(NotPicklable):
             self._holder = threading.current_thread().name
         self._depth += 1
 
+    @property
+    def depth(self) -> int:
+        """How many forwards the holding thread has entered under it (1: the outermost; read while holding it)."""
+        return self._depth
+
     @torch.compiler.disable(reason=EAGER_ONLY)
     def release(self) -> None:
         self._depth -= 1
@@ -165,6 +170,11 @@ class CallbackHook(NotPicklable, ModelHook):
             self._after()
         return output
 
+    def rewire(self, other: "CallbackHook") -> None:
+        """Take ``other``'s callbacks, keeping this hook's place among the module's hooks (resident blocks that
+        start streaming change what the hooks do, not their order; see ``oom_retry``)."""
+        self._before, self._after = other._before, other._after
+
 
 class InferenceOnlyError(RuntimeError):
     """A backward pass reached a forward that ran on streamed weights (freed, or overwritten, once each block
@@ -184,6 +194,11 @@ class LockedCallbackHook(NotPicklable, ModelHook):
     before ``before()`` and released after ``after()``, or when either or the forward raises (``after()`` then does
     not run, as with ``CallbackHook``). ``label`` names the module in ``ConcurrentCallError``.
 
+    With ``retry`` (a DiT's entry hook: ``oom_retry.StepRetry``), the outermost forward under ``lock`` runs through
+    it, ``retry(run, module, args, kwargs)``, which may run ``before()``, the forward and ``after()`` once more after
+    an out-of-memory error; a forward nested in another one under the same lock (a module calling another managed
+    one) raises as it came, to the outermost, which alone can start the call again from a clean state.
+
     With ``inference_only`` (a message), a forward run with grad enabled saves its tensors for backward through
     saved-tensor hooks whose unpacking raises ``InferenceOnlyError(inference_only)``: a backward through it would
     read weights that were freed (a streamed block's device memory; Autograd said ``setStorage: ... storage of
@@ -192,13 +207,20 @@ class LockedCallbackHook(NotPicklable, ModelHook):
     """
 
     def __init__(self, lock: ForwardLock, label: str, before: Callable[[], None] | None = None,
-                 after: Callable[[], None] | None = None, inference_only: str | None = None) -> None:
+                 after: Callable[[], None] | None = None, inference_only: str | None = None,
+                 retry: Callable[..., Any] | None = None) -> None:
         super().__init__()
         self.lock = lock
         self.label = label
         self._before = before
         self._after = after
         self._refuse = None if inference_only is None else partial(_refuse_unpack, inference_only)
+        self._retry = retry
+
+    def rewire(self, other: "LockedCallbackHook") -> None:
+        """Take ``other``'s callbacks, refusal and retry, keeping this hook's place among the module's hooks."""
+        self._before, self._after = other._before, other._after
+        self._refuse, self._retry = other._refuse, other._retry
 
     def new_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         self.lock.acquire(self.label)
@@ -208,17 +230,23 @@ class LockedCallbackHook(NotPicklable, ModelHook):
             self.lock.release()
             return module.forward(*args, **kwargs)
         try:
-            if self._before is not None:
-                self._before()
-            if self._refuse is not None and torch.is_grad_enabled():
-                with torch.autograd.graph.saved_tensors_hooks(_keep, self._refuse):
-                    output = self.fn_ref.original_forward(*args, **kwargs)
-            else:
-                output = self.fn_ref.original_forward(*args, **kwargs)
-            if self._after is not None:
-                self._after()
+            if self._retry is not None and self.lock.depth == 1:
+                return self._retry(self._run, module, args, kwargs)
+            return self._run(module, args, kwargs)
         finally:
             self.lock.release()
+
+    def _run(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``before()``, the module's forward and ``after()`` (read at each run: a retry runs the rewired ones)."""
+        if self._before is not None:
+            self._before()
+        if self._refuse is not None and torch.is_grad_enabled():
+            with torch.autograd.graph.saved_tensors_hooks(_keep, self._refuse):
+                output = self.fn_ref.original_forward(*args, **kwargs)
+        else:
+            output = self.fn_ref.original_forward(*args, **kwargs)
+        if self._after is not None:
+            self._after()
         return output
 
 
@@ -257,25 +285,43 @@ class InstalledHooks:
         registry.register_hook(hook, name)
         self._entries.append((module, name, created_registry))
 
+    def installed(self, module: nn.Module, name: str) -> ModelHook | None:
+        """The hook named ``name`` this object installed on ``module``, or ``None``."""
+        if not any(m is module and n == name for m, n, _ in self._entries):
+            return None
+        registry = module.__dict__.get("_diffusers_hook")
+        return None if registry is None else registry.get_hook(name)
+
+    def remove(self, module: nn.Module, name: str) -> None:
+        """Remove the one hook named ``name`` this object installed on ``module`` (to install it again outermost)."""
+        for index, (m, n, created_registry) in enumerate(self._entries):
+            if m is module and n == name:
+                del self._entries[index]
+                self._remove(module, name, created_registry)
+                return
+
     def remove_all(self) -> None:
         while self._entries:
-            module, name, created_registry = self._entries.pop()
-            registry = module.__dict__.get("_diffusers_hook")
-            if registry is None:
-                continue
-            hook = registry.get_hook(name)
-            registry.remove_hook(name, recurse=False)
-            if hook is not None:
-                hook.fn_ref = None  # hook ↔ function-reference cycle, which also holds the module's forward
-            if registry.hooks:
-                continue
-            forward = module.__dict__.get("forward")
-            if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is getattr(
-                type(module), "forward", None
-            ):
-                del module.__dict__["forward"]
-            if created_registry:
-                del module._diffusers_hook
+            self._remove(*self._entries.pop())
+
+    @staticmethod
+    def _remove(module: nn.Module, name: str, created_registry: bool) -> None:
+        registry = module.__dict__.get("_diffusers_hook")
+        if registry is None:
+            return
+        hook = registry.get_hook(name)
+        registry.remove_hook(name, recurse=False)
+        if hook is not None:
+            hook.fn_ref = None  # hook ↔ function-reference cycle, which also holds the module's forward
+        if registry.hooks:
+            return
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is getattr(
+            type(module), "forward", None
+        ):
+            del module.__dict__["forward"]
+        if created_registry:
+            del module._diffusers_hook
 
     def __len__(self) -> int:
         return len(self._entries)

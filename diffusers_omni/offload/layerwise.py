@@ -54,6 +54,7 @@ from .discovery import (
 )
 from .hooks import ForwardLock, InstalledHooks, inference_only_message, refresh_registry_caches, refuse_pickling
 from .memory import HostMemory, PackedWeights, Transfers, release_freed_device_memory, release_freed_host_memory
+from .oom_retry import ResidentShrink, StepRetry
 from .phases import Phases, PhaseUnit
 from .residency import plan_residency
 from .residents import ResidentBlocks
@@ -61,7 +62,7 @@ from .stats import LayerwiseStats
 from .stores import FileStore, ShardGroup, StoreContext, store_for
 from .stores.coded_file import CodedSources
 from .stores.file import file_views, plan_disk_blocks, request_reads, start_staging
-from .stream_hooks import install_state_dict_guards, install_stream_hooks
+from .stream_hooks import guard_state_dict, install_state_dict_guards, install_stream_hooks, rewire_stream_hooks
 from .streamer import StreamedBlock, Streamer
 from .tensors import TensorSet, tensor_nbytes
 from .transports import AllGatherTransfers
@@ -119,6 +120,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
     manages_components = True
     # Whether a DiT's output layers (its declaration's ``tail_attrs``) stream with its last block.
     fold_tail = True
+    # Whether a DiT step that runs out of device memory beside resident blocks streams them and runs again
+    # (``oom_retry``); the distributed backends do not: one rank's retry would put its collectives out of step.
+    retries_out_of_memory = True
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -402,14 +406,25 @@ class LayerwiseOffloadBackend(OffloadBackend):
 
     def _install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         state.lock = self._forward_lock()
-        # Resident DiT blocks may leave to make room for a VAE; each DiT's entry hook brings them back.
+        # Resident DiT blocks may leave to make room for a VAE; each DiT's entry hook brings them back. A step that
+        # runs out of memory beside the ones the budget chose streams them and runs again (``oom_retry``).
         residents = [weights for kind, row_weights, row_resident in zip(state.kinds, state.weights, state.resident)
                      if kind == DIT for weights, resident in zip(row_weights, row_resident)
                      if resident and not weights.empty]
         state.phases = Phases(state.units, state.streamer, self.device, state.stats, state.lock,
                               ResidentBlocks(residents, self.device) if residents else None)
-        install_stream_hooks(state, state.phases, self.config.prefetch_depth,
-                             lambda label: self._inference_only(state, label), journal)
+        depth = self.config.prefetch_depth
+        inference_only = lambda label: self._inference_only(state, label)  # noqa: E731
+        retry = None
+        if self.retries_out_of_memory and residents:
+            guards = self._guards
+            shrink = ResidentShrink(
+                state, self.device, depth,
+                rewire=lambda: rewire_stream_hooks(state, state.phases, depth, inference_only, retry),
+                guard=lambda block, path, module: guard_state_dict(state, block, path, module, guards))
+            if shrink.possible():
+                retry = lambda label: StepRetry(label, shrink)  # noqa: E731
+        install_stream_hooks(state, state.phases, depth, inference_only, journal, retry)
 
     def _on_use(self, state: LayerwiseState, module: nn.Module) -> Callable[[], None] | None:
         return None if state.phases is None else state.phases.on_use(module)

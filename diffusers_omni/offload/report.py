@@ -392,6 +392,10 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
         notes.append(f"resident DiT blocks left the device {stats.residents_left} times "
                      f"({format_bytes(stats.residents_left_bytes)}) to make room for a VAE that ran out of memory "
                      "beside them; they come back when the DiT runs (exact: the output is unchanged)")
+    if getattr(stats, "residents_shrunk", 0):
+        notes.append(f"{stats.residents_shrunk} resident DiT blocks ({format_bytes(stats.residents_shrunk_bytes)}) "
+                     "stream since a denoising step ran out of device memory beside them; the step ran again with "
+                     "the smaller resident set (exact: the output is unchanged)")
     for label in dict.fromkeys(getattr(stats, "tiled_vaes", ())):
         notes.append(f"{label}: ran out of device memory untiled; it decodes and encodes in tiles now "
                      "(vae.enable_tiling(); disable_omni_offload() puts its own setting back)")

@@ -41,6 +41,11 @@ class ResidentBlocks:
         release_freed_device_memory(self.device)
         return self.nbytes
 
+    def drop(self, weights: list[PackedWeights]) -> None:
+        """``weights`` are resident no more (they stream: ``oom_retry``); the others stay in this set."""
+        gone = {id(w) for w in weights}
+        self.weights = [w for w in self.weights if id(w) not in gone]
+
     def come_back(self) -> None:
         """Copy the blocks back to fresh device buffers (on the current stream, ordered before the blocks run) and
         compute on them again. Nothing when they are on the device."""

@@ -55,4 +55,5 @@ class LayerwiseStats:
     tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
     residents_left: int = 0  # times the resident DiT blocks left the device to make room for a VAE
     residents_left_bytes: int = 0
-
+    residents_shrunk: int = 0  # resident DiT blocks that stream since a step ran out of memory beside them
+    residents_shrunk_bytes: int = 0  # their bytes, released from the device

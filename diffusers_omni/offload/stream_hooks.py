@@ -20,11 +20,55 @@ from .units import state_dict_hooks
 
 
 def install_stream_hooks(state: Any, phases: Phases, depth: int, inference_only: Callable[[str], str],
-                         journal: Journal) -> None:
+                         journal: Journal, retry: Callable[[str], Any] | None = None) -> None:
     """Install the hooks of every stack in ``state`` (a ``LayerwiseState`` with its blocks packed, its streamer and
     forward lock made) and of its phase units; ``depth`` is the prefetch depth, ``inference_only(label)`` the error
-    a backward through a streamed forward raises. The journal removes them again."""
+    a backward through a streamed forward raises, ``retry(label)`` what a DiT's entry hook runs its forward through
+    (``oom_retry.StepRetry``; ``None``: the forward runs once). The journal removes them again."""
     journal.record("remove hooks", state.hooks.remove_all)
+    _wire_stacks(state, phases, depth, inference_only, retry, state.hooks.install)
+    roots = [stack.owner for stack in state.stacks]
+    for unit in state.units:
+        if unit.resident or unit in state.stack_units.values():
+            continue
+        roots.append(unit.module)
+        # The unit comes in when its component (or any of its direct parts, which a VAE's encode and decode
+        # call) runs; an encoder's goes again when its forward returns, a VAE's when another phase starts.
+        parts = [unit.module] + [child for _, child in unit.module.named_children() if named_tensors(child)]
+        for position, part in enumerate(parts):
+            after = partial(phases.leave, unit) if unit.per_call and position == 0 else None
+            state.hooks.install(part, LockedCallbackHook(
+                state.lock, unit.label, before=partial(phases.enter, unit), after=after),
+                LAYERWISE_ENTRY_HOOK)
+    refresh_registry_caches(roots)
+    journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
+
+
+def rewire_stream_hooks(state: Any, phases: Phases, depth: int, inference_only: Callable[[str], str],
+                        retry: Callable[[str], Any] | None = None) -> None:
+    """The stacks' hooks again, for ``state.streamed`` and the window as they are now (resident blocks that started
+    streaming, ``oom_retry``): hooks already there take the new callbacks in place (their order among other hooks
+    on the module is kept), blocks that had none get theirs; removed by the same ``state.hooks``."""
+    hooks = state.hooks
+
+    def place(module: nn.Module, hook: Any, name: str) -> None:
+        existing = hooks.installed(module, name)
+        if existing is not None:
+            existing.rewire(hook)
+            return
+        if name == LAYERWISE_BLOCK_HOOK and hooks.installed(module, LAYERWISE_ENTRY_HOOK) is not None:
+            # A stack that is its own block (an extra streamed module): its entry hook stays the outermost, so the
+            # stack is entered (and the lock taken) before the block is bound; it is placed again below.
+            hooks.remove(module, LAYERWISE_ENTRY_HOOK)
+        hooks.install(module, hook, name)
+
+    _wire_stacks(state, phases, depth, inference_only, retry, place)
+    refresh_registry_caches([stack.owner for stack in state.stacks])
+
+
+def _wire_stacks(state: Any, phases: Phases, depth: int, inference_only: Callable[[str], str],
+                 retry: Callable[[str], Any] | None, place: Callable[[nn.Module, Any, str], None]) -> None:
+    """Each stack's hooks, handed to ``place(module, hook, name)`` (install, or rewire)."""
     capacity = state.stats.in_flight_capacity
     limit = state.stats.in_flight_blocks
     streamer = state.streamer
@@ -34,9 +78,10 @@ def install_stream_hooks(state: Any, phases: Phases, depth: int, inference_only:
         if not ring:  # every block resident: only its other weights swap, and resident blocks that left come back
             swaps = unit is not None and not unit.resident
             if swaps or (kind == DIT and phases.residents is not None):
-                state.hooks.install(stack.owner, LockedCallbackHook(
+                place(stack.owner, LockedCallbackHook(
                     state.lock, stack.name, before=partial(phases.enter_resident_stack, unit if swaps else None),
-                    after=partial(phases.leave, unit) if swaps else None), LAYERWISE_ENTRY_HOOK)
+                    after=partial(phases.leave, unit) if swaps else None,
+                    retry=retry(stack.name) if retry is not None and kind == DIT else None), LAYERWISE_ENTRY_HOOK)
             continue
         first = tuple(ring[:depth])
         own = frozenset(id(b) for b in ring)
@@ -54,8 +99,7 @@ def install_stream_hooks(state: Any, phases: Phases, depth: int, inference_only:
             end_last = partial(streamer.end, last)
             for _, module in tail:
                 # Normally a no-op (the last block bound them); loads them if called without the last block.
-                state.hooks.install(module, CallbackHook(before=partial(streamer.begin, last, ())),
-                                    LAYERWISE_BLOCK_HOOK)
+                place(module, CallbackHook(before=partial(streamer.begin, last, ())), LAYERWISE_BLOCK_HOOK)
         for position, ((_, module), block) in enumerate(zip(stack.blocks, row)):
             # As far ahead as the window could ever hold: each upcoming block loads as soon as room frees up
             # (e.g. while resident blocks run), so the copy engine never idles waiting for the next one.
@@ -68,7 +112,7 @@ def install_stream_hooks(state: Any, phases: Phases, depth: int, inference_only:
                 after = partial(streamer.end_pass, block, first)
             else:
                 after = partial(streamer.end, block)
-            state.hooks.install(
+            place(
                 module,
                 CallbackHook(before=partial(streamer.begin, block, lookahead), after=after),
                 LAYERWISE_BLOCK_HOOK,
@@ -80,27 +124,13 @@ def install_stream_hooks(state: Any, phases: Phases, depth: int, inference_only:
         else:
             before = partial(phases.enter_encoder, unit, ring, first, own)
             end_last = partial(phases.leave, None if unit is None or unit.resident else unit)
-        state.hooks.install(
+        place(
             stack.owner,
-            LockedCallbackHook(state.lock, stack.name, before=before,
-                               after=end_last, inference_only=inference_only(stack.name)),
+            LockedCallbackHook(state.lock, stack.name, before=before, after=end_last,
+                               inference_only=inference_only(stack.name),
+                               retry=retry(stack.name) if retry is not None and kind == DIT else None),
             LAYERWISE_ENTRY_HOOK,
         )
-    roots = [stack.owner for stack in state.stacks]
-    for unit in state.units:
-        if unit.resident or unit in state.stack_units.values():
-            continue
-        roots.append(unit.module)
-        # The unit comes in when its component (or any of its direct parts, which a VAE's encode and decode
-        # call) runs; an encoder's goes again when its forward returns, a VAE's when another phase starts.
-        parts = [unit.module] + [child for _, child in unit.module.named_children() if named_tensors(child)]
-        for position, part in enumerate(parts):
-            after = partial(phases.leave, unit) if unit.per_call and position == 0 else None
-            state.hooks.install(part, LockedCallbackHook(
-                state.lock, unit.label, before=partial(phases.enter, unit), after=after),
-                LAYERWISE_ENTRY_HOOK)
-    refresh_registry_caches(roots)
-    journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
 
 
 def install_state_dict_guards(state: Any, managed: list[tuple[str, nn.Module]], way_out: str,
@@ -125,11 +155,7 @@ def install_state_dict_guards(state: Any, managed: list[tuple[str, nn.Module]], 
                 handle = module.register_state_dict_post_hook(_refuse_state_dict(message, path))
                 guards.record("remove a state_dict hook", handle.remove)
                 continue
-            for owner in [module] + [m for _, m in state.tails.get(path, ())]:
-                before, after = state_dict_hooks(block)
-                for handle in (owner.register_state_dict_pre_hook(before),
-                               owner.register_state_dict_post_hook(after)):
-                    guards.record("remove a state_dict hook", handle.remove)
+            guard_state_dict(state, block, path, module, guards)
     if not refusals:
         return
     message = _refusal("; ".join(refusals), way_out)
@@ -140,6 +166,15 @@ def install_state_dict_guards(state: Any, managed: list[tuple[str, nn.Module]], 
         original = getattr(owner, "save_pretrained", None)
         if original is not None:
             guards.set(owner, "save_pretrained", _refuse_call(message, f"{label}.save_pretrained", original))
+
+
+def guard_state_dict(state: Any, block: Any, path: str, module: nn.Module, guards: Journal) -> None:
+    """``state_dict()`` of the streamed ``block`` (at ``path``, with its output layers) shows its store's host
+    views; ``guards`` removes the hooks on disable."""
+    for owner in [module] + [m for _, m in state.tails.get(path, ())]:
+        before, after = state_dict_hooks(block)
+        for handle in (owner.register_state_dict_pre_hook(before), owner.register_state_dict_post_hook(after)):
+            guards.record("remove a state_dict hook", handle.remove)
 
 
 def _refusal(reason: str, way_out: str) -> str:

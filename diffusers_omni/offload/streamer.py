@@ -216,6 +216,21 @@ class Streamer:
             slot.awaited = True  # the caller synchronized: no copy is pending
             self.free(slot)
 
+    def settle(self) -> None:
+        """A forward raised midway and will run again (``oom_retry``): the blocks it left running end (parked on
+        their placeholders), and every in-flight block is freed once the copies queued for them are done, so the
+        new run starts from an empty window, as a step after ``disable``/``enable`` would."""
+        self.transfers.synchronize()
+        for slot in list(self.in_flight):
+            if slot.owner is not None and slot.owner.running:
+                self.end(slot.owner)
+        self.release_all()
+
+    def resize(self, capacity: int, max_blocks: int | None) -> None:
+        """A new window (``oom_retry``: resident blocks that now stream may be larger than any streamed before)."""
+        self.capacity = capacity
+        self.max_blocks = max_blocks
+
     def release_idle(self, keep: frozenset[int] = frozenset()) -> None:
         """Free the in-flight blocks that are not running, except those whose ``id`` is in ``keep`` (a stack about
         to run keeps its own prefetched blocks): another phase starts, and another stack's prefetched blocks would

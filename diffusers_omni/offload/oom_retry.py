@@ -1,0 +1,156 @@
+"""A denoising step that runs out of device memory beside resident DiT blocks: they stream from then on, and the
+step runs again, exactly, once.
+
+A ``max_device_memory`` budget keeps DiT blocks resident by their weights' bytes; the step's activations are not in
+that sum, and they grow with the resolution, the frame count and the batch, which the offload cannot know when it
+plans (``"auto"`` reads the card once, before any call). So a step can run out of memory where the same step with
+fewer resident blocks fits. Failing the call there would be wrong: the budget was the offload's choice, not the
+user's. Every resident block keeps its packed host copy (``disable`` gives it back), so it can stream like the
+other blocks at any time: its tensors go to placeholders, its device buffers are freed, and the pinned store copies
+it from that host copy when it runs (``stores.pinned``: nothing is packed again, nothing is lost).
+
+How many blocks would have to go is not known either (the error says what one allocation lacked, not what the
+step needs), and a second failure is not retried, so the one retry is the one most likely to fit: every resident
+block the budget chose streams, and the step needs only the streaming window beside the DiTs' other weights, as
+it does without a budget. Blocks the pipeline or the plan declared resident (``_resident_modules``,
+``OffloadPlan.resident``) stay: they were not the budget's choice. The window is sized again for the largest block
+that streams now (what the planner reserved for it already). Later steps and calls keep that smaller resident set
+and fail no more; ``disable_omni_offload()`` and enabling again plans anew.
+
+The retry runs at the DiT's entry hook, the outermost forward under the offload's lock (``hooks.LockedCallbackHook``:
+a forward nested in another one raises to it), with the same arguments, after the failed forward's leftovers are
+settled: blocks it left running end, every in-flight block is freed (``Streamer.settle``), the lock's nested
+holds were released by the failing frames, and the entry hook enters the stack again as any step does. A DiT's
+forward is a pure function of its arguments and weights, so the retried step's output is bitwise the one it would
+have been (stateful hooks of other libraries inside the DiT, such as a step cache, are theirs to keep consistent).
+When nothing can be shrunk, or the retry fails too, the error is raised as it came.
+
+Distributed offload does not retry: one rank starting its step again would put its collectives out of step with
+the other ranks'.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ..config.offload import format_bytes
+from .discovery import DIT
+from .memory import release_freed_device_memory
+from .stores import PinnedStore
+from .streamer import StreamedBlock
+
+logger = logging.getLogger("diffusers_omni")
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+class ResidentShrink:
+    """Turns the resident DiT blocks a budget chose into streamed ones (see the module's docstring). ``rewire()``
+    puts the stacks' hooks in line with ``state.streamed`` and the window; ``guard(block, module)`` installs the
+    ``state_dict()`` hooks a streamed block needs (its tensors are placeholders between uses)."""
+
+    def __init__(self, state: Any, device: torch.device, depth: int, rewire: Callable[[], None],
+                 guard: Callable[[StreamedBlock, str, nn.Module], None]) -> None:
+        self.state = state
+        self.device = device
+        self.depth = depth
+        self.rewire = rewire
+        self.guard = guard
+        self.declared = {c.path for c in state.topology.residents}  # resident by declaration: they stay
+
+    def candidates(self) -> list[tuple[int, int]]:
+        """(stack, position) of every resident DiT block the budget chose."""
+        state = self.state
+        return [(i, j) for i, (kind, row_weights, row_resident) in enumerate(
+                    zip(state.kinds, state.weights, state.resident)) if kind == DIT
+                for j, (weights, resident) in enumerate(zip(row_weights, row_resident))
+                if resident and not weights.empty and weights.path not in self.declared]
+
+    def possible(self) -> bool:
+        return bool(self.candidates())
+
+    def __call__(self) -> tuple[int, int]:
+        """Stream every candidate from now on; returns (blocks, bytes released from the device). Runs under the
+        offload's forward lock, between the failed run and its retry."""
+        state, stats = self.state, self.state.stats
+        state.streamer.settle()
+        moved: list[StreamedBlock] = []
+        with torch.inference_mode(False):  # placeholders and rebinding: ordinary tensors, as at enable
+            for i, j in self.candidates():
+                weights = state.weights[i][j]
+                block = StreamedBlock(weights, self.device, PinnedStore(weights, state.stores))
+                weights.park(block.placeholders)  # the device buffers go with their last views
+                state.streamed[i][j] = block
+                state.resident[i][j] = False
+                self.guard(block, *state.stacks[i].blocks[j])
+                moved.append(block)
+        residents = state.phases.residents if state.phases is not None else None
+        if residents is not None:
+            residents.drop([block.weights for block in moved])
+            if not residents.weights:
+                state.phases.residents = None
+        nbytes = sum(block.weights.nbytes for block in moved)
+        stats.streamed_blocks += len(moved)
+        stats.resident_blocks -= len(moved)
+        stats.streamed_bytes_per_pass += nbytes
+        stats.resident_device_bytes -= nbytes
+        stats.residents_shrunk += len(moved)
+        stats.residents_shrunk_bytes += nbytes
+        for block in moved:
+            name = block.store.name
+            stats.store_blocks[name] = stats.store_blocks.get(name, 0) + 1
+            stats.store_bytes[name] = stats.store_bytes.get(name, 0) + block.weights.nbytes
+            stats.store_host_bytes[name] = stats.store_host_bytes.get(name, 0) + block.store.host_nbytes
+            stats.store_counters.setdefault(name, {}).setdefault(block.weights.path.split(".")[0], {})
+        self._resize_window()
+        self.rewire()
+        gc.collect()  # the failed run's frames and activations
+        release_freed_device_memory(self.device)
+        return len(moved), nbytes
+
+    def _resize_window(self) -> None:
+        """The window as ``_allocate_slots`` sizes it, over the blocks that stream now."""
+        state, stats = self.state, self.state.stats
+        blocks = [b for row in state.streamed for b in row if b is not None]
+        count = self.depth + 1
+        stats.slot_count = count
+        stats.slot_bytes = max(sum(n * d.itemsize for d, n in b.store.device_numel.items()) for b in blocks)
+        stats.in_flight_capacity = count * stats.slot_bytes
+        if stats.in_flight_blocks is not None or state.device_budget is None:
+            stats.in_flight_blocks = count
+        state.streamer.resize(stats.in_flight_capacity, stats.in_flight_blocks)
+
+
+class StepRetry:
+    """What a DiT's entry hook runs its forward through (``hooks.LockedCallbackHook``'s ``retry``): on an
+    out-of-memory error, ``shrink`` streams the resident blocks and the forward runs once more, with one warning."""
+
+    def __init__(self, label: str, shrink: ResidentShrink) -> None:
+        self.label = label
+        self.shrink = shrink
+
+    def __call__(self, run: Callable[..., Any], module: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        try:
+            return run(module, args, kwargs)
+        except torch.OutOfMemoryError as error:
+            if not self.shrink.possible():
+                raise  # nothing to shrink: the error as it came
+            # Leave the except block before retrying, so the failed run's frames (and the activations they hold)
+            # are gone from the traceback first.
+            message = _first_line(error)
+        blocks, nbytes = self.shrink()
+        logger.warning(
+            "%s ran out of device memory in a denoising step beside the DiT blocks a max_device_memory budget keeps "
+            "resident (%s); %d resident blocks stream from now on like the others (%s released from the device) and "
+            "the step runs again with the same inputs: the output is unchanged. Later steps run with the smaller "
+            "resident set; disable_omni_offload() and enabling again plans the budget anew",
+            self.label, message, blocks, format_bytes(nbytes))
+        return run(module, args, kwargs)
