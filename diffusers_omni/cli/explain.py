@@ -49,6 +49,33 @@ def summarize(rows: list[dict]) -> list[dict]:
     return list(grouped.values())
 
 
+def explain_offload(config) -> dict:
+    """What an offload config's budgets come to on this machine, without loading weights: each ``"auto"`` budget
+    read through ``offload.budget`` (the readings, the bytes chosen and how), explicit sizes as given. The host
+    budget counts the weights already in RAM when enabling; here none are loaded (0)."""
+    import torch
+
+    from ..config.offload import format_bytes
+    from ..offload import budget
+
+    device = torch.device(config.device)
+    out: dict = {"strategy": str(config.strategy), "device": str(device), "budgets": {}}
+    reading = None
+    for name in ("max_device_memory", "max_host_memory"):
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if value != budget.AUTO:
+            out["budgets"][name] = {"bytes": value, "explain": f"{name}={format_bytes(value)} (as given)"}
+            continue
+        reading = reading or budget.read_machine(device)
+        chosen = budget.device_budget(reading) if name == "max_device_memory" else budget.host_budget(reading, 0)
+        out["budgets"][name] = {"bytes": chosen.nbytes, "explain": chosen.explain()}
+    if reading is not None:
+        out["read"] = reading.describe()
+    return out
+
+
 def run(args) -> int:
     import torch
 
@@ -58,6 +85,12 @@ def run(args) -> int:
     configure_logging(args.verbose)
     platform = parse_platform(args.platform)
     check_model(args.model)
+    offload = None
+    if getattr(args, "offload", "none") != "none":  # built (and so checked) before anything loads
+        from .offload import offload_config
+
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        offload = explain_offload(offload_config(args, device, collective=False))
     own = None if args.model in TINY_MODELS else own_pipeline_class(args.model)
     if args.model in TINY_MODELS:
         rows = explain_pipeline(load_pipeline(args.model), args.attention, platform)
@@ -73,7 +106,7 @@ def run(args) -> int:
     else:
         rows = explain_dits(dits_from_configs(args.model, getattr(torch, args.dtype)), args.attention, platform)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows if offload is None else {"attention": rows, "offload": offload}, indent=2))
         return 0
     print(fit(f"platform: {(platform or current_platform()).describe()}"))
     summary = summarize(rows)
@@ -99,6 +132,17 @@ def run(args) -> int:
                               f"break-even: {rule['from']})"))
         for rejected in row["rejected"]:
             print(fit(f"  {row['role']}: skipped {rejected['backend']}: {'; '.join(rejected['reasons'])}"))
+    if offload is not None:
+        print(fit(f"offload: {offload['strategy']} on {offload['device']}"))
+        if not offload["budgets"]:
+            print(fit("  no budget: every DiT block streams through the window"))
+        for entry in offload["budgets"].values():
+            print(fit(f"  {entry['explain']}"))
+        if "read" in offload:
+            print(fit("  auto read: " + ", ".join(f"{k} {v}" for k, v in offload["read"].items())))
+            if offload["budgets"].get("max_host_memory", {}).get("explain", "").startswith("max_host_memory=auto"):
+                print(fit("  max_host_memory=auto adds the bytes of the weights already in RAM when enabling (none "
+                          "are loaded here)"))
     return 0
 
 

@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16",
                          help="dtype the DiTs will run in (real models are built from their configs, no weights)")
     explain.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO logs, -vv: DEBUG")
+    explain.add_argument("--device", type=device_arg,
+                         help="with --offload: the device whose memory auto budgets read (default: cuda when available)")
+    add_offload_arguments(explain, collective=False,
+                          help="also explain this offload's budgets (what \"auto\" reads on --device and chooses)")
 
     generate = sub.add_parser("generate", help="generate an image or a video through omni attention")
     generate.add_argument("--model", default="tiny-flux", help=_MODEL_HELP)

@@ -154,3 +154,30 @@ def test_generate_transformer_gguf_refuses_what_it_cannot_use(tmp_path, capsys):
     (tmp_path / "t.gguf").write_bytes(b"x")
     assert main(["generate", "--transformer-gguf", str(tmp_path / "t.gguf")]) == 2
     assert "--transformer-gguf needs a model directory or hub id" in capsys.readouterr().err
+
+
+def test_explain_offload_says_what_auto_reads_and_chooses(capsys, monkeypatch):
+    """#40: ``explain --offload layerwise --max-device-memory auto`` reads the machine through ``offload.budget``
+    (replaced here by a 12 GiB card under a per-process fraction) and says what auto chose and why."""
+    import json as _json
+
+    from diffusers_omni.offload import budget
+    from diffusers_omni.offload.budget import MachineReading
+
+    gib = 1 << 30
+    monkeypatch.setattr("diffusers_omni.cli.main.device_arg", str)  # this CPU machine has no cuda to check
+    monkeypatch.setattr(budget, "read_machine", lambda device: MachineReading(
+        str(device), device_free=100 * gib, device_total=140 * gib, device_fraction=12 / 140,
+        mem_available=32 * gib, cgroup_limit=24 * gib, cgroup_usage=4 * gib))
+    assert main(["explain", "--offload", "layerwise", "--device", "cuda", "--max-device-memory", "auto",
+                 "--max-host-memory", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "offload: layerwise on cuda" in out
+    assert "max_device_memory=auto: 9.60 GiB (free 100.00 GiB + cached by this process 0 B; per-process fraction " in out
+    assert "max_host_memory=auto: 18.00 GiB (MemAvailable 32.00 GiB; cgroup limit 24.00 GiB less its usage" in out
+    assert "auto read: device cuda, device_free 100.00 GiB" in out and "none are loaded here" in out
+    assert main(["explain", "--offload", "layerwise", "--device", "cuda", "--max-device-memory", "8GiB", "--json"]) == 0
+    offload = _json.loads(capsys.readouterr().out)["offload"]
+    assert offload["budgets"] == {"max_device_memory": {"bytes": 8 * gib, "explain": "max_device_memory=8.00 GiB "
+                                                                                      "(as given)"}}
+    assert "read" not in offload

@@ -74,22 +74,15 @@ class CodedFileStore(FileStore):
         source = context.sources.get(id(weights))
         return source is not None and source.coded is not None
 
-    def fill(self, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for, done) -> None:
-        ring, source = self.context.ring, self.source
-        staged = ring.take(source)
-        try:
-            upload_and_decode(source.coded, staged.buffer.narrow(0, 0, source.nbytes), buffers, transfers, wait_for,
-                              done)
-        except BaseException:
-            transfers.synchronize()  # nothing may still copy from the buffer given back here
-            ring.release(staged)
-            raise
-        # The staging buffer is free once the copy to the device is done (the decode reads the device copy).
-        ring.release(staged, transfers.record_on_copy if transfers.asynchronous else None)
+    def _queue(self, staged: Any, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for,
+               done) -> None:
+        # The code goes to the device on the copy stream (the staging buffer is free once it is there) and is
+        # decoded there into the block's buffers.
+        source = self.source
+        upload_and_decode(source.coded, staged.buffer.narrow(0, 0, source.nbytes), buffers, transfers, wait_for, done)
 
-    def host_views(self) -> list[torch.Tensor]:
-        flat = self.context.reader.read_pageable(self.source)[torch.uint8]
-        return self.weights.views_into(self.source.coded.decoded(flat))
+    def _read_back(self) -> dict[torch.dtype, torch.Tensor]:
+        return self.source.coded.decoded(self.context.reader.read_pageable(self.source)[torch.uint8])
 
     def counters(self) -> dict[str, int]:
         return self.source.coded.counters()

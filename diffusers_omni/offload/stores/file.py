@@ -58,22 +58,33 @@ class FileStore(BlockStore):
         journal.record(f"restore {weights.path}", lambda: weights.park(originals))
 
     def fill(self, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for, done) -> None:
-        ring, source = self.context.ring, self.source
-        staged = ring.take(source)
+        ring = self.context.ring
+        staged = ring.take(self.source)
         try:
-            pairs = staged.pairs[source.index]
-            if pairs is None:  # made once per (block, staging buffer): the hot path allocates nothing more
-                views = source.views(staged.buffer)
-                pairs = staged.pairs[source.index] = [(views[dtype], buffers[dtype]) for dtype in views]
-            transfers.copy(pairs, wait_for=wait_for, done=done)
+            self._queue(staged, buffers, transfers, wait_for, done)
         except BaseException:
             transfers.synchronize()  # nothing may still copy from the buffer given back here
             ring.release(staged)
             raise
+        # The staging buffer is free once the copies from it queued on the copy stream are done.
         ring.release(staged, transfers.record_on_copy if transfers.asynchronous else None)
 
+    def _queue(self, staged: Any, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for,
+               done) -> None:
+        """Queue the block's bytes from ``staged`` (its staging buffer) into ``buffers`` on the copy stream."""
+        source = self.source
+        pairs = staged.pairs[source.index]
+        if pairs is None:  # made once per (block, staging buffer): the hot path allocates nothing more
+            views = source.views(staged.buffer)
+            pairs = staged.pairs[source.index] = [(views[dtype], buffers[dtype]) for dtype in views]
+        transfers.copy(pairs, wait_for=wait_for, done=done)
+
+    def _read_back(self) -> dict[torch.dtype, torch.Tensor]:
+        """The block's flat per-dtype tensors read from disk into ordinary host memory."""
+        return self.context.reader.read_pageable(self.source)
+
     def host_views(self) -> list[torch.Tensor]:
-        return self.weights.views_into(self.context.reader.read_pageable(self.source))
+        return self.weights.views_into(self._read_back())
 
     def prepare_give_back(self) -> None:
         # Read (and checked against the checksum taken at enable) before disable changes anything: a block that
