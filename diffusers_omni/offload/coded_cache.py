@@ -22,6 +22,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ FORMAT = "diffusers-omni lossless block"
 # Bumped whenever the code's bytes or their layout change (a file of another version is coded again).
 VERSION = "1"
 TENSOR = "coded"
+STALE_SECONDS = 3600  # a temporary file older than this is from a write that did not finish
 _READ_CHUNK = 64 << 20  # bytes read (and hashed) at a time when loading an entry
 _POOL_LOCK = threading.Lock()
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -141,9 +143,22 @@ class CodedCache:
         if not os.access(self.folder, os.W_OK):
             raise CacheError(f"compression_cache_dir={str(self.folder)!r}: the folder is not writable; allowed: a "
                              "folder this process may write")
+        self._remove_stale_temporaries()
         self.read_blocks = self.written_blocks = self.replaced_blocks = 0
         self.read_bytes = self.written_bytes = 0
         self._digests: dict[int, str] = {}  # id(PackedWeights) → weights_digest, taken once per enable
+
+    def _remove_stale_temporaries(self) -> None:
+        """Delete the temporary files of writes that never finished (a process killed while writing), once they are
+        older than ``STALE_SECONDS`` (a write in progress in another process is younger: a block takes seconds)."""
+        now = time.time()
+        for path in self.folder.glob(".*.safetensors.*.tmp"):
+            try:
+                if now - path.stat().st_mtime > STALE_SECONDS:
+                    path.unlink()
+                    logger.info("compression_cache_dir: removed %s, left by a write that did not finish", path)
+            except OSError:
+                pass
 
     def digest(self, weights: Any) -> str:
         """``weights_digest`` of a block, taken once per enable."""

@@ -233,3 +233,17 @@ def test_cli_compression_cache_dir_writes_the_same_image(tmp_path):
         assert main([*common, *flags, "--output", str(cached)]) == 0
         assert plain.read_bytes() == cached.read_bytes()
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_temporaries_of_unfinished_writes_are_removed_once_stale(tmp_path):
+    import os
+    import time
+
+    stale = tmp_path / ".transformer.x.safetensors.abc.tmp"
+    fresh = tmp_path / ".transformer.y.safetensors.def.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"partial")
+    old = time.time() - coded_cache.STALE_SECONDS - 60
+    os.utime(stale, (old, old))
+    CodedCache(tmp_path)
+    assert not stale.exists() and fresh.exists()  # a write in progress elsewhere is left alone
