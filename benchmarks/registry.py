@@ -136,8 +136,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              "gpu", (README, OFFLOAD), args=("--models", "wan", "--skip-model-level")),
     Scenario("offload-flux-budget", "offload_bench", "FLUX.1-dev size with max_device_memory=12GiB", "gpu",
              (README, OFFLOAD, DESIGN_OFFLOAD), args=("--models", "flux", "--variants", "layerwise,budget")),
-    Scenario("offload-flux-lossless", "offload_bench", "FLUX.1-dev size: layerwise with compression=lossless vs plain",
-             "gpu", (), args=("--models", "flux", "--variants", "layerwise,lossless")),
+    Scenario("offload-flux-lossless", "offload_bench", "FLUX.1-dev size: layerwise with compression=lossless vs plain, "
+             "and with compression_cache_dir (the enable that writes it, then one that reads it)",
+             "gpu", (), args=("--models", "flux", "--variants", "layerwise,lossless,lossless-cache")),
     Scenario("offload-side-by-side", "side_by_side",
              "offload_bench of this tree beside a baseline commit's (benchmarks/h200/side_by_side.sh), step times "
              "compared", "gpu", (OFFLOAD,), args=_SIDE_BY_SIDE, smoke=None),

@@ -31,7 +31,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .coded_block import CodedBlock, code_block
+from .coded_block import PART_ALIGN, CodedBlock, code_block
+from .decode_kernel import GROUP
 from .disk import read_pieces, safetensors_entries
 
 logger = logging.getLogger("diffusers_omni")
@@ -40,6 +41,8 @@ FORMAT = "diffusers-omni lossless block"
 # Bumped whenever the code's bytes or their layout change (a file of another version is coded again).
 VERSION = "1"
 TENSOR = "coded"
+# What else fixes the code's bytes: a file written under other values is coded again.
+CODE_LAYOUT = {"group": GROUP, "part_align": PART_ALIGN}
 STALE_SECONDS = 3600  # a temporary file older than this is from a write that did not finish
 _READ_CHUNK = 64 << 20  # bytes read (and hashed) at a time when loading an entry
 _POOL_LOCK = threading.Lock()
@@ -202,6 +205,8 @@ class CodedCache:
         why = None
         if meta.get("format") != FORMAT or meta.get("version") != VERSION:
             why = f"it is {meta.get('format', 'not a lossless block')!r} version {meta.get('version')!r}, not {VERSION!r}"
+        elif info.get("code_layout") != CODE_LAYOUT:
+            why = f"its code's layout is {info.get('code_layout')}, this version's is {CODE_LAYOUT}"
         elif info.get("block") != block:
             why = f"it holds block {info.get('block')!r}"
         elif info.get("weights_sha256") != digest:
@@ -233,7 +238,8 @@ class CodedCache:
     def store(self, block: str, digest: str, coded: CodedBlock) -> Entry:
         """Write ``coded`` as ``block``'s file (replacing any), by a rename of a fully written temporary file."""
         path = self.path_of(block)
-        info = dict(coded.metadata(), block=block, weights_sha256=digest, coded_sha256=_buffer_digest(coded.buffer))
+        info = dict(coded.metadata(), block=block, weights_sha256=digest, coded_sha256=_buffer_digest(coded.buffer),
+                    code_layout=CODE_LAYOUT)
         meta = {"format": FORMAT, "version": VERSION, "omni": json.dumps(info)}
         replaced = path.exists()
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.folder)

@@ -247,3 +247,15 @@ def test_temporaries_of_unfinished_writes_are_removed_once_stale(tmp_path):
     os.utime(stale, (old, old))
     CodedCache(tmp_path)
     assert not stale.exists() and fresh.exists()  # a write in progress elsewhere is left alone
+
+
+def test_a_file_of_another_code_layout_is_coded_again(tmp_path, monkeypatch, caplog):
+    pipe = _bf16_flux()
+    pipe.enable_layerwise_offload(device="cpu", compression="lossless", compression_cache_dir=tmp_path)
+    pipe.disable_omni_offload()
+    monkeypatch.setattr(coded_cache, "CODE_LAYOUT", {**coded_cache.CODE_LAYOUT, "group": 4096})
+    with caplog.at_level(logging.WARNING, logger="diffusers_omni"):
+        backend = pipe.enable_layerwise_offload(device="cpu", compression="lossless", compression_cache_dir=tmp_path)
+    assert backend.stats.cache_counters["cache blocks read"] == 0
+    assert any("its code's layout is" in r.getMessage() for r in caplog.records)
+    pipe.disable_omni_offload()
