@@ -36,14 +36,18 @@ def coded_copy(weights: PackedWeights, context: StoreContext, allocate) -> Coded
     written there for the next enable."""
     cache = context.cache
     digest = None
+    spare: list[torch.Tensor] = []  # a buffer a damaged file was read into: the code of the same weights fits it
     if cache is not None:
         digest = cache.digest(weights)
         entry = cache.lookup(weights.path, digest)
         if entry is not None:
-            block = cache.read(entry, allocate(max(entry.nbytes, 1)), weights.path)
+            buffer = allocate(max(entry.nbytes, 1))
+            block = cache.read(entry, buffer, weights.path)
             if block is not None:
                 return block
-    block = code_block(weights.current_flat(), context.device, allocate)
+            spare.append(buffer)
+    block = code_block(weights.current_flat(), context.device,
+                       lambda nbytes: spare.pop() if spare and spare[0].numel() == nbytes else allocate(nbytes))
     if cache is not None:
         cache.store(weights.path, digest, block)
     return block
