@@ -119,15 +119,11 @@ class CodedBlock:
 def code_block(flat: dict[torch.dtype, torch.Tensor], device: torch.device,
                allocate: Callable[[int], torch.Tensor]) -> CodedBlock:
     """Code ``flat`` (a block's per-dtype flat tensors, on the host) into one buffer from ``allocate(nbytes)``
-    (uint8, host). The coding runs on ``device`` when it is an accelerator (fast), else on the host."""
-    coded = {}
-    for dtype, tensor in flat.items():
-        if dtype in CODED_DTYPES:
-            if device.type == "cpu":
-                coded[dtype] = encode(tensor)
-            else:
-                encoded = encode(tensor.to(device))
-                coded[dtype] = encoded.with_parts([part.cpu() for part in encoded.parts()])
+    (uint8, host). The coding runs on ``device`` when it is an accelerator (fast), else on the host; each coded part
+    is copied from there into its place in the buffer (one copy, no intermediate host tensor)."""
+    # The parts stay where they were coded and are copied once, straight into their place in the buffer.
+    coded = {dtype: encode(tensor if device.type == "cpu" else tensor.to(device))
+             for dtype, tensor in flat.items() if dtype in CODED_DTYPES}
     raw = {dtype: tensor for dtype, tensor in flat.items() if dtype not in CODED_DTYPES}
     parts = [part for encoded in coded.values() for part in encoded.parts()] + list(raw.values())
     layout, total = [], 0

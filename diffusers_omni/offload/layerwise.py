@@ -54,7 +54,7 @@ from .discovery import (
 )
 from .hooks import ForwardLock, InstalledHooks, inference_only_message, refresh_registry_caches, refuse_pickling
 from .memory import HostMemory, PackedWeights, Transfers, release_freed_device_memory, release_freed_host_memory
-from .oom_retry import ResidentShrink, StepRetry
+from .oom_retry import StepShrink
 from .phases import Phases, PhaseUnit
 from .residency import plan_residency
 from .residents import ResidentBlocks
@@ -407,7 +407,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
     def _install_hooks(self, state: LayerwiseState, journal: Journal) -> None:
         state.lock = self._forward_lock()
         # Resident DiT blocks may leave to make room for a VAE; each DiT's entry hook brings them back. A step that
-        # runs out of memory beside the ones the budget chose streams them and runs again (``oom_retry``).
+        # runs out of memory beside the ones the budget chose streams them and runs again; with none, the window
+        # drops its prefetched blocks for the retry (``oom_retry``).
         residents = [weights for kind, row_weights, row_resident in zip(state.kinds, state.weights, state.resident)
                      if kind == DIT for weights, resident in zip(row_weights, row_resident)
                      if resident and not weights.empty]
@@ -416,14 +417,16 @@ class LayerwiseOffloadBackend(OffloadBackend):
         depth = self.config.prefetch_depth
         inference_only = lambda label: self._inference_only(state, label)  # noqa: E731
         retry = None
-        if self.retries_out_of_memory and residents:
+        streamed_dits = any(b is not None for row, kind in zip(state.streamed, state.kinds) if kind == DIT
+                            for b in row)
+        if self.retries_out_of_memory and (residents or streamed_dits):
             guards = self._guards
-            shrink = ResidentShrink(
+            shrink = StepShrink(
                 state, self.device, depth,
-                rewire=lambda: rewire_stream_hooks(state, state.phases, depth, inference_only, retry),
+                rewire=lambda retry: rewire_stream_hooks(state, state.phases, depth, inference_only, retry),
                 guard=lambda block, path, module: guard_state_dict(state, block, path, module, guards))
             if shrink.possible():
-                retry = lambda label: StepRetry(label, shrink)  # noqa: E731
+                retry = shrink.retry_for
         install_stream_hooks(state, state.phases, depth, inference_only, journal, retry)
 
     def _on_use(self, state: LayerwiseState, module: nn.Module) -> Callable[[], None] | None:

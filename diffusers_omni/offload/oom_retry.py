@@ -23,7 +23,11 @@ settled: blocks it left running end, every in-flight block is freed (``Streamer.
 holds were released by the failing frames, and the entry hook enters the stack again as any step does. A DiT's
 forward is a pure function of its arguments and weights, so the retried step's output is bitwise the one it would
 have been (stateful hooks of other libraries inside the DiT, such as a step cache, are theirs to keep consistent).
-When nothing can be shrunk, or the retry fails too, the error is raised as it came.
+With nothing resident to stream (no budget, or the residents streamed after an earlier failure), the one retry
+shrinks the streaming window instead: it keeps only the running block (no prefetched ones), the least device memory
+a streamed step can take; steps are slower from then on (copies no longer overlap compute), which one warning says.
+When nothing can be shrunk (the window holds one block already), or the retry fails too, the error is raised as it
+came.
 
 Distributed offload does not retry: one rank starting its step again would put its collectives out of step with
 the other ranks'.
@@ -51,12 +55,14 @@ def _first_line(error: BaseException) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-class ResidentShrink:
-    """Turns the resident DiT blocks a budget chose into streamed ones (see the module's docstring). ``rewire()``
-    puts the stacks' hooks in line with ``state.streamed`` and the window; ``guard(block, module)`` installs the
+class StepShrink:
+    """Makes a step that ran out of memory need less (see the module's docstring): the resident DiT blocks a budget
+    chose become streamed ones or, with none, the window keeps only the running block. ``rewire(retry_for)`` puts the
+    stacks' hooks in line with ``state.streamed`` and the window; ``guard(block, module)`` installs the
     ``state_dict()`` hooks a streamed block needs (its tensors are placeholders between uses)."""
 
-    def __init__(self, state: Any, device: torch.device, depth: int, rewire: Callable[[], None],
+    def __init__(self, state: Any, device: torch.device, depth: int,
+                 rewire: Callable[[Callable[[str], "StepRetry"]], None],
                  guard: Callable[[StreamedBlock, str, nn.Module], None]) -> None:
         self.state = state
         self.device = device
@@ -73,12 +79,28 @@ class ResidentShrink:
                 for j, (weights, resident) in enumerate(zip(row_weights, row_resident))
                 if resident and not weights.empty and weights.path not in self.declared]
 
-    def possible(self) -> bool:
-        return bool(self.candidates())
+    def retry_for(self, label: str) -> "StepRetry":
+        """What the entry hook of the DiT named ``label`` runs its forward through."""
+        return StepRetry(label, self)
 
-    def __call__(self) -> tuple[int, int]:
-        """Stream every candidate from now on; returns (blocks, bytes released from the device). Runs under the
-        offload's forward lock, between the failed run and its retry."""
+    def window_shrinkable(self) -> bool:
+        """Whether the streaming window holds more than the running block (it can drop its prefetched ones)."""
+        state = self.state
+        streamer = state.streamer
+        if streamer is None or not any(b is not None for row, kind in zip(state.streamed, state.kinds)
+                                       if kind == DIT for b in row):
+            return False
+        return streamer.max_blocks is None or streamer.max_blocks > 1
+
+    def possible(self) -> bool:
+        return bool(self.candidates()) or self.window_shrinkable()
+
+    def __call__(self) -> tuple[str, int, int]:
+        """Shrink what the step needs on the device: every candidate streams from now on or, with none, the window
+        keeps only the running block; returns (what shrank: ``"residents"`` or ``"window"``, blocks, bytes released
+        from the device). Runs under the offload's forward lock, between the failed run and its retry."""
+        if not self.candidates():
+            return self._shrink_window()
         state, stats = self.state, self.state.stats
         state.streamer.settle()
         moved: list[StreamedBlock] = []
@@ -110,10 +132,30 @@ class ResidentShrink:
             stats.store_host_bytes[name] = stats.store_host_bytes.get(name, 0) + block.store.host_nbytes
             stats.store_counters.setdefault(name, {}).setdefault(block.weights.path.split(".")[0], {})
         self._resize_window()
-        self.rewire()
+        # Given the retry factory at call time: stored in a closure, it would make shrink ↔ closure a cycle that
+        # keeps the model alive after disable until the garbage collector runs.
+        self.rewire(self.retry_for)
         gc.collect()  # the failed run's frames and activations
         release_freed_device_memory(self.device)
-        return len(moved), nbytes
+        return "residents", len(moved), nbytes
+
+    def _shrink_window(self) -> tuple[str, int, int]:
+        """Nothing resident to stream: the window keeps only the running block from now on (no prefetch: each
+        block's copy no longer overlaps the previous block's compute, so steps are slower, but the step needs the
+        least device memory a streamed step can). Returns ("window", the prefetched blocks dropped, bytes)."""
+        state, stats = self.state, self.state.stats
+        streamer = state.streamer
+        streamer.settle()
+        before = stats.in_flight_capacity
+        dropped = (streamer.max_blocks or stats.slot_count or 1) - 1
+        stats.slot_count = 1
+        stats.in_flight_capacity = stats.slot_bytes
+        stats.in_flight_blocks = 1
+        stats.window_shrunk += 1
+        streamer.resize(stats.in_flight_capacity, 1)
+        gc.collect()  # the failed run's frames and activations
+        release_freed_device_memory(self.device)
+        return "window", dropped, max(before - stats.in_flight_capacity, 0)
 
     def _resize_window(self) -> None:
         """The window as ``_allocate_slots`` sizes it, over the blocks that stream now."""
@@ -132,7 +174,7 @@ class StepRetry:
     """What a DiT's entry hook runs its forward through (``hooks.LockedCallbackHook``'s ``retry``): on an
     out-of-memory error, ``shrink`` streams the resident blocks and the forward runs once more, with one warning."""
 
-    def __init__(self, label: str, shrink: ResidentShrink) -> None:
+    def __init__(self, label: str, shrink: StepShrink) -> None:
         self.label = label
         self.shrink = shrink
 
@@ -146,11 +188,19 @@ class StepRetry:
             # Leave the except block before retrying, so the failed run's frames (and the activations they hold)
             # are gone from the traceback first.
             message = _first_line(error)
-        blocks, nbytes = self.shrink()
-        logger.warning(
-            "%s ran out of device memory in a denoising step beside the DiT blocks a max_device_memory budget keeps "
-            "resident (%s); %d resident blocks stream from now on like the others (%s released from the device) and "
-            "the step runs again with the same inputs: the output is unchanged. Later steps run with the smaller "
-            "resident set; disable_omni_offload() and enabling again plans the budget anew",
-            self.label, message, blocks, format_bytes(nbytes))
+        kind, blocks, nbytes = self.shrink()
+        if kind == "residents":
+            logger.warning(
+                "%s ran out of device memory in a denoising step beside the DiT blocks a max_device_memory budget "
+                "keeps resident (%s); %d resident blocks stream from now on like the others (%s released from the "
+                "device) and the step runs again with the same inputs: the output is unchanged. Later steps run with "
+                "the smaller resident set; disable_omni_offload() and enabling again plans the budget anew",
+                self.label, message, blocks, format_bytes(nbytes))
+        else:
+            logger.warning(
+                "%s ran out of device memory in a denoising step with nothing resident to stream (%s); the streaming "
+                "window keeps only the running block from now on (%d prefetched blocks, up to %s, no longer held: "
+                "copies stop overlapping compute, so steps are slower) and the step runs again with the same inputs: "
+                "the output is unchanged. disable_omni_offload() and enabling again restores the window",
+                self.label, message, blocks, format_bytes(nbytes))
         return run(module, args, kwargs)

@@ -396,6 +396,10 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
         notes.append(f"{stats.residents_shrunk} resident DiT blocks ({format_bytes(stats.residents_shrunk_bytes)}) "
                      "stream since a denoising step ran out of device memory beside them; the step ran again with "
                      "the smaller resident set (exact: the output is unchanged)")
+    if getattr(stats, "window_shrunk", 0):
+        notes.append("the streaming window holds only the running block since a denoising step ran out of device "
+                     "memory with nothing resident to stream; the step ran again (exact: the output is unchanged), "
+                     "steps are slower since (no prefetch)")
     for label in dict.fromkeys(getattr(stats, "tiled_vaes", ())):
         notes.append(f"{label}: ran out of device memory untiled; it decodes and encodes in tiles now "
                      "(vae.enable_tiling(); disable_omni_offload() puts its own setting back)")

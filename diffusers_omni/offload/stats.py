@@ -57,3 +57,4 @@ class LayerwiseStats:
     residents_left_bytes: int = 0
     residents_shrunk: int = 0  # resident DiT blocks that stream since a step ran out of memory beside them
     residents_shrunk_bytes: int = 0  # their bytes, released from the device
+    window_shrunk: int = 0  # times a step ran out of memory with nothing resident: the window keeps one block since

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from diffusers_omni import OffloadConfig, apply_offload
+from diffusers_omni.offload.report import offload_report
 
 from offload_helpers import WAN_CALL, assert_same_snapshot, bare_flux, block_bytes, flux_inputs, snapshot, wan22_pipe
 
@@ -138,31 +139,57 @@ def test_a_retry_that_runs_out_of_memory_too_raises_it_and_nothing_is_retried_ag
     with caplog.at_level(logging.WARNING, logger="diffusers_omni"):
         assert torch.equal(_run(model), reference)
     assert not _warnings(caplog)
-    # Nothing is resident any more: a later failure is raised as it came, the very error, with no retry.
+    # Nothing is resident any more: a later failure shrinks the window instead (one warning), exact.
+    again = _inject(model.transformer_blocks[0].ff, times=1)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="diffusers_omni"):
+        assert torch.equal(_run(model), reference)
+    assert len(again) == 1 and len(_warnings(caplog)) == 1 and backend.stats.window_shrunk == 1
+    # Nothing left to shrink (the window holds one block): a failure is raised as it came, the very error.
     error = torch.OutOfMemoryError("CUDA out of memory (injected, nothing left to shrink)")
-    again = _inject(model.transformer_blocks[0].ff, times=1, error=error)
+    last = _inject(model.transformer_blocks[1].ff, times=1, error=error)
     with pytest.raises(torch.OutOfMemoryError) as raised:
         _run(model)
-    assert raised.value is error and len(again) == 1
+    assert raised.value is error and len(last) == 1
     assert torch.equal(_run(model), reference)  # the failed call left a clean window behind it
     backend.disable()
     assert_same_snapshot(original, snapshot(model))
 
 
-def test_nothing_resident_raises_the_error_as_it_came(caplog):
+def test_nothing_resident_shrinks_the_window_to_the_running_block_then_raises_as_it_came(caplog):
+    """No budget: nothing resident to stream. The one retry drops the window's prefetched blocks (the least device
+    memory a streamed step takes), exact, one warning; later calls load each block when it runs; a failure with the
+    window at one block is raised as it came."""
     model = bare_flux().eval()
     reference = _run(model)
+    original = snapshot(model)
     backend = apply_offload(model, OffloadConfig("layerwise", device="cpu"))
-    assert backend.stats.resident_blocks == 0
-    error = torch.OutOfMemoryError("CUDA out of memory (injected, streaming only)")
-    failures = _inject(model.single_transformer_blocks[1].proj_out, times=1, error=error)
+    stats = backend.stats
+    assert stats.resident_blocks == 0 and stats.in_flight_blocks == 2
+    failures = _inject(model.single_transformer_blocks[1].proj_out, times=1)
     with caplog.at_level(logging.WARNING, logger="diffusers_omni"):
-        with pytest.raises(torch.OutOfMemoryError) as raised:
-            _run(model)
+        assert torch.equal(_run(model), reference)
+    warnings = _warnings(caplog)
+    assert len(failures) == 1 and len(warnings) == 1 and backend.stats.residents_shrunk == 0
+    assert "with nothing resident to stream" in warnings[0] and "keeps only the running block" in warnings[0]
+    assert (stats.window_shrunk, stats.in_flight_blocks, stats.slot_count) == (1, 1, 1)
+    assert stats.in_flight_capacity == stats.slot_bytes
+    assert any("holds only the running block" in note for note in offload_report(model, backend, None).notes)
+    caplog.clear()
+    stats.max_in_flight_bytes = 0
+    with caplog.at_level(logging.WARNING, logger="diffusers_omni"):
+        for _ in range(2):
+            assert torch.equal(_run(model), reference)
+    assert not _warnings(caplog) and 0 < stats.max_in_flight_bytes <= stats.slot_bytes  # one block at a time
+    error = torch.OutOfMemoryError("CUDA out of memory (injected, streaming only)")
+    again = _inject(model.single_transformer_blocks[2].proj_out, times=1, error=error)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        _run(model)
     assert raised.value is error and str(raised.value) == "CUDA out of memory (injected, streaming only)"
-    assert len(failures) == 1 and not _warnings(caplog) and backend.stats.residents_shrunk == 0
+    assert len(again) == 1 and stats.window_shrunk == 1
     assert torch.equal(_run(model), reference)
     backend.disable()
+    assert_same_snapshot(original, snapshot(model))
 
 
 def test_another_error_is_not_retried():
@@ -211,3 +238,22 @@ def test_a_wan22_step_out_of_memory_keeps_the_stock_video(caplog):
     pipe.disable_omni_offload()
     assert_same_snapshot(before, snapshot(pipe.transformer, pipe.transformer_2))
     assert torch.equal(_video(pipe), reference)
+
+
+def test_a_pipeline_whose_window_shrank_keeps_its_image_encoders_included(caplog):
+    """The whole tiny FLUX pipeline without a budget: the text encoders stream through the same window, which keeps
+    one block after the retry; every later call gives the same image."""
+    from offload_helpers import flux_pipe, generate
+
+    pipe = flux_pipe()
+    reference = generate(pipe, steps=2)
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    failures = _inject(pipe.transformer.single_transformer_blocks[0].proj_out)
+    with caplog.at_level(logging.WARNING, logger="diffusers_omni"):
+        assert torch.equal(generate(pipe, steps=2), reference)
+    assert len(failures) == 1 and len(_warnings(caplog)) == 1 and backend.stats.window_shrunk == 1
+    for _ in range(2):
+        assert torch.equal(generate(pipe, steps=2), reference)
+    assert any("holds only the running block" in note for note in pipe.omni_offload_report().notes)
+    pipe.disable_omni_offload()
+    assert torch.equal(generate(pipe, steps=2), reference)
