@@ -14,8 +14,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from diffusers_omni.offload import (
-    dataparallel, distributed, guards, hooks, layerwise, memory, model_level, stream_hooks, streamer,
+    coded_cache, dataparallel, distributed, guards, hooks, layerwise, memory, model_level, stream_hooks, streamer,
 )
+from diffusers_omni.offload.stores import coded_file
+from diffusers_omni.offload.stores import lossless as stores_lossless
 from diffusers_omni.utils.journal import Journal
 from diffusers_omni.offload.distributed import DistributedLayerwiseOffloadBackend
 from diffusers_omni.offload.layerwise import LayerwiseOffloadBackend
@@ -203,3 +205,75 @@ def test_pack_failing_after_rebinding_restores_that_block(strategy, monkeypatch,
     assert restored[0][1] == restored[0][2] > 0  # every tensor pack() had rebound
     assert_same_snapshot(before, pipeline_snapshot(pipe))
     assert fake_cuda.registered == {}
+
+
+# The lossless code on disk (compression_cache_dir) under a host budget, on the tiny FLUX in bfloat16 built in memory
+# (no checkpoint: the disk-backed blocks are read coded from the cache): the cache's writes, reads and checks, the
+# coded sources and the coded file store, failing at their first, middle and last call. "write": a fresh folder at
+# every enable (every block coded and written); "read": one folder, written by the counting enable, read after.
+CACHE_STEPS: list[tuple[object, str]] = [
+    (coded_cache.CodedCache, "ensure"),
+    (coded_cache.CodedCache, "store"),
+    (coded_cache.CodedCache, "read"),
+    (coded_cache.CodedCache, "lookup"),
+    (coded_file.CodedSources, "prepare"),
+    (coded_file.CodedSources, "source"),
+    (coded_file, "take_checksum"),
+    (stores_lossless, "code_block"),
+    (memory.HostMemory, "allocate"),
+    (memory.HostMemory, "pin"),
+    (streamer.Streamer, "load"),
+]
+
+
+@pytest.mark.parametrize("mode", ["write", "read"])
+def test_lossless_cache_under_a_host_budget_rolls_back_at_every_inner_step(mode, monkeypatch, fake_cuda, tmp_path):
+    pipe = flux_pipe()
+    pipe.to(torch.bfloat16)
+    reference = generate(pipe, steps=2)
+    config = {"device": "cpu", "compression": "lossless", "compression_cache_dir": tmp_path / "sizes"}
+    coded_total = pipe.enable_layerwise_offload(**config).stats.host_bytes  # every block's code kept in RAM
+    pipe.disable_omni_offload()
+    with pytest.raises(ValueError, match="is too small") as refusal:
+        pipe.enable_layerwise_offload(**config, max_host_memory=1)
+    least = int(str(refusal.value).split("at least ")[1].split(" ")[0])
+    assert least < coded_total
+    folders = iter(range(10_000))
+
+    def enable(pipe):
+        folder = tmp_path / (f"w{next(folders)}" if mode == "write" else "shared")
+        return pipe.enable_layerwise_offload(device="cpu", pin_memory=True, compression="lossless",
+                                             compression_cache_dir=folder, max_host_memory=(least + coded_total) // 2)
+
+    baseline_bytes = memory.registered_host_bytes()
+    injected = 0
+    for owner, name in CACHE_STEPS:
+        with monkeypatch.context() as patch:
+            counter = CallCounter(owner, name).install(patch)
+            backend = enable(pipe)
+        assert backend.stats.store_blocks.get("disk (lossless)", 0) > 0
+        pipe.disable_omni_offload()
+        calls = counter.count
+        for fail_at in sorted({1, (calls + 1) // 2, calls}) if calls else ():
+            before = pipeline_snapshot(pipe)
+            with monkeypatch.context() as patch:
+                CallCounter(owner, name, fail_at=fail_at).install(patch)
+                with pytest.raises(InjectedFailure):
+                    enable(pipe)
+            where = f"{mode}: {name} call {fail_at}/{calls}"
+            try:
+                assert_same_snapshot(before, pipeline_snapshot(pipe))
+            except AssertionError as error:
+                raise AssertionError(f"{where}: {error}") from error
+            assert pipe.omni_offload_backend is None, where
+            assert fake_cuda.registered == {}, where
+            assert memory.registered_host_bytes() == baseline_bytes, where
+            assert not list(tmp_path.rglob("*.tmp")), where  # no temporary left behind
+            injected += 1
+    assert injected >= 15
+    backend = enable(pipe)
+    assert fake_cuda.registered
+    assert torch.equal(generate(pipe, steps=2), reference)
+    pipe.disable_omni_offload()
+    assert fake_cuda.registered == {}
+    assert torch.equal(generate(pipe, steps=2), reference)
