@@ -90,3 +90,18 @@ def test_lossless_enable_failing_part_way_rolls_back_from_the_coded_copy_exactly
     assert_same_snapshot(before, pipeline_snapshot(pipe))
     monkeypatch.setattr(LosslessStore, "take", take)
     assert torch.equal(generate(pipe, steps=2), reference)
+
+
+def test_a_budget_that_keeps_everything_resident_codes_nothing():
+    """Nothing streamed: the blocks are resident and plain (no decode on the step's path), as without compression."""
+    pipe = flux_pipe()
+    pipe.to(torch.bfloat16)
+    reference = generate(pipe, steps=2)
+    backend = pipe.enable_layerwise_offload(device="cpu", compression="lossless", max_device_memory="64GiB")
+    stats = backend.stats
+    assert stats.streamed_blocks == 0 and stats.resident_blocks > 0 and "lossless" not in stats.store_blocks
+    assert stats.loads == 0
+    for _ in range(2):
+        assert torch.equal(generate(pipe, steps=2), reference)
+    assert stats.loads == 0  # nothing moved, nothing decoded
+    pipe.disable_omni_offload()
