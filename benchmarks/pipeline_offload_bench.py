@@ -687,6 +687,24 @@ def plan_summary(stats: dict[str, Any], notes: list[str]) -> dict[str, Any]:
     }
 
 
+def memory_events(stats: dict[str, Any]) -> list[str]:
+    """What an omni run did when device memory ran out (from its stats after the timed call): resident blocks that
+    left for the VAE, resident blocks that stream since a step ran out of memory, a window shrunk to one block, VAEs
+    switched to tiling. Empty when nothing ran out (what auto as the default must show)."""
+    events = []
+    if stats.get("residents_left"):
+        events.append(f"resident blocks left the device {stats['residents_left']}× to make room for the VAE "
+                      f"({_gib(stats.get('residents_left_bytes') or 0)})")
+    if stats.get("residents_shrunk"):
+        events.append(f"{stats['residents_shrunk']} resident blocks stream since a step ran out of memory "
+                      f"({_gib(stats.get('residents_shrunk_bytes') or 0)})")
+    if stats.get("window_shrunk"):
+        events.append("the streaming window holds one block since a step ran out of memory with nothing resident")
+    for label in dict.fromkeys(stats.get("tiled_vaes") or ()):
+        events.append(f"{label} switched to tiling after running out of memory (its image may differ)")
+    return events
+
+
 def lossless_cache_dir(args: argparse.Namespace) -> str:
     """omni-host-lossless's ``compression_cache_dir``: beside the DiTs' checkpoint (removed with it)."""
     return str(Path(args.checkpoint_dir) / "lossless-cache")
@@ -1472,6 +1490,9 @@ def markdown(report: dict[str, Any]) -> str:
             notes.append(f"- {r['strategy']}: {err.get('type')} in {err.get('stage')}: {err.get('message')}")
         for note in r.get("notes", []):
             notes.append(f"- {r['strategy']}: {note}")
+        events = memory_events((r.get("omni") or {}).get("stats") or {})
+        if events:
+            notes.append(f"- {r['strategy']}: {'; '.join(events)}")
     notes += [f"- {note}" for note in report.get("notes", [])]
     for key, name, title in (
             ("host_budget", "omni-host", "## Host budget (omni-host against omni)"),

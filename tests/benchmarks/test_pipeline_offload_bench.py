@@ -138,3 +138,19 @@ def test_wan_host_lossless_scenario_smoke_reads_coded_blocks_from_the_cache(tmp_
     assert plain is not None and "disk (lossless)" not in by["omni-host"]["omni"]["stats"]["store_blocks"]
     text = out.with_suffix(".md").read_text()
     assert "(omni-host-lossless against omni)" in text and "omni-host-lossless: enable" in text
+
+
+def test_memory_events_name_what_ran_out_of_memory_and_reach_the_notes():
+    assert bench.memory_events({}) == []
+    events = bench.memory_events({"residents_left": 2, "residents_left_bytes": 2**31, "residents_shrunk": 3,
+                                  "residents_shrunk_bytes": 2**30, "window_shrunk": 1, "tiled_vaes": ["vae", "vae"]})
+    assert events == ["resident blocks left the device 2× to make room for the VAE (2.00 GiB)",
+                      "3 resident blocks stream since a step ran out of memory (1.00 GiB)",
+                      "the streaming window holds one block since a step ran out of memory with nothing resident",
+                      "vae switched to tiling after running out of memory (its image may differ)"]
+    omni = {**_result("omni", (1.0, 3.0, 1.0), "a"), "omni": {"stats": {"residents_left": 1,
+                                                                          "residents_left_bytes": 2**30}}}
+    args = vars(bench.parse_args(["--model", "flux", "--steps", "4", "--out", "x"]))
+    report = {"environment": {"device_name": "H200"}, "args": args, "steps": 4, "strategies": [omni],
+              "lower_bounds": [], "omni_budget": None, "notes": [], "components": {}, "size_check": {}}
+    assert "- omni: resident blocks left the device 1× to make room for the VAE (1.00 GiB)" in bench.markdown(report)
