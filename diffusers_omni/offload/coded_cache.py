@@ -104,17 +104,27 @@ def _buffer_digest(buffer: torch.Tensor) -> str:
     return _combine(list(_pool().map(_sha256, chunks)))
 
 
-def _read_hashed(entry: "Entry", buffer: torch.Tensor) -> str:
+def _read_hashed(entry: "Entry", buffer: torch.Tensor, hashed: bool = True) -> str | None:
     """Read an entry's coded bytes into ``buffer`` (uint8, host, at least ``entry.nbytes``) and return their digest
-    (``_combine``): each chunk is hashed in the pool while the next one is read."""
+    (``_combine``): each chunk is hashed in the pool while the next one is read (``hashed=False``: only read)."""
     futures = []
     with open(entry.file, "rb", buffering=0) as handle:
         fd = handle.fileno()
         for start in range(0, entry.nbytes, _READ_CHUNK):
             chunk = buffer.narrow(0, start, min(_READ_CHUNK, entry.nbytes - start))
             read_pieces(fd, entry.offset + start, [(chunk.data_ptr(), chunk.numel())])
-            futures.append(_pool().submit(_sha256, chunk))
-    return _combine([future.result() for future in futures])
+            if hashed:
+                futures.append(_pool().submit(_sha256, chunk))
+    return _combine([future.result() for future in futures]) if hashed else None
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, modification time) of a file: a file renamed over it or written since has another."""
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def _file_digest(entry: "Entry") -> str:
@@ -150,6 +160,8 @@ class CodedCache:
         self.read_blocks = self.written_blocks = self.replaced_blocks = 0
         self.read_bytes = self.written_bytes = 0
         self._digests: dict[int, str] = {}  # id(PackedWeights) → weights_digest, taken once per enable
+        # file → its identity when this enable hashed (or wrote) its coded bytes: read again unchanged, not rehashed
+        self._checked: dict[Path, tuple[int, int, int] | None] = {}
 
     def _remove_stale_temporaries(self) -> None:
         """Delete the temporary files of writes that never finished (a process killed while writing), once they are
@@ -177,6 +189,7 @@ class CodedCache:
         entry = self.lookup(weights.path, digest)
         if entry is not None:
             if _file_digest(entry) == entry.coded_sha256:
+                self._checked[entry.file] = _identity(entry.file)
                 return entry
             logger.warning("compression_cache_dir: %s: its coded bytes are not the ones written (the file was "
                            "changed or damaged); block %r is coded again and the file replaced", entry.file,
@@ -221,7 +234,9 @@ class CodedCache:
     def read(self, entry: Entry, buffer: torch.Tensor, block: str) -> CodedBlock | None:
         """Read ``entry``'s coded bytes into ``buffer`` (uint8, host, ``entry.nbytes``) and check their digest; the
         block around them, or ``None`` when the bytes are not the ones written (logged: coded again)."""
-        if _read_hashed(entry, buffer) != entry.coded_sha256:
+        checked = self._checked.get(entry.file)
+        unchanged = checked is not None and checked == _identity(entry.file)  # hashed by ``ensure`` this enable
+        if _read_hashed(entry, buffer, hashed=not unchanged) != entry.coded_sha256 and not unchanged:
             logger.warning("compression_cache_dir: %s: its coded bytes are not the ones written (the file was "
                            "changed or damaged); block %r is coded again and the file replaced", entry.file, block)
             return None
@@ -257,6 +272,7 @@ class CodedCache:
         self.written_bytes += coded.nbytes
         self.replaced_blocks += int(replaced)
         entry = safetensors_entries(path)[TENSOR]
+        self._checked[path] = _identity(path)  # its bytes are the ones just hashed and written
         return Entry(path, entry.offset, entry.nbytes, info, info["coded_sha256"])
 
     def counters(self) -> dict[str, int]:
