@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 
+from ..config.offload import format_bytes
 from ..installer import check_roles_of_plans, plan_attention
 from ..attention.platform import current_platform, use_platform
 from ..attention.routing import sparse_rules
@@ -52,10 +54,10 @@ def summarize(rows: list[dict]) -> list[dict]:
 def explain_offload(config) -> dict:
     """What an offload config's budgets come to on this machine, without loading weights: each ``"auto"`` budget
     read through ``offload.budget`` (the readings, the bytes chosen and how), explicit sizes as given. The host
-    budget counts the weights already in RAM when enabling; here none are loaded (0)."""
+    budget counts the weights already in RAM when enabling; here none are loaded (0). With ``compression``, what its
+    ``compression_cache_dir`` holds."""
     import torch
 
-    from ..config.offload import format_bytes
     from ..offload import budget
 
     device = torch.device(config.device)
@@ -73,6 +75,14 @@ def explain_offload(config) -> dict:
         out["budgets"][name] = {"bytes": chosen.nbytes, "explain": chosen.explain()}
     if reading is not None:
         out["read"] = reading.describe()
+    compression = getattr(config, "compression", None)
+    if compression is not None:
+        out["compression"] = {"mode": compression}
+        folder = getattr(config, "compression_cache_dir", None)
+        if folder is not None:
+            files = sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []
+            out["compression"].update(cache_dir=str(folder), cached_blocks=len(files),
+                                      cached_bytes=sum(f.stat().st_size for f in files))
     return out
 
 
@@ -138,6 +148,14 @@ def run(args) -> int:
             print(fit("  no budget: every DiT block streams through the window"))
         for entry in offload["budgets"].values():
             print(fit(f"  {entry['explain']}"))
+        compression = offload.get("compression")
+        if compression is not None:
+            line = f"  compression: {compression['mode']}"
+            if "cache_dir" in compression:
+                line += (f"; compression_cache_dir {compression['cache_dir']} holds {compression['cached_blocks']} "
+                         f"blocks' code ({format_bytes(compression['cached_bytes'])}), checked against the weights "
+                         "when enabling")
+            print(fit(line))
         if "read" in offload:
             print(fit("  auto read: " + ", ".join(f"{k} {v}" for k, v in offload["read"].items())))
             if offload["budgets"].get("max_host_memory", {}).get("explain", "").startswith("max_host_memory=auto"):

@@ -181,3 +181,16 @@ def test_explain_offload_says_what_auto_reads_and_chooses(capsys, monkeypatch):
     assert offload["budgets"] == {"max_device_memory": {"bytes": 8 * gib, "explain": "max_device_memory=8.00 GiB "
                                                                                       "(as given)"}}
     assert "read" not in offload
+
+
+def test_explain_offload_says_what_a_compression_cache_dir_holds(tmp_path, capsys):
+    folder = tmp_path / "cache"
+    assert main(["generate", "--model", "tiny-flux", "--dtype", "bfloat16", "--offload", "layerwise", "--compression",
+                 "lossless", "--compression-cache-dir", str(folder), "--output", str(tmp_path / "a.png")]) == 0
+    capsys.readouterr()
+    written = len(list(folder.glob("*.safetensors")))
+    assert written > 0
+    assert main(["explain", "--offload", "layerwise", "--device", "cpu", "--compression", "lossless",
+                 "--compression-cache-dir", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert f"compression: lossless; compression_cache_dir {folder} holds {written} blocks' code (" in out
