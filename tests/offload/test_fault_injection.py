@@ -119,17 +119,23 @@ def one_rank_group():
 
 
 def _run_failures(strategy, points, monkeypatch, fake_cuda) -> int:
-    """For each (owner, name, after) in ``points``: count its calls in a successful enable, then fail it at its
-    first, middle and last call and check nothing changed. Returns how many failures were injected."""
-    enable = _enable(strategy)
-    pipe = flux_pipe()
+    """``_fail_everywhere`` on the tiny FLUX pipeline enabled with ``strategy``."""
+    return _fail_everywhere(flux_pipe(), _enable(strategy), strategy, points, monkeypatch, fake_cuda)
+
+
+def _fail_everywhere(pipe, enable, label, points, monkeypatch, fake_cuda, counted=lambda backend: None,
+                     check=lambda where: None) -> int:
+    """For each (owner, name, after) in ``points``: count its calls in a successful ``enable(pipe)`` (``counted``
+    sees that enable's backend), then fail it at its first, middle and last call and check nothing changed (and
+    ``check(where)``); finally an enable works and is bitwise the resident pipeline. Returns how many failures were
+    injected."""
     reference = generate(pipe, steps=2)
     baseline_bytes = memory.registered_host_bytes()
     injected = 0
     for owner, name, after in points:
         with monkeypatch.context() as patch:
             counter = CallCounter(owner, name).install(patch)
-            enable(pipe)
+            counted(enable(pipe))
         pipe.disable_omni_offload()
         calls = counter.count
         assert fake_cuda.registered == {}
@@ -139,7 +145,7 @@ def _run_failures(strategy, points, monkeypatch, fake_cuda) -> int:
                 CallCounter(owner, name, fail_at=fail_at, after=after).install(patch)
                 with pytest.raises(InjectedFailure):
                     enable(pipe)
-            where = f"{strategy}: {name} call {fail_at}/{calls} ({'after' if after else 'before'})"
+            where = f"{label}: {name} call {fail_at}/{calls} ({'after' if after else 'before'})"
             try:
                 assert_same_snapshot(before, pipeline_snapshot(pipe))
             except AssertionError as error:
@@ -147,6 +153,7 @@ def _run_failures(strategy, points, monkeypatch, fake_cuda) -> int:
             assert pipe.omni_offload_backend is None, where
             assert fake_cuda.registered == {}, where
             assert memory.registered_host_bytes() == baseline_bytes, where
+            check(where)
             injected += 1
     enable(pipe)
     assert fake_cuda.registered, "registered mode was not exercised"
@@ -230,7 +237,6 @@ CACHE_STEPS: list[tuple[object, str]] = [
 def test_lossless_cache_under_a_host_budget_rolls_back_at_every_inner_step(mode, monkeypatch, fake_cuda, tmp_path):
     pipe = flux_pipe()
     pipe.to(torch.bfloat16)
-    reference = generate(pipe, steps=2)
     config = {"device": "cpu", "compression": "lossless", "compression_cache_dir": tmp_path / "sizes"}
     coded_total = pipe.enable_layerwise_offload(**config).stats.host_bytes  # every block's code kept in RAM
     pipe.disable_omni_offload()
@@ -245,35 +251,11 @@ def test_lossless_cache_under_a_host_budget_rolls_back_at_every_inner_step(mode,
         return pipe.enable_layerwise_offload(device="cpu", pin_memory=True, compression="lossless",
                                              compression_cache_dir=folder, max_host_memory=(least + coded_total) // 2)
 
-    baseline_bytes = memory.registered_host_bytes()
-    injected = 0
-    for owner, name in CACHE_STEPS:
-        with monkeypatch.context() as patch:
-            counter = CallCounter(owner, name).install(patch)
-            backend = enable(pipe)
+    def counted(backend):
         assert backend.stats.store_blocks.get("disk (lossless)", 0) > 0
-        pipe.disable_omni_offload()
-        calls = counter.count
-        for fail_at in sorted({1, (calls + 1) // 2, calls}) if calls else ():
-            before = pipeline_snapshot(pipe)
-            with monkeypatch.context() as patch:
-                CallCounter(owner, name, fail_at=fail_at).install(patch)
-                with pytest.raises(InjectedFailure):
-                    enable(pipe)
-            where = f"{mode}: {name} call {fail_at}/{calls}"
-            try:
-                assert_same_snapshot(before, pipeline_snapshot(pipe))
-            except AssertionError as error:
-                raise AssertionError(f"{where}: {error}") from error
-            assert pipe.omni_offload_backend is None, where
-            assert fake_cuda.registered == {}, where
-            assert memory.registered_host_bytes() == baseline_bytes, where
-            assert not list(tmp_path.rglob("*.tmp")), where  # no temporary left behind
-            injected += 1
-    assert injected >= 15
-    backend = enable(pipe)
-    assert fake_cuda.registered
-    assert torch.equal(generate(pipe, steps=2), reference)
-    pipe.disable_omni_offload()
-    assert fake_cuda.registered == {}
-    assert torch.equal(generate(pipe, steps=2), reference)
+
+    def check(where):
+        assert not list(tmp_path.rglob("*.tmp")), where  # no temporary left behind
+
+    points = [(owner, name, False) for owner, name in CACHE_STEPS]
+    assert _fail_everywhere(pipe, enable, mode, points, monkeypatch, fake_cuda, counted, check) >= 15
