@@ -19,17 +19,13 @@ from .codec import CODED_DTYPES, Encoded, decode, decode_into, encode
 
 PART_ALIGN = 64  # bytes between the starts of two parts in the buffer
 
-_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
-    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32,
-    torch.int64, torch.bool, getattr(torch, "float8_e4m3fn", torch.uint8), getattr(torch, "float8_e5m2", torch.uint8))}
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def dtype_named(name: str) -> torch.dtype:
-    dtype = _DTYPES.get(name) or getattr(torch, name, None)
+    dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
@@ -84,10 +80,10 @@ class CodedBlock:
     def counters(self) -> dict[str, int]:
         """What the report sums per component: coded, logical and passed-through bytes, escapes, buffers per
         code width."""
+        raw = self.layout[len(self.layout) - len(self.raw_dtypes):]  # the raw tensors come last
         counts = {"coded bytes": sum(encoded.nbytes for encoded in self.coded.values()),
                   "logical bytes": sum(2 * encoded.numel for encoded in self.coded.values()),
-                  "passed bytes": sum(numel * dtype.itemsize for _, numel, dtype in self.layout[-len(self.raw_dtypes):])
-                  if self.raw_dtypes else 0,
+                  "passed bytes": sum(numel * dtype.itemsize for _, numel, dtype in raw),
                   "escapes": sum(encoded.escapes.numel() for encoded in self.coded.values())}
         for encoded in self.coded.values():
             counts[f"{encoded.width}-bit buffers"] = counts.get(f"{encoded.width}-bit buffers", 0) + 1
