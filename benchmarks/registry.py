@@ -203,6 +203,11 @@ SCENARIOS: tuple[Scenario, ...] = (
              "budget (the sweep's other budgets: pipeline-offload-flux-sweep, another call)", "gpu", (OFFLOAD,),
              args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", "resident,omni",
                    "--omni-budget", "8GiB,auto", "--omni-lossless", "none", "--time-budget", _PIPELINE_TIME)),
+    Scenario("pipeline-offload-flux-shapes", "auto_shapes_bench",
+             "FLUX.1-dev pipeline on an emulated 12 GiB card, one max_device_memory=auto, then 10 calls of 4 steps "
+             "from 512² to 2048² at batch 1 and 2, the shape growing and shrinking: each call's peak against the "
+             "card, out-of-memory errors counted (#40's target)", "gpu", (),
+             args=("--model", "flux", "--card-gib", "12", "--steps", "4", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-flux-sweep", "pipeline_offload_bench",
              "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: max_device_memory 4, 6, 9, 10 and "
              "11 GiB (with pipeline-offload-flux-auto's 8 GiB and auto: the budget sweep), a plot of end to end "
