@@ -705,6 +705,21 @@ def memory_events(stats: dict[str, Any]) -> list[str]:
     return events
 
 
+def headroom_notes(stats: dict[str, Any]) -> list[str]:
+    """What auto's per-shape headroom measured and moved (``diffusers_omni/offload/headroom.py``): each measured
+    shape's bytes beside the resident weights, and the blocks it kept on the device or streamed first."""
+    notes = []
+    if stats.get("headroom"):
+        notes.append("auto measured beside the resident weights: " + ", ".join(
+            f"{shape} {_gib(nbytes)}" for shape, nbytes in stats["headroom"].items()))
+    if stats.get("headroom_kept") or stats.get("headroom_streamed"):
+        notes.append(f"auto kept {stats.get('headroom_kept', 0)} streamed blocks on the device "
+                     f"({_gib(stats.get('headroom_kept_bytes') or 0)}) and streamed "
+                     f"{stats.get('headroom_streamed', 0)} resident ones first "
+                     f"({_gib(stats.get('headroom_streamed_bytes') or 0)})")
+    return notes
+
+
 def lossless_cache_dir(args: argparse.Namespace) -> str:
     """omni-host-lossless's ``compression_cache_dir``: beside the DiTs' checkpoint (removed with it)."""
     return str(Path(args.checkpoint_dir) / "lossless-cache")
@@ -1490,9 +1505,13 @@ def markdown(report: dict[str, Any]) -> str:
             notes.append(f"- {r['strategy']}: {err.get('type')} in {err.get('stage')}: {err.get('message')}")
         for note in r.get("notes", []):
             notes.append(f"- {r['strategy']}: {note}")
-        events = memory_events((r.get("omni") or {}).get("stats") or {})
+        stats = (r.get("omni") or {}).get("stats") or {}
+        events = memory_events(stats)
         if events:
             notes.append(f"- {r['strategy']}: {'; '.join(events)}")
+        fitted = headroom_notes(stats)
+        if fitted:
+            notes.append(f"- {r['strategy']}: {'; '.join(fitted)}")
     notes += [f"- {note}" for note in report.get("notes", [])]
     for key, name, title in (
             ("host_budget", "omni-host", "## Host budget (omni-host against omni)"),

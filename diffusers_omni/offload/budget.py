@@ -13,6 +13,10 @@ Host (``max_host_memory="auto"``): RAM the kernel says is available (``MemAvaila
 limit less its usage, plus the bytes of the model's weights that are already in this process's RAM as ordinary
 (not file-mapped) tensors — packing moves them into the host copies rather than adding to them — minus
 ``HOST_MARGIN_SHARE`` of that, at least ``HOST_MARGIN_MIN``.
+
+The device headroom is a prediction; ``headroom`` corrects it per call shape from what the allocator reserved over
+a forward, read by ``read_reserved`` (the other function tests replace), against the ceiling auto read
+(``AutoBudget.limit``) less ``PEAK_MARGIN_SHARE`` of it, at least ``PEAK_MARGIN_MIN``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ HEADROOM_SHARE = 0.2
 HEADROOM_MIN = 1 << 30
 HOST_MARGIN_SHARE = 0.1
 HOST_MARGIN_MIN = 1 << 30
+PEAK_MARGIN_SHARE = 0.04
+PEAK_MARGIN_MIN = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,9 @@ class AutoBudget:
     nbytes: int
     reading: MachineReading
     steps: list[str] = field(default_factory=list)
+    # The device's ceiling: the most bytes this process's allocator may hold there (what it holds already plus what
+    # auto found it may still take), before the headroom; ``None`` for the host budget.
+    limit: int | None = None
 
     def explain(self) -> str:
         return f"{self.field}=auto: {format_bytes(self.nbytes)} ({'; '.join(self.steps)})"
@@ -164,8 +173,33 @@ def device_budget(reading: MachineReading) -> AutoBudget:
     headroom = max(int(usable * HEADROOM_SHARE), HEADROOM_MIN)
     nbytes = max(usable - headroom, 0)
     steps.append(f"less {format_bytes(headroom)} headroom for activations ({HEADROOM_SHARE:.0%}, at least "
-                 f"{format_bytes(HEADROOM_MIN)})")
-    return AutoBudget("max_device_memory", nbytes, reading, steps)
+                 f"{format_bytes(HEADROOM_MIN)}; corrected per call shape once measured)")
+    # What may be reserved at most: what is allocated now plus what may still be taken (free + cached, or the
+    # fraction's cap less what is allocated).
+    allocated = 0 if reading.device == "cpu" else reading.device_allocated
+    return AutoBudget("max_device_memory", nbytes, reading, steps, limit=allocated + usable)
+
+
+def peak_margin(limit: int) -> int:
+    """What a measured plan leaves free below ``limit``: the allocator's rounding and fragmentation, a step's
+    shapes that differ a little from the measured one."""
+    return max(int(limit * PEAK_MARGIN_SHARE), PEAK_MARGIN_MIN)
+
+
+def read_reserved(device: torch.device, empty_cache: bool = False) -> int | None:
+    """The bytes this process's caching allocator holds reserved on ``device`` (``None`` on the CPU: no allocator
+    statistics), after first handing its unused cache back to the driver with ``empty_cache``. Reserved, not
+    allocated: the card and a per-process fraction cap what is reserved, fragmentation included. Read with
+    ``empty_cache`` before a forward and without after it, it is what the forward needed at its peak (the cache
+    keeps every segment the forward reserved); nothing resets the allocator's peak statistics (that would corrupt
+    the readings of whoever else reads them). Tests replace it."""
+    if device.type == "cpu":
+        return None
+    module = torch.get_device_module(device)
+    if empty_cache:
+        module.synchronize(device)
+        module.empty_cache()
+    return module.memory_reserved(device)
 
 
 def host_budget(reading: MachineReading, weights_in_ram: int) -> AutoBudget:
@@ -196,4 +230,5 @@ def weights_in_ram(tensors: list[torch.Tensor], is_file_view) -> int:
     return total
 
 
-__all__ = ["AUTO", "AutoBudget", "MachineReading", "device_budget", "host_budget", "read_machine", "weights_in_ram"]
+__all__ = ["AUTO", "AutoBudget", "MachineReading", "device_budget", "host_budget", "peak_margin", "read_machine",
+           "read_reserved", "weights_in_ram"]

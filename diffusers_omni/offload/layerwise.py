@@ -54,6 +54,7 @@ from .discovery import (
 )
 from .hooks import ForwardLock, InstalledHooks, inference_only_message, refresh_registry_caches, refuse_pickling
 from .memory import HostMemory, PackedWeights, Transfers, release_freed_device_memory, release_freed_host_memory
+from .headroom import Headroom
 from .oom_retry import StepShrink
 from .phases import Phases, PhaseUnit
 from .residency import plan_residency
@@ -106,6 +107,7 @@ class LayerwiseState:
     # blocks computing on the CPU keep each tensor's alignment (``memory.RESIDUE_BYTES``): bitwise the model's results
     keep_residues: bool = False
     device_budget: int | None = None  # max_device_memory as planned ("auto" resolved)
+    device_limit: int | None = None  # "auto": the most this process may reserve on the device (``headroom``)
     phases: Phases | None = None  # moves the phase units (made with the hooks)
     stores: StoreContext | None = None  # what the blocks' stores share
     coded_cache: Any = None  # coded_cache.CodedCache of compression_cache_dir
@@ -256,6 +258,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
             return value
         reading = machine.read_machine(self.device)
         chosen = machine.device_budget(reading) if in_ram is None else machine.host_budget(reading, in_ram)
+        if in_ram is None:
+            state.device_limit = chosen.limit
         state.stats.auto.append(chosen.explain())
         state.stats.auto_readings = reading.describe()
         logger.info("layerwise offload: %s", chosen.explain())
@@ -425,6 +429,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 state, self.device, depth,
                 rewire=lambda retry: rewire_stream_hooks(state, state.phases, depth, inference_only, retry),
                 guard=lambda block, path, module: guard_state_dict(state, block, path, module, guards))
+            if state.device_limit is not None:  # "auto": the resident set follows each call's shape
+                shrink.headroom = Headroom(state, self.device, depth, state.device_limit)
             if shrink.possible():
                 retry = shrink.retry_for
         install_stream_hooks(state, state.phases, depth, inference_only, journal, retry)

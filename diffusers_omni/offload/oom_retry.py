@@ -45,6 +45,7 @@ import torch.nn as nn
 from ..config.offload import format_bytes
 from .discovery import DIT
 from .memory import release_freed_device_memory
+from .residents import ResidentBlocks
 from .stores import PinnedStore
 from .streamer import StreamedBlock
 
@@ -70,6 +71,7 @@ class StepShrink:
         self.rewire = rewire
         self.guard = guard
         self.declared = {c.path for c in state.topology.residents}  # resident by declaration: they stay
+        self.headroom: Any = None  # headroom.Headroom under max_device_memory="auto": fits residents to each shape
 
     def candidates(self) -> list[tuple[int, int]]:
         """(stack, position) of every resident DiT block the budget chose."""
@@ -99,13 +101,32 @@ class StepShrink:
         """Shrink what the step needs on the device: every candidate streams from now on or, with none, the window
         keeps only the running block; returns (what shrank: ``"residents"`` or ``"window"``, blocks, bytes released
         from the device). Runs under the offload's forward lock, between the failed run and its retry."""
-        if not self.candidates():
+        candidates = self.candidates()
+        if not candidates:
             return self._shrink_window()
+        self.state.streamer.settle()
+        nbytes = self.stream(candidates)
+        self.state.stats.residents_shrunk += len(candidates)
+        self.state.stats.residents_shrunk_bytes += nbytes
+        gc.collect()  # the failed run's frames and activations
+        release_freed_device_memory(self.device)
+        return "residents", len(candidates), nbytes
+
+    def promotable(self) -> list[tuple[int, int]]:
+        """(stack, position) of every streamed DiT block that could become resident: its bytes are the pinned host
+        copy as they are (a block read from its files, decoded or gathered has no such copy to keep on the device)."""
+        state = self.state
+        return [(i, j) for i, (kind, row) in enumerate(zip(state.kinds, state.streamed)) if kind == DIT
+                for j, block in enumerate(row) if isinstance(block, StreamedBlock) and type(block.store) is PinnedStore]
+
+    def stream(self, positions: list[tuple[int, int]]) -> int:
+        """The resident blocks at ``positions`` stream from now on, over their packed host copies (nothing is
+        copied); the window is sized again and the hooks rewired. The caller settled the streamer. Returns the bytes
+        released from the device."""
         state, stats = self.state, self.state.stats
-        state.streamer.settle()
         moved: list[StreamedBlock] = []
         with torch.inference_mode(False):  # placeholders and rebinding: ordinary tensors, as at enable
-            for i, j in self.candidates():
+            for i, j in positions:
                 weights = state.weights[i][j]
                 block = StreamedBlock(weights, self.device, PinnedStore(weights, state.stores))
                 weights.park(block.placeholders)  # the device buffers go with their last views
@@ -119,25 +140,57 @@ class StepShrink:
             if not residents.weights:
                 state.phases.residents = None
         nbytes = sum(block.weights.nbytes for block in moved)
-        stats.streamed_blocks += len(moved)
-        stats.resident_blocks -= len(moved)
-        stats.streamed_bytes_per_pass += nbytes
+        self._count(moved, +1)
         stats.resident_device_bytes -= nbytes
-        stats.residents_shrunk += len(moved)
-        stats.residents_shrunk_bytes += nbytes
-        for block in moved:
-            name = block.store.name
-            stats.store_blocks[name] = stats.store_blocks.get(name, 0) + 1
-            stats.store_bytes[name] = stats.store_bytes.get(name, 0) + block.weights.nbytes
-            stats.store_host_bytes[name] = stats.store_host_bytes.get(name, 0) + block.store.host_nbytes
-            stats.store_counters.setdefault(name, {}).setdefault(block.weights.path.split(".")[0], {})
         self._resize_window()
-        # Given the retry factory at call time: stored in a closure, it would make shrink ↔ closure a cycle that
-        # keeps the model alive after disable until the garbage collector runs.
         self.rewire(self.retry_for)
-        gc.collect()  # the failed run's frames and activations
-        release_freed_device_memory(self.device)
-        return "residents", len(moved), nbytes
+        return nbytes
+
+    def keep(self, positions: list[tuple[int, int]]) -> int:
+        """The streamed blocks at ``positions`` (``promotable`` ones) stay on the device from now on: device buffers
+        filled from the pinned host copy on the compute stream (ordered before any forward that uses them), the
+        window sized again and the hooks rewired. The caller settled the streamer. Returns the bytes added."""
+        state, stats = self.state, self.state.stats
+        kept: list[StreamedBlock] = []
+        residents = state.phases.residents
+        if residents is not None:
+            residents.come_back()  # one set, all on the device, before it grows
+        with torch.inference_mode(False):
+            for i, j in positions:
+                block = state.streamed[i][j]
+                weights = block.weights
+                block.retired = True  # its state_dict() hooks stand aside: the block computes on device views
+                _, views = weights.device_buffers(self.device)
+                for host, view in zip(weights.host_views, views):
+                    view.copy_(host, non_blocking=True)
+                weights.bind(views)
+                state.streamed[i][j] = None
+                state.resident[i][j] = True
+                kept.append(block)
+        if residents is None:
+            state.phases.residents = ResidentBlocks([block.weights for block in kept], self.device)
+        else:
+            residents.weights.extend(block.weights for block in kept)
+        nbytes = sum(block.weights.nbytes for block in kept)
+        self._count(kept, -1)
+        stats.resident_device_bytes += nbytes
+        self._resize_window()
+        self.rewire(self.retry_for)
+        return nbytes
+
+    def _count(self, blocks: list[StreamedBlock], sign: int) -> None:
+        """The stats of ``blocks`` starting (+1) or stopping (-1) to stream, each in its store's counters."""
+        stats = self.state.stats
+        nbytes = sum(block.weights.nbytes for block in blocks)
+        stats.streamed_blocks += sign * len(blocks)
+        stats.resident_blocks -= sign * len(blocks)
+        stats.streamed_bytes_per_pass += sign * nbytes
+        for block in blocks:
+            name = block.store.name
+            stats.store_blocks[name] = stats.store_blocks.get(name, 0) + sign
+            stats.store_bytes[name] = stats.store_bytes.get(name, 0) + sign * block.weights.nbytes
+            stats.store_host_bytes[name] = stats.store_host_bytes.get(name, 0) + sign * block.store.host_nbytes
+            stats.store_counters.setdefault(name, {}).setdefault(block.weights.path.split(".")[0], {})
 
     def _shrink_window(self) -> tuple[str, int, int]:
         """Nothing resident to stream: the window keeps only the running block from now on (no prefetch: each
@@ -161,9 +214,10 @@ class StepShrink:
         """The window as ``_allocate_slots`` sizes it, over the blocks that stream now."""
         state, stats = self.state, self.state.stats
         blocks = [b for row in state.streamed for b in row if b is not None]
-        count = self.depth + 1
+        count = self.depth + 1 if blocks else 0
         stats.slot_count = count
-        stats.slot_bytes = max(sum(n * d.itemsize for d, n in b.store.device_numel.items()) for b in blocks)
+        stats.slot_bytes = max((sum(n * d.itemsize for d, n in b.store.device_numel.items()) for b in blocks),
+                               default=0)
         stats.in_flight_capacity = count * stats.slot_bytes
         if stats.in_flight_blocks is not None or state.device_budget is None:
             stats.in_flight_blocks = count
@@ -172,7 +226,9 @@ class StepShrink:
 
 class StepRetry:
     """What a DiT's entry hook runs its forward through (``hooks.LockedCallbackHook``'s ``retry``): on an
-    out-of-memory error, ``shrink`` streams the resident blocks and the forward runs once more, with one warning."""
+    out-of-memory error, ``shrink`` streams the resident blocks and the forward runs once more, with one warning.
+    Under ``"auto"`` (``shrink.headroom``, see ``headroom``) the resident set is fitted to the call's shape before
+    the forward and the forward's peak measured after it."""
 
     def __init__(self, label: str, shrink: StepShrink) -> None:
         self.label = label
@@ -180,14 +236,22 @@ class StepRetry:
 
     def __call__(self, run: Callable[..., Any], module: nn.Module, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
+        headroom = self.shrink.headroom
+        watch = headroom.before(self.shrink, self.label, args, kwargs) if headroom is not None else None
         try:
-            return run(module, args, kwargs)
+            output = run(module, args, kwargs)
         except torch.OutOfMemoryError as error:
+            if headroom is not None:
+                headroom.failed(watch)
             if not self.shrink.possible():
                 raise  # nothing to shrink: the error as it came
             # Leave the except block before retrying, so the failed run's frames (and the activations they hold)
             # are gone from the traceback first.
             message = _first_line(error)
+        else:
+            if headroom is not None:
+                headroom.after(watch)
+            return output
         kind, blocks, nbytes = self.shrink()
         if kind == "residents":
             logger.warning(

@@ -380,6 +380,17 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
         notes.append(f"auto: {chosen}")
     if getattr(stats, "auto_readings", None):
         notes.append("auto read: " + ", ".join(f"{k} {v}" for k, v in stats.auto_readings.items()))
+    measured = getattr(stats, "headroom", None)
+    if measured:
+        notes.append("auto headroom, measured per call shape (beside the resident weights, planned within "
+                     f"{format_bytes(stats.headroom_ceiling)}): "
+                     + ", ".join(f"{shape} {format_bytes(nbytes)}" for shape, nbytes in measured.items()))
+    if getattr(stats, "headroom_kept", 0) or getattr(stats, "headroom_streamed", 0):
+        notes.append(f"auto headroom: {stats.headroom_kept} streamed DiT blocks "
+                     f"({format_bytes(stats.headroom_kept_bytes)}) kept on the device where a shape left room, "
+                     f"{stats.headroom_streamed} resident ones "
+                     f"({format_bytes(stats.headroom_streamed_bytes)}) streamed before a shape that needed theirs "
+                     "(exact: the output is unchanged)")
     store_bytes = getattr(stats, "store_bytes", None)
     if store_bytes and set(store_bytes) != {"pinned"}:
         held = getattr(stats, "store_host_bytes", {})

@@ -18,7 +18,7 @@ def plan_residency(
     step) stay resident only when everything fits, and otherwise stream, sizing the window like any other streamed
     block. Without a budget the rest stream. With one, everything is resident if
     it fits; otherwise ``slot_count`` slots for the largest candidate (the streaming window) are reserved and the
-    rest of the budget keeps blocks resident: size class by size class, the largest first (``_residency_order``),
+    rest of the budget keeps blocks resident: size class by size class, the largest first (``size_classes``),
     each class as an evenly spread set, and no run of consecutive resident blocks longer than the window (or than
     an evenly spread set of the same budget would have; ``_longest_chosen_run``), so the streamed ones copy while
     resident ones compute.
@@ -50,7 +50,7 @@ def plan_residency(
     # would have (a budget near the model's size keeps long runs either way; its few streamed blocks copy in time).
     spread, _ = _spread_fill(block_bytes, resident, candidates, available)
     cap = max(window, _longest_chosen_run(block_bytes, forced, spread))
-    for group in _residency_order(block_bytes, candidates):
+    for group in size_classes(block_bytes, candidates):
         resident, used = _spread_fill(block_bytes, resident, group, available,
                                       accept=lambda plan: _longest_chosen_run(block_bytes, forced, plan) <= cap)
         available -= used
@@ -101,7 +101,7 @@ def _longest_chosen_run(block_bytes: list[int], forced: list[bool], resident: li
 _SIZE_CLASS_TOLERANCE = 0.8
 
 
-def _residency_order(block_bytes: list[int], candidates: list[int]) -> list[list[int]]:
+def size_classes(block_bytes: list[int], candidates: list[int]) -> list[list[int]]:
     """The candidates in size classes, largest first, each in stack order.
 
     Where a stack mixes block sizes (FLUX's and HunyuanVideo's double-stream blocks are ~2.4x their single-stream

@@ -58,3 +58,10 @@ class LayerwiseStats:
     residents_shrunk: int = 0  # resident DiT blocks that stream since a step ran out of memory beside them
     residents_shrunk_bytes: int = 0  # their bytes, released from the device
     window_shrunk: int = 0  # times a step ran out of memory with nothing resident: the window keeps one block since
+    # max_device_memory="auto": the resident set follows what each call shape needs (``headroom``)
+    headroom_ceiling: int | None = None  # the peak a plan stays under: the ceiling auto read less a margin
+    headroom: dict[str, int] = field(default_factory=dict)  # shape → bytes it needs beside the resident weights
+    headroom_kept: int = 0  # streamed blocks that stay on the device since a shape was measured to leave room
+    headroom_kept_bytes: int = 0
+    headroom_streamed: int = 0  # resident blocks that stream since a (larger) shape needed their room
+    headroom_streamed_bytes: int = 0

@@ -47,8 +47,9 @@ def install_stream_hooks(state: Any, phases: Phases, depth: int, inference_only:
 def rewire_stream_hooks(state: Any, phases: Phases, depth: int, inference_only: Callable[[str], str],
                         retry: Callable[[str], Any] | None = None) -> None:
     """The stacks' hooks again, for ``state.streamed`` and the window as they are now (resident blocks that started
-    streaming, ``oom_retry``): hooks already there take the new callbacks in place (their order among other hooks
-    on the module is kept), blocks that had none get theirs; removed by the same ``state.hooks``."""
+    streaming, ``oom_retry``, or streamed ones that stay, ``headroom``): hooks already there take the new callbacks
+    in place (their order among other hooks on the module is kept), blocks that had none get theirs, a stack whose
+    every block is resident loses its block hooks; removed by the same ``state.hooks``."""
     hooks = state.hooks
 
     def place(module: nn.Module, hook: Any, name: str) -> None:
@@ -62,6 +63,15 @@ def rewire_stream_hooks(state: Any, phases: Phases, depth: int, inference_only: 
             hooks.remove(module, LAYERWISE_ENTRY_HOOK)
         hooks.install(module, hook, name)
 
+    for stack, row in zip(state.stacks, state.streamed):
+        # Blocks resident now (``headroom``) keep no hooks of a streamed block: a last block's output layers lose
+        # theirs once it is resident, and a stack whose every block is resident its block hooks (the entry stays).
+        gone = [m for _, m in state.tails.get(stack.blocks[-1][0], ())] if row[-1] is None else []
+        if not any(b is not None for b in row):
+            gone += [m for _, m in stack.blocks]
+        for module in gone:
+            if hooks.installed(module, LAYERWISE_BLOCK_HOOK) is not None:
+                hooks.remove(module, LAYERWISE_BLOCK_HOOK)
     _wire_stacks(state, phases, depth, inference_only, retry, place)
     refresh_registry_caches([stack.owner for stack in state.stacks])
 

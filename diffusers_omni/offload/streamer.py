@@ -53,6 +53,7 @@ class StreamedBlock:
         self.placeholders = [placeholder(s.dtype, device) for s in weights.slots]
         self.slot: Slot | None = None
         self.running = False
+        self.retired = False  # it stays on the device now (``headroom``): its ``state_dict()`` hooks stand aside
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.views: list[torch.Tensor] = []
         self._storages: list[tuple[torch.UntypedStorage, int]] = []  # (storage, bytes when allocated)

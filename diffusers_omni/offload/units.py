@@ -110,6 +110,8 @@ def state_dict_hooks(block: StreamedBlock):
     weights = block.weights
 
     def bind_host_copies(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if block.retired:  # the block is resident now: its tensors are its device views, as a resident's are
+            return
         views = block.store.host_views()
         saved.append(weights.tensors.current())
         weights.bind(views)

@@ -154,3 +154,18 @@ def test_memory_events_name_what_ran_out_of_memory_and_reach_the_notes():
     report = {"environment": {"device_name": "H200"}, "args": args, "steps": 4, "strategies": [omni],
               "lower_bounds": [], "omni_budget": None, "notes": [], "components": {}, "size_check": {}}
     assert "- omni: resident blocks left the device 1× to make room for the VAE (1.00 GiB)" in bench.markdown(report)
+
+
+def test_headroom_notes_say_what_auto_measured_and_moved():
+    assert bench.headroom_notes({}) == []
+    stats = {"headroom": {"transformer 1×4096×64": 2**31}, "headroom_kept": 3, "headroom_kept_bytes": 2**30,
+             "headroom_streamed": 0, "headroom_streamed_bytes": 0}
+    assert bench.headroom_notes(stats) == [
+        "auto measured beside the resident weights: transformer 1×4096×64 2.00 GiB",
+        "auto kept 3 streamed blocks on the device (1.00 GiB) and streamed 0 resident ones first (0.00 GiB)"]
+    omni = {**_result("omni", (1.0, 3.0, 1.0), "a"), "omni": {"stats": stats}}
+    args = vars(bench.parse_args(["--model", "flux", "--steps", "4", "--out", "x"]))
+    report = {"environment": {"device_name": "H200"}, "args": args, "steps": 4, "strategies": [omni],
+              "lower_bounds": [], "omni_budget": None, "notes": [], "components": {}, "size_check": {}}
+    assert "- omni: auto measured beside the resident weights: transformer 1×4096×64 2.00 GiB; auto kept 3" in \
+        bench.markdown(report)

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from diffusers_omni import OffloadConfig, apply_offload
 from diffusers_omni.offload.host_plan import spread_positions
-from diffusers_omni.offload.residency import _residency_order, plan_residency
+from diffusers_omni.offload.residency import size_classes, plan_residency
 
 from offload_helpers import bare_flux, bare_wan, block_bytes, flux_inputs, flux_pipe, generate, wan22_pipe
 
@@ -254,7 +254,7 @@ def test_plan_keeps_the_larger_blocks_first():
                               slot_count=2)
     assert sum(resident) == 2 and resident != [True, False, True, False, False, False]
     # A last block that carries the output layers (FLUX: ~14% larger) stays in its peers' class.
-    assert _residency_order([20, 20, 8, 8, 9], [0, 1, 2, 3, 4]) == [[0, 1], [2, 3, 4]]
+    assert size_classes([20, 20, 8, 8, 9], [0, 1, 2, 3, 4]) == [[0, 1], [2, 3, 4]]
 
 
 def _longest_run(sizes: list[int], resident: list[bool]) -> int:
