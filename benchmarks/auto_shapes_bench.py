@@ -20,9 +20,9 @@ Per call: seconds (and encode / denoise / decode from synchronised transformer f
 stayed within the card (``--card-gib`` GiB; reserved, the larger of the two, is what is checked), whether the call
 raised ``torch.OutOfMemoryError`` (caught and counted: the run goes on with the next shape; any other exception is
 recorded likewise), the offload's stats after the call (``dataclasses.asdict(backend.stats)``: its scalar fields,
-``auto``, ``tiled_vaes`` and every key about per-shape re-planning, ``shape*`` / ``headroom*`` / ``promot*`` /
-``demot*`` / ``replan*``, read generically) and what the offload did during that call when memory ran out
-(``memory_events`` of the change in its counters over the call: residents left for the VAE, residents streamed after
+``auto``, ``tiled_vaes`` and auto's per-shape headroom, ``headroom*``: what each shape measured and the blocks it
+kept on the device or streamed first, ``headroom_notes``) and what the offload did during that call when memory ran
+out (``memory_events`` of the change in its counters over the call: residents left for the VAE, residents streamed after
 a step's retry, window shrunk, VAE tiled). ``--time-budget``: no call starts once the budget, less ``--min-left``, is
 spent (the calls left are recorded as skipped). ``<out>.json`` holds the environment, the arguments, auto's plan,
 every call and a summary; ``<out>.md`` a table (one row per call) and the summary line (calls that ran out of
@@ -61,7 +61,7 @@ import torch
 from benchmarks.offload_bench import environment, host_rss
 from benchmarks.pipeline_offload_bench import (
     AUTO, GiB, MODELS, SEED, PhaseClock, _error, _gib, _s, _size, build_pipeline, call_kwargs, enable_strategy,
-    fingerprint, least_device_budget, memory_events, omni_plan, omni_runs,
+    fingerprint, headroom_notes, least_device_budget, memory_events, omni_plan, omni_runs,
 )
 
 STRATEGY = "omni-auto"  # pipeline_offload_bench's name for max_device_memory="auto"
@@ -73,10 +73,10 @@ SIZE_RANGE = (64, 4096)
 MAX_BATCH = 8
 SMOKE_DIVISOR = 16
 SMOKE_STEPS = 2
-# Stats kept per call besides the scalar fields: lists of what happened, and any key about per-shape re-planning
-# (counters being added to the offload: read generically, whatever they are called exactly).
+# Stats kept per call besides the scalar fields: lists of what happened, and auto's per-shape headroom
+# (``diffusers_omni/offload/headroom.py``: what each shape measured, the blocks it kept on the device or streamed).
 KEEP_STATS = ("auto", "tiled_vaes")
-REPLAN_PREFIXES = ("shape", "headroom", "promot", "demot", "replan")
+REPLAN_PREFIXES = ("headroom",)
 MODELS_HERE = ("flux",)  # the image pipeline #40's target names (num_images_per_prompt)
 
 
@@ -339,19 +339,6 @@ def summary(calls: list[dict[str, Any]], card_bytes: int | None) -> dict[str, An
 # Report ---------------------------------------------------------------------------------------------------------------
 
 
-def _delta_text(value: Any) -> str:
-    """A re-planning counter's change for the notes column: +3, or a dict's new entries (bytes rendered)."""
-    if isinstance(value, bool) or value is None:
-        return str(value)
-    if isinstance(value, int):
-        return f"{value:+d}"
-    if isinstance(value, float):
-        return f"{value:+.3g}"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_size(v) if isinstance(v, int) else v}" for k, v in value.items()) + "}"
-    return str(value)
-
-
 def _card_cell(call: dict[str, Any]) -> str:
     within = call.get("within_card")
     return "n/a" if within is None else "yes" if within else "**NO**"
@@ -402,7 +389,7 @@ def markdown(report: dict[str, Any]) -> str:
         if call["status"] != "ok":
             err = call["error"]
             notes.insert(0, f"{err['type']} in {err['stage']}: {err['message']}".replace("|", "/"))
-        notes += [f"{k} {_delta_text(v)}" for k, v in (call.get("replanning_delta") or {}).items()]
+        notes += headroom_notes(call.get("replanning_delta") or {})
         peak = ("n/a (CPU)" if call.get("peak_reserved") is None else
                 f"{_gib(call['peak_allocated'])} / {_gib(call['peak_reserved'])}")
         lines.append(f"| {call['index'] + 1} | {shape} | {_s(call.get('seconds'))} | {peak} | {_card_cell(call)} | "

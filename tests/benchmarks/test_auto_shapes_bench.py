@@ -217,7 +217,8 @@ def test_the_table_of_a_device_run_shows_peaks_against_the_card_and_the_failures
     assert "| 1 | 1024² ×1 | 12.5 s | 9.00 GiB / 10.00 GiB | yes | no | 20 / 37 |  |" in text
     assert ("| 2 | 2048² ×2, grows | 12.5 s | 11.00 GiB / 12.00 GiB | yes | **OOM** | 20 / 37 | OutOfMemoryError "
             "in decode: CUDA out of memory / 2 GiB; vae switched to tiling") in text
-    assert "headroom_streamed +3; headroom {2048x2: 3.00 GiB} |" in text
+    assert ("auto measured beside the resident weights: 2048x2 3.00 GiB; auto kept 0 streamed blocks on the device "
+            "(0.00 GiB) and streamed 3 resident ones first (0.00 GiB) |") in text
     assert "| 3 | 512² ×1, shrinks | skipped | | | | | time budget: 10 s left (a call needs 30 s) |" in text
     assert ("**1 of 2 calls ran out of memory**, 1 skipped (time budget); largest peak 11.00 GiB allocated / 12.00 "
             "GiB reserved against the 12.00 GiB card (100 %); every call within the card. #40's target: NOT met."
