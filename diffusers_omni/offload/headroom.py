@@ -209,11 +209,24 @@ class Headroom:
         if not chosen:
             return False
         state.streamer.settle()
-        nbytes = shrink.keep(chosen)
-        stats.headroom_kept += len(chosen)
+        before = stats.resident_device_bytes
+        try:
+            shrink.keep(chosen)
+        except torch.OutOfMemoryError as error:
+            # The device had less room than measured (another process took some, say): the blocks kept so far stay,
+            # the others stream as before, and this shape keeps no more.
+            self.frozen.add(shape)
+            gc.collect()
+            release_freed_device_memory(self.device)
+            logger.info("layerwise offload: keeping DiT blocks on %s for %s ran out of memory (%s); they stream as "
+                        "before", self.device, shape.describe(), str(error).splitlines()[0] if str(error) else "")
+        kept = [p for p in chosen if state.resident[p[0]][p[1]]]
+        nbytes = stats.resident_device_bytes - before
+        stats.headroom_kept += len(kept)
         stats.headroom_kept_bytes += nbytes
-        self._log("stay on the device from now on", shape, need, chosen, nbytes)
-        return True
+        if kept:
+            self._log("stay on the device from now on", shape, need, kept, nbytes)
+        return bool(kept)
 
     def _log(self, what: str, shape: Shape, need: Need, chosen: list[tuple[int, int]], nbytes: int) -> None:
         logger.info("layerwise offload: %s needs %s beside the resident weights (%s); %d DiT blocks (%s) %s, for "

@@ -149,34 +149,39 @@ class StepShrink:
     def keep(self, positions: list[tuple[int, int]]) -> int:
         """The streamed blocks at ``positions`` (``promotable`` ones) stay on the device from now on: device buffers
         filled from the pinned host copy on the compute stream (ordered before any forward that uses them), the
-        window sized again and the hooks rewired. The caller settled the streamer. Returns the bytes added."""
+        window sized again and the hooks rewired. The caller settled the streamer. Returns the bytes added. Where the
+        device refuses a block's memory, the blocks before it stay kept (consistently: stats, window, hooks), it and
+        the rest stream as before, and the error is raised."""
         state, stats = self.state, self.state.stats
         kept: list[StreamedBlock] = []
         residents = state.phases.residents
         if residents is not None:
             residents.come_back()  # one set, all on the device, before it grows
-        with torch.inference_mode(False):
-            for i, j in positions:
-                block = state.streamed[i][j]
-                weights = block.weights
-                block.retired = True  # its state_dict() hooks stand aside: the block computes on device views
-                _, views = weights.device_buffers(self.device)
-                for host, view in zip(weights.host_views, views):
-                    view.copy_(host, non_blocking=True)
-                weights.bind(views)
-                state.streamed[i][j] = None
-                state.resident[i][j] = True
-                kept.append(block)
-        if residents is None:
-            state.phases.residents = ResidentBlocks([block.weights for block in kept], self.device)
-        else:
-            residents.weights.extend(block.weights for block in kept)
-        nbytes = sum(block.weights.nbytes for block in kept)
-        self._count(kept, -1)
-        stats.resident_device_bytes += nbytes
-        self._resize_window()
-        self.rewire(self.retry_for)
-        return nbytes
+        try:
+            with torch.inference_mode(False):
+                for i, j in positions:
+                    block = state.streamed[i][j]
+                    weights = block.weights
+                    # Allocated before anything changes: a block whose memory is refused stays streamed as it was.
+                    _, views = weights.device_buffers(self.device)
+                    for host, view in zip(weights.host_views, views):
+                        view.copy_(host, non_blocking=True)
+                    block.retired = True  # its state_dict() hooks stand aside: it computes on device views
+                    weights.bind(views)
+                    state.streamed[i][j] = None
+                    state.resident[i][j] = True
+                    kept.append(block)
+        finally:  # the blocks kept so far, also when one ran out of memory (raised after this)
+            if kept:
+                if state.phases.residents is None:
+                    state.phases.residents = ResidentBlocks([block.weights for block in kept], self.device)
+                else:
+                    state.phases.residents.weights.extend(block.weights for block in kept)
+                self._count(kept, -1)
+                stats.resident_device_bytes += sum(block.weights.nbytes for block in kept)
+                self._resize_window()
+                self.rewire(self.retry_for)
+        return sum(block.weights.nbytes for block in kept)
 
     def _count(self, blocks: list[StreamedBlock], sign: int) -> None:
         """The stats of ``blocks`` starting (+1) or stopping (-1) to stream, each in its store's counters."""

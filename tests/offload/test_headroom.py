@@ -21,6 +21,7 @@ from diffusers_omni import OffloadConfig, apply_offload
 from diffusers_omni.offload import budget
 from diffusers_omni.offload.budget import MachineReading
 from diffusers_omni.offload.headroom import Headroom, Need, Shape, call_shape
+from diffusers_omni.offload.memory import PackedWeights
 from diffusers_omni.testing.tiny import tiny_flux_inputs
 
 from offload_helpers import assert_same_snapshot, bare_flux, block_bytes, flux_pipe, generate, snapshot
@@ -197,6 +198,41 @@ def test_a_step_that_runs_out_of_memory_after_all_freezes_its_shape(monkeypatch,
         assert torch.equal(_run(model), reference)
     assert stats.headroom_kept == kept and stats.resident_blocks == 0 and card.failures == 1
     backend.disable()
+
+
+def test_a_block_whose_device_memory_is_refused_stays_streamed_and_the_call_runs(monkeypatch):
+    """The measurement left room, but the device refuses the second block's memory when it is kept (another process
+    took some): the first stays kept, the others stream as before, the shape keeps no more, the output is exact."""
+    model = bare_flux(num_layers=2, num_single_layers=6).eval()
+    reference = _run(model)
+    original = snapshot(model)
+    blocks = _blocks(model)
+    card = Card(0)
+    backend = _offload(model, card, monkeypatch, _non_block(model) + 3 * block_bytes(blocks[0]) + 16384)
+    stats = backend.stats
+    total = stats.resident_blocks + stats.streamed_blocks
+    card.activation = 1024  # room for everything
+    assert torch.equal(_run(model), reference)  # measured
+    calls = []
+    allocate = PackedWeights.device_buffers
+
+    def refuse_the_second(self, device, numel=None):
+        calls.append(self.path)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB (injected)")
+        return allocate(self, device, numel)
+
+    monkeypatch.setattr(PackedWeights, "device_buffers", refuse_the_second)
+    assert torch.equal(_run(model), reference)
+    monkeypatch.setattr(PackedWeights, "device_buffers", allocate)
+    assert stats.headroom_kept == 1 and stats.resident_blocks + stats.streamed_blocks == total
+    assert stats.streamed_blocks > 0 and backend._state.streamer.capacity == stats.in_flight_capacity
+    for _ in range(2):  # frozen: nothing more is kept, every call exact
+        assert torch.equal(_run(model), reference)
+    assert stats.headroom_kept == 1
+    assert all(torch.equal(value, original[f"0.{name}"][-1]) for name, value in model.state_dict().items())
+    backend.disable()
+    assert_same_snapshot(original, snapshot(model))
 
 
 def test_an_explicit_budget_is_the_users_number_and_nothing_is_measured(monkeypatch):
