@@ -242,12 +242,23 @@ def offload_lossless() -> str:
             + f"\nCoded to {coded['coded_ratio']:.3f} of the bf16 bytes, decoded by the {coded['decode_kernel']}; "
               f"the bf16 floor is the streamed bf16 bytes over the measured host→device bandwidth "
               f"({plain['stream_floor_s']:.3f} s).\n\n")
-    ratio = result("codec-ratio")["rows"]
+    codec_run = result("codec-ratio")
+    ratio = codec_run["rows"]
+    dfloat11 = all("dfloat11_ratio" in r for r in ratio)
     rows = [[r["source"], r["kind"], f"{r['weights']:,}", f"{r['exponent_entropy_bits']:.2f}",
-             f"{r['ideal_ratio']:.3f}", f"{r['ratio']:.3f}"] for r in ratio]
-    return text + (f"The code's size on trained weights (shipped in PyPI wheels) and random ones, CPU; "
-                   f"{source('codec-ratio')}\n\n"
-                   + table(["Weights of", "Kind", "Weights", "Exponent entropy (bits)", "Ideal", "Code"], rows))
+             f"{r['ideal_ratio']:.3f}", f"{r['ratio']:.3f}"] + ([f"{r['dfloat11_ratio']:.3f}"] if dfloat11 else [])
+            for r in ratio]
+    text += (f"The code's size on trained weights (shipped in PyPI wheels) and random ones, CPU; "
+             f"{source('codec-ratio')}\n\n"
+             + table(["Weights of", "Kind", "Weights", "Exponent entropy (bits)", "Ideal", "Code"]
+                     + ([f"DFloat11 {codec_run['dfloat11']}"] if dfloat11 else []), rows))
+    if not dfloat11:
+        return text
+    rate = sum(r["dfloat11_seconds"] for r in ratio) / sum(r["weights"] for r in ratio) * 1e6
+    flux = result("pipeline-offload-flux-auto")["components"]["transformer"]["params"]
+    return text + (f"\nDFloat11's own encoder, on one core of this CPU: {rate:.2f} s per million weights, so about "
+                   f"{rate * flux / 1e6 / 3600:.1f} hours for the FLUX.1-dev transformer's {flux / 1e9:.1f} billion "
+                   f"weights ({source('pipeline-offload-flux-auto')}'s count).\n")
 
 
 def offload_auto() -> str:
