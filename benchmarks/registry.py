@@ -219,6 +219,12 @@ SCENARIOS: tuple[Scenario, ...] = (
              "GiB budget) vs Diffusers' offloads vs mmgp", "gpu", (README, OFFLOAD),
              args=("--model", "qwen", "--card-gib", "24", "--steps", "20", "--strategies", _PIPELINE_QWEN,
                    "--omni-budget", "16GiB", "--time-budget", _PIPELINE_TIME)),
+    Scenario("pipeline-offload-qwen-auto", "pipeline_offload_bench",
+             "Qwen-Image pipeline end to end (20 of its 50 steps) on an emulated 24 GiB card: max_device_memory 12, 16 "
+             "and 20 GiB and auto (its reading, choice and per-shape headroom recorded), a plot of end to end against "
+             "the budget (#40: auto within 1.05 of the sweep's fastest)", "gpu", (),
+             args=("--model", "qwen", "--card-gib", "24", "--steps", "20", "--strategies", "omni",
+                   "--omni-budget", "12GiB,16GiB,20GiB,auto", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-qwen-diffusers", "pipeline_offload_bench",
              "Qwen-Image pipeline, 20 steps, on an emulated 24 GiB card: Diffusers' sequential CPU offload (4 steps, "
              "scaled) and model CPU offload against resident", "gpu", (README, OFFLOAD),
@@ -230,6 +236,11 @@ SCENARIOS: tuple[Scenario, ...] = (
              "(and with a 14 GiB budget) vs Diffusers' group offload", "gpu", (README, OFFLOAD),
              args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--strategies", _PIPELINE_WAN,
                    "--omni-budget", "14GiB", "--time-budget", _PIPELINE_TIME)),
+    Scenario("pipeline-offload-wan-auto", "pipeline_offload_bench",
+             "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card: resident, "
+             "omni and max_device_memory=auto (#40: auto within 1.02 of resident)", "gpu", (),
+             args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--strategies", "resident,omni",
+                   "--omni-budget", "auto", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-wan-host", "pipeline_offload_bench",
              "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card: omni "
              "with max_host_memory=32GiB (the experts saved to disk and read back, page cache dropped before every "
