@@ -14,8 +14,8 @@ lock, where ``oom_retry`` runs it):
   The predicted peak is the resident bytes + beside (+ any growth of the streaming window). Above the ceiling auto
   read (``AutoBudget.limit``) less ``budget.peak_margin``, resident blocks the budget chose stream until it fits,
   the smallest first (the planner keeps the largest: theirs are the copies that outrun compute), each the nearest to
-  another resident one; below it by a block or more, streamed blocks whose bytes are the pinned host copy stay on
-  the device, the largest first, each the farthest from the resident blocks of its stack (so streamed ones copy
+  another resident one; below it by a block or more, streamed blocks whose store fills them from this process's
+  memory (the pinned copy, the lossless code: ``BlockStore.can_stay``) stay on the device, the largest first, each the farthest from the resident blocks of its stack (so streamed ones copy
   while resident ones compute), while the prediction stays under the ceiling. Nothing changes otherwise: the steps
   of one call at one shape re-plan at most once.
 - A forward at a shape not measured yet, or the first after the resident set changed, is measured: the
@@ -287,7 +287,7 @@ class Headroom:
                                                        self._spread(p[0], p[1], plan[p[0]]), p))
                 i, j = position
                 nbytes = state.weights[i][j].nbytes
-                largest = max(largest, nbytes)  # a pinned block takes its packed bytes on the device
+                largest = max(largest, nbytes)  # a block takes its packed bytes on the device
                 resident -= nbytes
                 plan[i][j] = False
                 chosen.append(position)

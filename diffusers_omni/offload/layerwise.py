@@ -108,6 +108,8 @@ class LayerwiseState:
     keep_residues: bool = False
     device_budget: int | None = None  # max_device_memory as planned ("auto" resolved)
     device_limit: int | None = None  # "auto": the most this process may reserve on the device (``headroom``)
+    # streamed blocks that stay on the device (``headroom``), by (stack, position): their store still holds them
+    kept: dict[tuple[int, int], StreamedBlock] = field(default_factory=dict)
     phases: Phases | None = None  # moves the phase units (made with the hooks)
     stores: StoreContext | None = None  # what the blocks' stores share
     coded_cache: Any = None  # coded_cache.CodedCache of compression_cache_dir
@@ -417,7 +419,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
                      if kind == DIT for weights, resident in zip(row_weights, row_resident)
                      if resident and not weights.empty]
         state.phases = Phases(state.units, state.streamer, self.device, state.stats, state.lock,
-                              ResidentBlocks(residents, self.device) if residents else None)
+                              ResidentBlocks(residents, self.device, state.transfers) if residents else None)
         depth = self.config.prefetch_depth
         inference_only = lambda label: self._inference_only(state, label)  # noqa: E731
         retry = None
@@ -491,6 +493,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
             return
         with state.lock if state.lock is not None else _NO_LOCK:
             stores = [block.store for row in state.streamed for block in row if block is not None]
+            stores += [block.store for block in state.kept.values()]
             unread: list[str] = []
             for store in stores:
                 try:
@@ -518,18 +521,21 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.hooks.remove_all()
         refresh_registry_caches([stack.owner for stack in state.stacks])
         clone = state.host_memory.needs_clone_on_release
-        blocks = [block for row in state.streamed for block in row if block is not None]
+        blocks = [block for row in state.streamed for block in row if block is not None] + list(state.kept.values())
         label = next((b.store.give_back_progress for b in blocks if b.store.give_back_progress), None)
         show = self.config.show_progress if label else False  # a bar only where giving back moves bytes (gathers)
         with byte_progress(sum(b.weights.nbytes for b in blocks), label or "", show, self._target) as bar:
-            for row_weights, row in zip(state.weights, state.streamed):
-                for weights, block in zip(row_weights, row):
+            for i, (row_weights, row) in enumerate(zip(state.weights, state.streamed)):
+                for j, (weights, block) in enumerate(zip(row_weights, row)):
                     if weights.empty:
                         continue
-                    if block is None:  # resident: its packed host copy
+                    kept = state.kept.get((i, j))
+                    if block is None and kept is None:  # resident: its packed host copy
                         weights.restore(clone=clone, to_original_device=False)
                     else:
+                        block = block or kept
                         block.store.give_back()  # what could fail was done by _prepare_disable (collective: shards)
+                        block.free_device_memory()  # a kept block's (``headroom``); nothing for a streamed one
                         bar.update(block.weights.nbytes)
         if state.phases is not None:
             state.phases.park_all()

@@ -113,11 +113,12 @@ class StepShrink:
         return "residents", len(candidates), nbytes
 
     def promotable(self) -> list[tuple[int, int]]:
-        """(stack, position) of every streamed DiT block that could become resident: its bytes are the pinned host
-        copy as they are (a block read from its files, decoded or gathered has no such copy to keep on the device)."""
+        """(stack, position) of every streamed DiT block that may stay on the device: its store fills it from this
+        process's memory alone (``BlockStore.can_stay``: the pinned copy, the lossless code; not a block read from
+        its files or gathered from other ranks)."""
         state = self.state
         return [(i, j) for i, (kind, row) in enumerate(zip(state.kinds, state.streamed)) if kind == DIT
-                for j, block in enumerate(row) if isinstance(block, StreamedBlock) and type(block.store) is PinnedStore]
+                for j, block in enumerate(row) if block is not None and block.store.can_stay]
 
     def stream(self, positions: list[tuple[int, int]]) -> int:
         """The resident blocks at ``positions`` stream from now on, over their packed host copies (nothing is
@@ -127,17 +128,22 @@ class StepShrink:
         moved: list[StreamedBlock] = []
         with torch.inference_mode(False):  # placeholders and rebinding: ordinary tensors, as at enable
             for i, j in positions:
-                weights = state.weights[i][j]
-                block = StreamedBlock(weights, self.device, PinnedStore(weights, state.stores))
-                weights.park(block.placeholders)  # the device buffers go with their last views
+                block = state.kept.pop((i, j), None)
+                if block is not None:  # a streamed block that stayed (``keep``): it streams again, as it was
+                    block.leave_device()
+                    block.retired = False
+                else:  # resident since enable: it streams over its packed host copy
+                    weights = state.weights[i][j]
+                    block = StreamedBlock(weights, self.device, PinnedStore(weights, state.stores))
+                    weights.park(block.placeholders)  # the device buffers go with their last views
+                    self.guard(block, *state.stacks[i].blocks[j])
                 state.streamed[i][j] = block
                 state.resident[i][j] = False
-                self.guard(block, *state.stacks[i].blocks[j])
                 moved.append(block)
         residents = state.phases.residents if state.phases is not None else None
         if residents is not None:
             residents.drop([block.weights for block in moved])
-            if not residents.weights:
+            if residents.empty():
                 state.phases.residents = None
         nbytes = sum(block.weights.nbytes for block in moved)
         self._count(moved, +1)
@@ -147,36 +153,31 @@ class StepShrink:
         return nbytes
 
     def keep(self, positions: list[tuple[int, int]]) -> int:
-        """The streamed blocks at ``positions`` (``promotable`` ones) stay on the device from now on: device buffers
-        filled from the pinned host copy on the compute stream (ordered before any forward that uses them), the
-        window sized again and the hooks rewired. The caller settled the streamer. Returns the bytes added. Where the
-        device refuses a block's memory, the blocks before it stay kept (consistently: stats, window, hooks), it and
-        the rest stream as before, and the error is raised."""
+        """The streamed blocks at ``positions`` (``promotable`` ones) stay on the device from now on: loaded once by
+        their store (``StreamedBlock.stay``: the compute stream waits for the fill), kept in ``state.kept`` (disable
+        gives their tensors back through the store, as for a streamed block), the window sized again and the hooks
+        rewired. The caller settled the streamer. Returns the bytes added. Where the device refuses a block's
+        memory, the blocks before it stay kept (consistently: stats, window, hooks), it and the rest stream as
+        before, and the error is raised."""
         state, stats = self.state, self.state.stats
         kept: list[StreamedBlock] = []
         residents = state.phases.residents
         if residents is not None:
             residents.come_back()  # one set, all on the device, before it grows
         try:
-            with torch.inference_mode(False):
-                for i, j in positions:
-                    block = state.streamed[i][j]
-                    weights = block.weights
-                    # Allocated before anything changes: a block whose memory is refused stays streamed as it was.
-                    _, views = weights.device_buffers(self.device)
-                    for host, view in zip(weights.host_views, views):
-                        view.copy_(host, non_blocking=True)
-                    block.retired = True  # its state_dict() hooks stand aside: it computes on device views
-                    weights.bind(views)
-                    state.streamed[i][j] = None
-                    state.resident[i][j] = True
-                    kept.append(block)
+            for i, j in positions:
+                block = state.streamed[i][j]
+                block.stay(state.transfers)  # raises before anything changed for this block
+                block.retired = True  # its state_dict() hooks stand aside: it computes on device views
+                state.kept[(i, j)] = block
+                state.streamed[i][j] = None
+                state.resident[i][j] = True
+                kept.append(block)
         finally:  # the blocks kept so far, also when one ran out of memory (raised after this)
             if kept:
                 if state.phases.residents is None:
-                    state.phases.residents = ResidentBlocks([block.weights for block in kept], self.device)
-                else:
-                    state.phases.residents.weights.extend(block.weights for block in kept)
+                    state.phases.residents = ResidentBlocks([], self.device, state.transfers)
+                state.phases.residents.kept.extend(kept)
                 self._count(kept, -1)
                 stats.resident_device_bytes += sum(block.weights.nbytes for block in kept)
                 self._resize_window()

@@ -11,6 +11,8 @@ before its first block runs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .memory import PackedWeights, release_freed_device_memory
@@ -19,23 +21,31 @@ from .memory import PackedWeights, release_freed_device_memory
 class ResidentBlocks:
     """The resident DiT blocks that may leave the device for a while (see the module's docstring)."""
 
-    def __init__(self, weights: list[PackedWeights], device: torch.device) -> None:
+    def __init__(self, weights: list[PackedWeights], device: torch.device, transfers: Any = None) -> None:
         self.weights = weights
         self.device = device
+        self.transfers = transfers  # how kept blocks come back (their store fills them)
+        # Streamed blocks that stay on the device (``headroom``): they leave and come back through their store.
+        self.kept: list[Any] = []  # streamer.StreamedBlock
         self.away = False
         self.departures = 0  # how many times they left
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.weights)
+        return sum(w.nbytes for w in self.weights) + sum(b.weights.nbytes for b in self.kept)
+
+    def empty(self) -> bool:
+        return not self.weights and not self.kept
 
     def leave(self) -> int:
         """Rebind every resident block to its host copy and free its device buffers; the bytes freed (0 when there
         is nothing to free: none resident, or away already)."""
-        if self.away or not self.weights:
+        if self.away or self.empty():
             return 0
         for weights in self.weights:
             weights.park(weights.host_views)
+        for block in self.kept:
+            block.leave_device()
         self.away = True
         self.departures += 1
         release_freed_device_memory(self.device)
@@ -45,6 +55,7 @@ class ResidentBlocks:
         """``weights`` are resident no more (they stream: ``oom_retry``); the others stay in this set."""
         gone = {id(w) for w in weights}
         self.weights = [w for w in self.weights if id(w) not in gone]
+        self.kept = [b for b in self.kept if id(b.weights) not in gone]
 
     def come_back(self) -> None:
         """Copy the blocks back to fresh device buffers (on the current stream, ordered before the blocks run) and
@@ -56,4 +67,6 @@ class ResidentBlocks:
             for host, view in zip(weights.host_views, views):
                 view.copy_(host, non_blocking=True)
             weights.bind(views)
+        for block in self.kept:
+            block.stay(self.transfers)
         self.away = False

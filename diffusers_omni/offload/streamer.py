@@ -53,7 +53,7 @@ class StreamedBlock:
         self.placeholders = [placeholder(s.dtype, device) for s in weights.slots]
         self.slot: Slot | None = None
         self.running = False
-        self.retired = False  # it stays on the device now (``headroom``): its ``state_dict()`` hooks stand aside
+        self.retired = False  # it stays on the device (``stay``, ``headroom``): its ``state_dict()`` hooks stand aside
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
         self.views: list[torch.Tensor] = []
         self._storages: list[tuple[torch.UntypedStorage, int]] = []  # (storage, bytes when allocated)
@@ -73,6 +73,30 @@ class StreamedBlock:
     def free_device_memory(self) -> None:
         for storage, _ in self._storages:
             storage.resize_(0)
+
+    def stay(self, transfers: Transfers) -> None:
+        """Load the block for good (``headroom``: it stays on the device): its buffers filled by its store, the
+        compute stream ordered after the fill, its tensors bound. ``leave_device`` frees them again."""
+        with torch.inference_mode(False):
+            buffers = self.allocate()
+        allocated, ready = transfers.new_event(), transfers.new_event()
+        transfers.record_on_compute(allocated)
+        try:
+            self.store.fill(buffers, transfers, allocated, ready)
+        except BaseException:
+            transfers.synchronize()  # nothing may still write the memory freed here
+            self.free_device_memory()
+            raise
+        transfers.compute_waits_for(ready)
+        with torch.inference_mode(False):
+            self.weights.bind(self.views)
+
+    def leave_device(self) -> None:
+        """A block loaded with ``stay`` leaves the device: its tensors back on their placeholders, its memory freed
+        (stream-ordered after the compute that used it)."""
+        with torch.inference_mode(False):
+            self.weights.park(self.placeholders)
+        self.free_device_memory()
 
 
 class Streamer:

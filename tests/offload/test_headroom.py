@@ -21,7 +21,7 @@ from diffusers_omni import OffloadConfig, apply_offload
 from diffusers_omni.offload import budget
 from diffusers_omni.offload.budget import MachineReading
 from diffusers_omni.offload.headroom import Headroom, Need, Shape, call_shape
-from diffusers_omni.offload.memory import PackedWeights
+from diffusers_omni.offload.streamer import StreamedBlock
 from diffusers_omni.testing.tiny import tiny_flux_inputs
 
 from offload_helpers import assert_same_snapshot, bare_flux, block_bytes, flux_pipe, generate, snapshot
@@ -77,8 +77,11 @@ def _non_block(model) -> int:
 
 
 def _run(model, seed: int = 0, tokens: int = 16) -> torch.Tensor:
+    dtype = model.proj_out.bias.dtype if model.proj_out.bias.numel() else model.x_embedder.bias.dtype
+    inputs = {k: v.to(dtype) if v.is_floating_point() and k not in ("img_ids", "txt_ids") else v
+              for k, v in tiny_flux_inputs(seed, image_tokens=tokens).items()}
     with torch.no_grad():
-        return model(**tiny_flux_inputs(seed, image_tokens=tokens), return_dict=False)[0]
+        return model(**inputs, return_dict=False)[0]
 
 
 def _offload(model, card: Card, monkeypatch, weights_budget: int):
@@ -214,17 +217,17 @@ def test_a_block_whose_device_memory_is_refused_stays_streamed_and_the_call_runs
     card.activation = 1024  # room for everything
     assert torch.equal(_run(model), reference)  # measured
     calls = []
-    allocate = PackedWeights.device_buffers
+    stay = StreamedBlock.stay
 
-    def refuse_the_second(self, device, numel=None):
-        calls.append(self.path)
+    def refuse_the_second(self, transfers):
+        calls.append(self.weights.path)
         if len(calls) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB (injected)")
-        return allocate(self, device, numel)
+        return stay(self, transfers)
 
-    monkeypatch.setattr(PackedWeights, "device_buffers", refuse_the_second)
+    monkeypatch.setattr(StreamedBlock, "stay", refuse_the_second)
     assert torch.equal(_run(model), reference)
-    monkeypatch.setattr(PackedWeights, "device_buffers", allocate)
+    monkeypatch.setattr(StreamedBlock, "stay", stay)
     assert stats.headroom_kept == 1 and stats.resident_blocks + stats.streamed_blocks == total
     assert stats.streamed_blocks > 0 and backend._state.streamer.capacity == stats.in_flight_capacity
     for _ in range(2):  # frozen: nothing more is kept, every call exact
@@ -233,6 +236,44 @@ def test_a_block_whose_device_memory_is_refused_stays_streamed_and_the_call_runs
     assert all(torch.equal(value, original[f"0.{name}"][-1]) for name, value in model.state_dict().items())
     backend.disable()
     assert_same_snapshot(original, snapshot(model))
+
+
+def test_lossless_blocks_stay_on_the_device_decoded_and_disable_gives_every_bit_back(monkeypatch, caplog):
+    """compression="lossless": the streamed blocks are coded in host memory; the ones a measured shape leaves room
+    for are decoded once into device buffers and stay (their store keeps the code for disable), then stream again,
+    coded, when a larger shape needs their room."""
+    model = bare_flux(num_layers=2, num_single_layers=6).to(torch.bfloat16).eval()
+    references = {tokens: _run(model, tokens=tokens) for tokens in (16, 64)}
+    original = snapshot(model)
+    blocks = _blocks(model)
+    double = block_bytes(blocks[0])
+    with pytest.raises(ValueError, match="is too small") as error:
+        apply_offload(model, OffloadConfig("layerwise", device="cpu", max_device_memory=1, compression="lossless"))
+    least = int(re.search(r"allowed: at least (\d+)", str(error.value)).group(1))
+    card = Card(GiB + least + 4096).install(monkeypatch)
+    backend = apply_offload(model, OffloadConfig("layerwise", device="cpu", max_device_memory="auto",
+                                                 compression="lossless"))
+    card.backend = backend
+    blocks[0].register_forward_pre_hook(card.forward)
+    stats, state = backend.stats, backend._state
+    assert stats.resident_blocks == 0 and stats.store_blocks == {"lossless": 8}
+    card.activation = card.size - MARGIN - stats.resident_device_bytes - stats.in_flight_capacity - 3 * double
+    with caplog.at_level(logging.WARNING, logger="diffusers_omni"):
+        for _ in range(2):
+            assert torch.equal(_run(model), references[16])
+    assert stats.headroom_kept >= 2 and set(state.kept) and stats.store_blocks["lossless"] == 8 - len(state.kept)
+    assert all(type(b.store).__name__ == "LosslessStore" for b in state.kept.values())
+    assert torch.equal(_run(model), references[16]) and not _warnings(caplog)
+    assert all(torch.equal(value, original[f"0.{name}"][-1]) for name, value in model.state_dict().items())
+    # A larger shape streams them again, coded, before it runs; back at the small shape they stay again.
+    card.activation += double
+    assert torch.equal(_run(model, tokens=64), references[64]) and stats.headroom_streamed >= 2
+    assert not state.kept and stats.store_blocks["lossless"] == 8
+    card.activation -= double
+    assert torch.equal(_run(model), references[16]) and state.kept and card.failures == 0
+    backend.disable()
+    assert_same_snapshot(original, snapshot(model))
+    assert torch.equal(_run(model), references[16])
 
 
 def test_an_explicit_budget_is_the_users_number_and_nothing_is_measured(monkeypatch):

@@ -72,6 +72,9 @@ class BlockStore(ABC):
     host_views_refusal: ClassVar[str | None] = None
     # The progress bar's label when ``give_back`` moves bytes worth showing (``None``: no bar on disable).
     give_back_progress: ClassVar[str | None] = None
+    # Whether a streamed block of this store may stay on the device for good (``headroom``): ``fill`` needs nothing but
+    # this process (no other rank, no reader thread) and the bytes stay held here for ``give_back``.
+    can_stay: ClassVar[bool] = False
 
     def __init__(self, weights: PackedWeights, context: StoreContext) -> None:
         self.weights = weights

@@ -84,6 +84,7 @@ class LosslessStore(BlockStore):
 
     name = LOSSLESS
     priority = 50
+    can_stay = True
 
     def __init__(self, weights: PackedWeights, context: StoreContext) -> None:
         super().__init__(weights, context)

@@ -18,6 +18,7 @@ class PinnedStore(BlockStore):
     name = "pinned"
     priority = -100
     uses_offload_host_memory = True
+    can_stay = True
 
     def __init__(self, weights: PackedWeights, context: StoreContext) -> None:
         super().__init__(weights, context)
