@@ -24,7 +24,7 @@ from diffusers_omni.offload.headroom import Headroom, Need, Shape, call_shape
 from diffusers_omni.offload.streamer import StreamedBlock
 from diffusers_omni.testing.tiny import tiny_flux_inputs
 
-from offload_helpers import assert_same_snapshot, bare_flux, block_bytes, flux_pipe, generate, snapshot
+from offload_helpers import FLUX_CALL, assert_same_snapshot, bare_flux, block_bytes, flux_pipe, generate, snapshot
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -324,6 +324,44 @@ def test_the_whole_tiny_flux_pipeline_under_auto_on_a_small_card_is_bitwise_the_
     assert "2 streamed DiT blocks" in report and "kept on the device where a shape left room" in report
     pipe.disable_omni_offload()
     assert torch.equal(generate(pipe, steps=3), reference)
+
+
+def _image(pipe) -> torch.Tensor:
+    """A decoded image (``generate`` stops at the latents)."""
+    return pipe(prompt="a red fox in the snow", num_inference_steps=2, generator=torch.Generator().manual_seed(0),
+                output_type="pt", max_sequence_length=32, **FLUX_CALL).images
+
+
+def test_kept_blocks_make_room_for_a_vae_that_runs_out_of_memory_and_come_back(monkeypatch):
+    """The transformer's blocks stay on the device once measured; the VAE does not fit beside them (injected: its
+    decoder fails while they are there): they leave for the decode through their store, exactly, and come back for
+    the next call's DiT; later decodes make the room first, without failing."""
+    pipe = flux_pipe()
+    reference = _image(pipe)
+    forward, failures, held = pipe.vae.decoder.forward, [], {}
+
+    def decoder(*args, **kwargs):
+        state = held["backend"]._state
+        if state is not None and state.kept and not state.phases.residents.away:
+            failures.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB (injected)")
+        return forward(*args, **kwargs)
+
+    pipe.vae.decoder.forward = decoder  # before enabling: the offload's hooks wrap it like any forward
+    transformer = pipe.transformer
+    double = block_bytes(_blocks(transformer)[0])  # measured before enabling: streamed, it holds a placeholder
+    card = Card(GiB + _least_budget(pipe) + 1024).install(monkeypatch)
+    held["backend"] = backend = card.backend = pipe.enable_layerwise_offload(device="cpu", max_device_memory="auto")
+    stats, state = backend.stats, backend._state
+    _blocks(transformer)[0].register_forward_pre_hook(card.forward)
+    card.activation = card.size - MARGIN - stats.resident_device_bytes - stats.in_flight_capacity - 2 * double
+    assert torch.equal(_image(pipe), reference)  # measured at the first step, kept at the second, away for the decode
+    assert len(state.kept) == 2 and len(failures) == 1 and stats.residents_left == 1
+    assert all(block_bytes(block) == 0 for block in _blocks(transformer)) and state.phases.residents.away
+    assert torch.equal(_image(pipe), reference)  # back for the DiT, away again
+    assert len(failures) == 1 and stats.residents_left == 2 and not pipe.vae.use_tiling
+    pipe.disable_omni_offload()
+    assert torch.equal(_image(pipe), reference)
 
 
 def test_call_shape_and_the_prediction_of_a_shape_not_measured():
