@@ -15,9 +15,10 @@ lock, where ``oom_retry`` runs it):
   read (``AutoBudget.limit``) less ``budget.peak_margin``, resident blocks the budget chose stream until it fits,
   the smallest first (the planner keeps the largest: theirs are the copies that outrun compute), each the nearest to
   another resident one; below it by a block or more, streamed blocks whose store fills them from this process's
-  memory (the pinned copy, the lossless code: ``BlockStore.can_stay``) stay on the device, the largest first, each the farthest from the resident blocks of its stack (so streamed ones copy
-  while resident ones compute), while the prediction stays under the ceiling. Nothing changes otherwise: the steps
-  of one call at one shape re-plan at most once.
+  memory (the pinned copy, the lossless code: ``BlockStore.can_stay``) stay on the device, the largest first, each
+  the farthest from the resident blocks of its stack (so streamed ones copy while resident ones compute), while the
+  prediction stays under the ceiling. Nothing changes otherwise: the steps of one call at one shape re-plan at most
+  once.
 - A forward at a shape not measured yet, or the first after the resident set changed, is measured: the
   allocator's unused cache goes back to the driver before it, and what the allocator holds reserved after it
   (``budget.read_reserved``; the cache keeps every segment the forward reserved, so this is its peak; reserved, not
