@@ -123,6 +123,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              label_arg="--label"),
     Scenario("quality", "quality_bench", "lossy modes: output error, PSNR/SSIM and side-by-side images", "gpu",
              (README, QUALITY), out="folder", payload="quality.json"),
+    Scenario("headroom-check", "headroom_check", "auto's per-shape headroom on the device, bit for bit: blocks "
+             "kept through their store (pinned, lossless) and streamed first for a larger shape, tiny FLUX.1 bf16",
+             "gpu", ()),
     Scenario("gpu-pipeline-check", "gpu_pipeline_check", "tiny FLUX.1 pipeline through omni attention vs stock",
              "gpu", (README,), out="file", smoke=None),
     Scenario("alignment", "alignment_gpu", "deterministic mode: bitwise repeatability per backend", "gpu",
