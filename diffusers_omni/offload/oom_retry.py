@@ -31,6 +31,10 @@ came.
 
 Distributed offload does not retry: one rank starting its step again would put its collectives out of step with
 the other ranks'.
+
+An encoder runs before the DiTs, beside the same resident blocks: one that runs out of memory there makes room
+instead (``PhaseRetry``: the resident blocks leave the device as they do for a VAE, ``Phases.make_room``, and come
+back when their DiT runs), and runs again with the same inputs, once.
 """
 
 from __future__ import annotations
@@ -273,4 +277,42 @@ class StepRetry:
                 "copies stop overlapping compute, so steps are slower) and the step runs again with the same inputs: "
                 "the output is unchanged. disable_omni_offload() and enabling again restores the window",
                 self.label, message, blocks, format_bytes(nbytes))
+        return run(module, args, kwargs)
+
+
+class PhaseRetry:
+    """What an encoder's entry hook runs its forward through (a streamed encoder's stack, or an encoder that comes
+    in whole for its phase). An encoder runs before the DiT, beside the DiT blocks a budget keeps on the device (or
+    ``headroom`` kept there); one that runs out of device memory there makes room (``Phases.make_room``: the resident
+    blocks leave the device, exactly, and come back when their DiT runs) and runs again with the same inputs, once,
+    with one warning. Its later calls make room before they run (``Phases.room_needed``). With no resident block on
+    the device, or after making room, the error is raised as it came."""
+
+    def __init__(self, label: str, phases: Any, streamer: Any) -> None:
+        self.label = label
+        self.phases = phases
+        self.streamer = streamer
+
+    def __call__(self, run: Callable[..., Any], module: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        phases = self.phases
+        if self.label in phases.room_needed:
+            phases.make_room()
+        try:
+            return run(module, args, kwargs)
+        except torch.OutOfMemoryError as error:
+            residents = phases.residents
+            if self.label in phases.room_needed or residents is None or residents.away:
+                raise  # nothing to make room from: the error as it came
+            message = _first_line(error)  # leave the except block first: the failed run's frames go
+        if self.streamer is not None:
+            self.streamer.settle()
+        gc.collect()
+        freed = phases.make_room()
+        phases.room_needed.add(self.label)
+        logger.warning(
+            "%s ran out of device memory beside the DiT blocks kept on the device (%s); they leave the device for it "
+            "(%s; they come back when their DiT runs, the output is unchanged) and it runs again with the same "
+            "inputs. Its later calls make this room before they run",
+            self.label, message, format_bytes(freed))
         return run(module, args, kwargs)

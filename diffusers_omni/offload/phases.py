@@ -64,6 +64,7 @@ class Phases:
         self.stats = stats
         self.lock = lock
         self.residents = residents  # resident DiT blocks that may leave for a phase that needs their room
+        self.room_needed: set[str] = set()  # encoders that ran out of memory beside them (``oom_retry.PhaseRetry``)
         self.active = True  # False once disabled: a late call of a guard's on-use callback does nothing
 
     def make_room(self) -> int:

@@ -14,6 +14,7 @@ from ..utils.journal import Journal
 from .discovery import DIT, named_tensors
 from .guards import OffloadActiveError
 from .hooks import LAYERWISE_BLOCK_HOOK, LAYERWISE_ENTRY_HOOK, CallbackHook, LockedCallbackHook, refresh_registry_caches
+from .oom_retry import PhaseRetry
 from .phases import Phases
 from .streamer import lookahead_blocks
 from .units import state_dict_hooks
@@ -36,9 +37,11 @@ def install_stream_hooks(state: Any, phases: Phases, depth: int, inference_only:
         # call) runs; an encoder's goes again when its forward returns, a VAE's when another phase starts.
         parts = [unit.module] + [child for _, child in unit.module.named_children() if named_tensors(child)]
         for position, part in enumerate(parts):
-            after = partial(phases.leave, unit) if unit.per_call and position == 0 else None
+            outermost = unit.per_call and position == 0  # an encoder's own forward (a VAE's phase: vae_tiling)
             state.hooks.install(part, LockedCallbackHook(
-                state.lock, unit.label, before=partial(phases.enter, unit), after=after),
+                state.lock, unit.label, before=partial(phases.enter, unit),
+                after=partial(phases.leave, unit) if outermost else None,
+                retry=PhaseRetry(unit.label, phases, state.streamer) if outermost else None),
                 LAYERWISE_ENTRY_HOOK)
     refresh_registry_caches(roots)
     journal.record("refresh registry caches", lambda: refresh_registry_caches(roots))
@@ -134,11 +137,14 @@ def _wire_stacks(state: Any, phases: Phases, depth: int, inference_only: Callabl
         else:
             before = partial(phases.enter_encoder, unit, ring, first, own)
             end_last = partial(phases.leave, None if unit is None or unit.resident else unit)
+        if kind == DIT:
+            entry_retry = retry(stack.name) if retry is not None else None
+        else:  # an encoder runs beside the DiT blocks kept on the device: it makes room if it must
+            entry_retry = PhaseRetry(stack.name, phases, streamer)
         place(
             stack.owner,
             LockedCallbackHook(state.lock, stack.name, before=before, after=end_last,
-                               inference_only=inference_only(stack.name),
-                               retry=retry(stack.name) if retry is not None and kind == DIT else None),
+                               inference_only=inference_only(stack.name), retry=entry_retry),
             LAYERWISE_ENTRY_HOOK,
         )
 

@@ -257,3 +257,49 @@ def test_a_pipeline_whose_window_shrank_keeps_its_image_encoders_included(caplog
     assert any("holds only the running block" in note for note in pipe.omni_offload_report().notes)
     pipe.disable_omni_offload()
     assert torch.equal(generate(pipe, steps=2), reference)
+
+
+def test_an_encoder_out_of_memory_beside_resident_blocks_makes_room_and_runs_again(caplog):
+    """The text encoder runs before the DiTs, beside the block the budget keeps resident; it runs out of memory
+    there (injected, while the block is on the device): the block leaves for it, exactly, the encoder runs again, one
+    warning; later calls make that room before the encoder runs; the video is stock Diffusers'."""
+    pipe = wan22_pipe()
+    pipe.register_to_config(boundary_ratio=0.8)
+    for component in (pipe.transformer, pipe.transformer_2, pipe.text_encoder, pipe.vae):
+        component.eval()
+    reference = _video(pipe)
+    backend = pipe.enable_layerwise_offload(device="cpu", max_device_memory=308160 + 50000)
+    stats, phases = backend.stats, backend._state.phases
+    assert stats.resident_blocks == 1
+    failures: list[int] = []
+
+    def fail_beside_residents(module, args):
+        if backend._state is not None and phases.residents is not None and not phases.residents.away:
+            failures.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (injected)")
+
+    pipe.text_encoder.encoder.block[0].register_forward_pre_hook(fail_beside_residents)
+    with caplog.at_level(logging.WARNING, logger="diffusers_omni"):
+        assert torch.equal(_video(pipe), reference)
+    warnings = _warnings(caplog)
+    assert len(failures) == 1 and len(warnings) == 1 and stats.residents_left == 1
+    assert warnings[0].startswith("text_encoder ran out of device memory beside the DiT blocks kept on the device")
+    assert "Its later calls make this room before they run" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="diffusers_omni"):
+        assert torch.equal(_video(pipe), reference)
+    assert not _warnings(caplog) and len(failures) == 1 and stats.residents_left == 2
+    assert stats.resident_blocks == 1 and stats.residents_shrunk == 0  # the budget's plan is unchanged
+    pipe.disable_omni_offload()
+    assert torch.equal(_video(pipe), reference)
+
+
+def test_an_encoder_out_of_memory_with_nothing_resident_is_raised_as_it_came():
+    pipe = wan22_pipe()
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    assert backend.stats.resident_blocks == 0
+    failures = _inject(pipe.text_encoder.encoder.block[0])
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        _video(pipe)
+    assert len(failures) == 1 and backend.stats.residents_left == 0
+    pipe.disable_omni_offload()
