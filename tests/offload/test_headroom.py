@@ -24,7 +24,9 @@ from diffusers_omni.offload.headroom import Headroom, Need, Shape, call_shape
 from diffusers_omni.offload.streamer import StreamedBlock
 from diffusers_omni.testing.tiny import tiny_flux_inputs
 
-from offload_helpers import FLUX_CALL, assert_same_snapshot, bare_flux, block_bytes, flux_pipe, generate, snapshot
+from offload_helpers import (
+    FLUX_CALL, assert_same_snapshot, bare_flux, block_bytes, flux_pipe, generate, snapshot, wan22_pipe,
+)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -362,6 +364,31 @@ def test_kept_blocks_make_room_for_a_vae_that_runs_out_of_memory_and_come_back(m
     assert len(failures) == 1 and stats.residents_left == 2 and not pipe.vae.use_tiling
     pipe.disable_omni_offload()
     assert torch.equal(_image(pipe), reference)
+
+
+def test_wan22s_two_experts_share_the_card_and_the_second_starts_from_the_firsts_measurement(monkeypatch):
+    """Two DiTs alternate (Wan 2.2's high- and low-noise experts): the second's first step is fitted from the
+    first's measurement, each then measured; the video is stock Diffusers', bitwise, through two calls."""
+    pipe = wan22_pipe()
+    pipe.register_to_config(boundary_ratio=0.8)  # of 4 steps: two per expert
+    for component in (pipe.transformer, pipe.transformer_2, pipe.text_encoder, pipe.vae):
+        component.eval()
+    reference = generate(pipe, steps=4)
+    card = Card(GiB + _least_budget(pipe) + 1024).install(monkeypatch)
+    backend = card.backend = pipe.enable_layerwise_offload(device="cpu", max_device_memory="auto")
+    stats, state = backend.stats, backend._state
+    assert stats.resident_blocks == 0
+    for expert in (pipe.transformer, pipe.transformer_2):
+        expert.blocks[0].register_forward_pre_hook(card.forward)
+    block = state.weights[0][0].nbytes  # an expert's one block, packed with its output layers
+    card.activation = card.size - MARGIN - stats.resident_device_bytes - stats.in_flight_capacity - 3 * block
+    for _ in range(2):
+        assert torch.equal(generate(pipe, steps=4), reference)
+    assert card.failures == 0 and len(stats.headroom) == 2  # each expert measured at its own first step
+    assert {shape.split()[0] for shape in stats.headroom} == {"transformer", "transformer_2"}
+    assert stats.headroom_kept == 2 and state.resident[0] == [True] and state.resident[1] == [True]
+    pipe.disable_omni_offload()
+    assert torch.equal(generate(pipe, steps=4), reference)
 
 
 def test_call_shape_and_the_prediction_of_a_shape_not_measured():
