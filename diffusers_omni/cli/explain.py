@@ -73,6 +73,8 @@ def explain_offload(config) -> dict:
         reading = reading or budget.read_machine(device)
         chosen = budget.device_budget(reading) if name == "max_device_memory" else budget.host_budget(reading, 0)
         out["budgets"][name] = {"bytes": chosen.nbytes, "explain": chosen.explain()}
+        if chosen.limit is not None:  # the device: what a measured call shape may fill (offload.headroom)
+            out["budgets"][name]["ceiling"] = chosen.limit - budget.peak_margin(chosen.limit)
     if reading is not None:
         out["read"] = reading.describe()
     compression = getattr(config, "compression", None)
@@ -148,6 +150,10 @@ def run(args) -> int:
             print(fit("  no budget: every DiT block streams through the window"))
         for entry in offload["budgets"].values():
             print(fit(f"  {entry['explain']}"))
+            if "ceiling" in entry:
+                print(fit(f"  then per call shape: the first forward at each shape is measured, and DiT blocks stay "
+                          f"on the device (or stream first, for a larger shape) so that the step's peak stays within "
+                          f"{format_bytes(entry['ceiling'])} (what auto read, less a margin)"))
         compression = offload.get("compression")
         if compression is not None:
             line = f"  compression: {compression['mode']}"

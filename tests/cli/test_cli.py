@@ -161,6 +161,7 @@ def test_explain_offload_says_what_auto_reads_and_chooses(capsys, monkeypatch):
     (replaced here by a 12 GiB card under a per-process fraction) and says what auto chose and why."""
     import json as _json
 
+    from diffusers_omni.config.offload import format_bytes
     from diffusers_omni.offload import budget
     from diffusers_omni.offload.budget import MachineReading
 
@@ -176,6 +177,8 @@ def test_explain_offload_says_what_auto_reads_and_chooses(capsys, monkeypatch):
     assert "max_device_memory=auto: 9.60 GiB (free 100.00 GiB + cached by this process 0 B; per-process fraction " in out
     assert "max_host_memory=auto: 18.00 GiB (MemAvailable 32.00 GiB; cgroup limit 24.00 GiB less its usage" in out
     assert "auto read: device cuda, device_free 100.00 GiB" in out and "none are loaded here" in out
+    ceiling = 12 * gib - budget.peak_margin(12 * gib)  # the fraction's 12 GiB less the margin
+    assert f"the step's peak stays within {format_bytes(ceiling)} (what auto read, less a margin)" in out
     assert main(["explain", "--offload", "layerwise", "--device", "cuda", "--max-device-memory", "8GiB", "--json"]) == 0
     offload = _json.loads(capsys.readouterr().out)["offload"]
     assert offload["budgets"] == {"max_device_memory": {"bytes": 8 * gib, "explain": "max_device_memory=8.00 GiB "
