@@ -107,7 +107,8 @@ class Headroom:
         self.depth = depth
         self.device = device
         self.limit = limit
-        self.ceiling = limit - machine.peak_margin(limit)
+        self.margin = machine.peak_margin(limit)
+        self.ceiling = limit - self.margin
         self.needs: dict[Shape, Need] = {}
         self.frozen: set[Shape] = set()
         # (shape, need) pairs the resident set is fitted to as it is now (emptied when it changes): alternating DiTs
@@ -171,10 +172,22 @@ class Headroom:
                         watch.shape.describe(), format_bytes(beside), self.device)
 
     def failed(self, watch: Watch | None) -> None:
-        """The forward ran out of memory (``oom_retry`` retries it): no block stays on the device for its shape."""
+        """The forward ran out of memory (``oom_retry`` retries it): no block stays on the device for its shape, and
+        the ceiling comes down by a margin."""
         if watch is not None:
             self.frozen.add(watch.shape)
-        self._fitted.clear()  # the retry changes the resident set
+        self.lower(watch.shape.label if watch is not None else "a DiT")
+
+    def lower(self, what: str) -> None:
+        """``what`` ran out of device memory where the plan said it would fit (the allocator's fragmentation, a
+        phase not measured): the ceiling comes down by a margin, and the next DiT forward fits the resident set
+        to it (an encoder that ran out beside the resident blocks then finds more room at its next call)."""
+        self.ceiling = max(self.ceiling - self.margin, 0)
+        self._fitted.clear()
+        self.state.stats.headroom_ceiling = self.ceiling
+        self.state.stats.headroom_lowered += 1
+        logger.info("layerwise offload: %s ran out of device memory beside the resident weights; the ceiling they are "
+                    "planned under comes down to %s", what, format_bytes(self.ceiling))
 
     # Changing the resident set ----------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -433,6 +434,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
                 guard=lambda block, path, module: guard_state_dict(state, block, path, module, guards))
             if state.device_limit is not None:  # "auto": the resident set follows each call's shape
                 shrink.headroom = Headroom(state, self.device, depth, state.device_limit)
+                state.phases.headroom = weakref.ref(shrink.headroom)
             if shrink.possible():
                 retry = shrink.retry_for
         install_stream_hooks(state, state.phases, depth, inference_only, journal, retry)

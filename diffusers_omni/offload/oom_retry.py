@@ -285,8 +285,10 @@ class PhaseRetry:
     in whole for its phase). An encoder runs before the DiT, beside the DiT blocks a budget keeps on the device (or
     ``headroom`` kept there); one that runs out of device memory there makes room (``Phases.make_room``: the resident
     blocks leave the device, exactly, and come back when their DiT runs) and runs again with the same inputs, once,
-    with one warning. Its later calls make room before they run (``Phases.room_needed``). With no resident block on
-    the device, or after making room, the error is raised as it came."""
+    with one warning. Under ``"auto"`` (``Phases.headroom``) the ceiling the resident set is planned under comes down
+    by a margin, so that its later calls find the room; with an explicit budget its later calls make room before
+    they run (``Phases.room_needed``). With no resident block on the device, or after making room, the error is
+    raised as it came."""
 
     def __init__(self, label: str, phases: Any, streamer: Any) -> None:
         self.label = label
@@ -309,10 +311,21 @@ class PhaseRetry:
             self.streamer.settle()
         gc.collect()
         freed = phases.make_room()
-        phases.room_needed.add(self.label)
+        headroom = phases.headroom() if phases.headroom is not None else None
+        if headroom is not None:  # "auto": fewer blocks stay from the next DiT forward on
+            headroom.lower(self.label)
+            later = ("The resident set is planned under a lower ceiling from the next denoising step on, so that its "
+                     "later calls find this room")
+            if self.label in phases.lowered_for:  # said once
+                logger.info("%s ran out of device memory beside the DiT blocks kept on the device again (%s); they "
+                            "left for it and it ran again", self.label, message)
+                return run(module, args, kwargs)
+            phases.lowered_for.add(self.label)
+        else:
+            phases.room_needed.add(self.label)
+            later = "Its later calls make this room before they run"
         logger.warning(
             "%s ran out of device memory beside the DiT blocks kept on the device (%s); they leave the device for it "
             "(%s; they come back when their DiT runs, the output is unchanged) and it runs again with the same "
-            "inputs. Its later calls make this room before they run",
-            self.label, message, format_bytes(freed))
+            "inputs. %s", self.label, message, format_bytes(freed), later)
         return run(module, args, kwargs)

@@ -65,6 +65,10 @@ class Phases:
         self.lock = lock
         self.residents = residents  # resident DiT blocks that may leave for a phase that needs their room
         self.room_needed: set[str] = set()  # encoders that ran out of memory beside them (``oom_retry.PhaseRetry``)
+        # headroom.Headroom under "auto", by weak reference (it refers to the offload's state, which refers to this
+        # object): an encoder that runs out of memory lowers its ceiling
+        self.headroom: Callable[[], Any] | None = None
+        self.lowered_for: set[str] = set()  # encoders that did so (warned once)
         self.active = True  # False once disabled: a late call of a guard's on-use callback does nothing
 
     def make_room(self) -> int:

@@ -62,6 +62,9 @@ class ResidentBlocks:
         compute on them again. Nothing when they are on the device."""
         if not self.away:
             return
+        # The segments the phase left cached go back first: the blocks get fresh ones, not pieces of the VAE's
+        # (split segments are what leaves memory reserved but unusable near a card's size).
+        release_freed_device_memory(self.device)
         for weights in self.weights:
             _, views = weights.device_buffers(self.device)
             for host, view in zip(weights.host_views, views):

@@ -65,3 +65,4 @@ class LayerwiseStats:
     headroom_kept_bytes: int = 0
     headroom_streamed: int = 0  # resident blocks that stream since a (larger) shape needed their room
     headroom_streamed_bytes: int = 0
+    headroom_lowered: int = 0  # times an out-of-memory error brought the ceiling down by a margin
