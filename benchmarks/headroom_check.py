@@ -137,6 +137,8 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {index} | {call['tokens']} | {bitwise} | {call['resident_blocks']} / "
                          f"{call['streamed_blocks']} | {call['kept']} | {call['headroom_kept']} | "
                          f"{call['headroom_streamed']} | {measured} |")
+        if "error" in variant:
+            lines += [f"**Failed**: {variant['error']}", ""]
         lines += ["", f"state_dict() exact: {variant['state_dict_exact']}; bitwise after disable: "
                       f"{variant['bitwise_after_disable']}; exercised: {variant['exercised']}", ""]
     lines.append(f"**All bitwise: {report['all_bitwise']}**")
@@ -159,12 +161,22 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     small, large = args.small_tokens, args.large_tokens
     sequence = [small, small, large, large, small]
-    variants = [check_variant(name, VARIANTS[name], device, sequence, args.room)
-                for name in args.variants.split(",")]
+    variants = []
+    for name in args.variants.split(","):
+        try:
+            variants.append(check_variant(name, VARIANTS[name], device, sequence, args.room))
+        except Exception as error:  # noqa: BLE001 - recorded, and the check fails: the report says where
+            import traceback
+
+            trace = traceback.format_exc().strip().splitlines()[-12:]
+            print("\n".join(trace), flush=True)
+            variants.append({"variant": name, "compression": VARIANTS[name], "calls": [], "state_dict_exact": False,
+                             "bitwise_after_disable": False, "exercised": {},
+                             "error": f"{type(error).__name__}: {error}", "traceback": trace})
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
               "torch": torch.__version__, "room": args.room, "sequence": sequence, "variants": variants,
               "all_bitwise": all(c["bitwise"] for v in variants for c in v["calls"])
-              and all(v["bitwise_after_disable"] and v["state_dict_exact"] for v in variants)}
+              and all(v["bitwise_after_disable"] and v["state_dict_exact"] and "error" not in v for v in variants)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
