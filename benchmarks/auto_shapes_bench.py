@@ -272,6 +272,8 @@ def run_call(index: int, shape: Shape, previous: Shape | None, target: Callable[
     row["host_rss"] = host_rss()["rss"]
     after = stats_dict(backend)
     delta = stats_delta(before, after)
+    if "residents_left" in delta:  # the bytes of the last departure, not a running sum: shown as they are
+        delta["residents_left_bytes"] = after.get("residents_left_bytes") or 0
     row["stats"] = call_stats(after)
     row["stats_delta"] = call_stats(delta)
     row["events"] = memory_events(delta)
