@@ -105,6 +105,13 @@ def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and r.name == "diffusers_omni"]
 
 
+def _give_back(backend, model, original, reference) -> None:
+    """Disable: the model's tensors are the same objects, bitwise, no hook left, and it computes as before."""
+    backend.disable()
+    assert_same_snapshot(original, snapshot(model))
+    assert torch.equal(_run(model), reference)
+
+
 def test_a_measured_shape_keeps_streamed_blocks_on_the_device_up_to_the_card_and_a_larger_one_streams_first(
         monkeypatch, caplog):
     model = bare_flux(num_layers=2, num_single_layers=6).eval()
@@ -153,9 +160,7 @@ def test_a_measured_shape_keeps_streamed_blocks_on_the_device_up_to_the_card_and
     assert _peak(backend, card) <= card.size - MARGIN < _peak(backend, card) + single
     # state_dict() shows every block's values, resident or streamed; disable gives back the model bitwise.
     assert all(torch.equal(value, original[f"0.{name}"][-1]) for name, value in model.state_dict().items())
-    backend.disable()
-    assert_same_snapshot(original, snapshot(model))
-    assert torch.equal(_run(model), references[16])
+    _give_back(backend, model, original, references[16])
 
 
 def test_a_card_with_room_for_everything_keeps_every_block_and_the_hooks_of_streaming_go(monkeypatch):
@@ -273,9 +278,7 @@ def test_lossless_blocks_stay_on_the_device_decoded_and_disable_gives_every_bit_
     assert not state.kept and stats.store_blocks["lossless"] == 8
     card.activation -= double
     assert torch.equal(_run(model), references[16]) and state.kept and card.failures == 0
-    backend.disable()
-    assert_same_snapshot(original, snapshot(model))
-    assert torch.equal(_run(model), references[16])
+    _give_back(backend, model, original, references[16])
 
 
 def test_an_explicit_budget_is_the_users_number_and_nothing_is_measured(monkeypatch):
