@@ -21,7 +21,7 @@ import re
 from functools import cache
 from pathlib import Path
 
-from benchmarks import registry, results_io
+from benchmarks import pipeline_offload_bench, registry, results_io
 from benchmarks.derive_routing import distinct_exact, routed_choices
 from benchmarks.quant_offload_check import PIPELINE_CHECKS
 
@@ -277,11 +277,14 @@ def offload_auto() -> str:
         same = "reference" if name == "resident" else ("yes" if row["sha256"] == reference["sha256"] else "**no**")
         rows.append([name, chosen, f"{row['end_to_end_s']:.2f} s", f"{row['phases']['decode_s']:.2f} s",
                      f"{gib(row['device_peak_allocated'])} / {gib(row['device_peak_reserved'])}", same])
-    card = report["strategies"][0].get("card_bytes") or by["omni"].get("card_bytes")
-    return (f"**FLUX.1-dev**, {report['steps']} steps, card emulated at {gib(card)}, NVIDIA H200; "
-            f"{source('pipeline-offload-flux-auto')}\n\n"
+    card = next(r["card_bytes"] for r in report["strategies"] if r.get("card_bytes"))
+    verdict = pipeline_offload_bench.auto_against_sweep(
+        (report.get("budget_sweep") or pipeline_offload_bench.budget_sweep(report))["rows"])
+    return (f"**FLUX.1-dev**, {report['steps']} steps, card emulated at {gib(card)}, "
+            f"{report['environment']['device_name']}; {source('pipeline-offload-flux-auto')}\n\n"
             + table(["Run", "Budget (auto: its choice)", "End to end", "VAE decode", "Device peak (allocated / "
-                     "reserved)", "Same image as resident"], rows))
+                     "reserved)", "Same image as resident"], rows)
+            + (f"\n{verdict}\n" if verdict else ""))
 
 
 def offload_budget_window() -> str:

@@ -1356,6 +1356,24 @@ def budget_sweep(report: dict[str, Any]) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def auto_against_sweep(rows: list[dict[str, Any]]) -> str | None:
+    """Auto's end to end against the fastest sized run of the same sweep (#40: within 1.05), plain and lossless
+    apart; None where the run has no auto row or no sized row that finished."""
+    found = []
+    for compression in (None, "lossless"):
+        ok = [row for row in rows if row["status"] == "ok" and row["end_to_end_s"] is not None
+              and row["compression"] == compression]
+        auto = next((row for row in ok if row["budget"] == AUTO), None)
+        sized = [row for row in ok if row["budget"] not in (None, AUTO)]
+        if auto is None or not sized:
+            continue
+        fastest = min(sized, key=lambda row: row["end_to_end_s"])
+        found.append(f"{auto['strategy']} {_s(auto['end_to_end_s'])} against the sweep's fastest, "
+                     f"{fastest['strategy']} {_s(fastest['end_to_end_s'])}: "
+                     f"**{auto['end_to_end_s'] / fastest['end_to_end_s']:.3f}×** (of {len(sized)} sized runs)")
+    return "; ".join(found) + "." if found else None
+
+
 def sweep_chart(report: dict[str, Any], path: Path) -> str | None:
     """End to end against the planned device budget: the sized runs as a line, auto's choice starred, lossless runs
     as diamonds, omni without a budget (and resident) as horizontal lines. Returns the name of the file written
@@ -1568,6 +1586,9 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {row['strategy']} | {given} | {planned} | {split} | "
                          f"{_size(row['streamed_bytes_per_pass'])} | {ratio} | {_s(row['end_to_end_s'])} | "
                          f"{_s(row['denoise_s'])} | {_gib(row['device_peak_allocated'])} | {_s(row['enable_s'])} |")
+        verdict = auto_against_sweep(sweep["rows"])
+        if verdict:
+            lines += ["", verdict]
         for row in sweep["rows"]:
             for chosen in row["auto"]:
                 lines.append(f"\n{row['strategy']}: {chosen}.")

@@ -91,6 +91,11 @@ _PIPELINE_TIME = "450"
 # and CUDA init ~20 s, build ~13 s, enable 12-18 s, warm-up ~2 s, the timed call 9-13 s), so the ten runs want ~600
 # s: the time budget skips the last ones first (resident's 48 s and omni's 70 s come first).
 _FLUX_SWEEP = "9GiB,10GiB,11GiB,6GiB,4GiB"
+# auto first, then the sweep's budgets, every one against the same card in one run (the last ones are the ones a
+# time budget skips: 6 and 4 GiB keep fewer blocks than 8 and are not the fastest); resident and seven budgets at
+# ~55-65 s a child want ~500 s of the call's 600.
+_FLUX_AUTO_SWEEP = "auto,8GiB,9GiB,10GiB,11GiB,6GiB,4GiB"
+_PIPELINE_SWEEP_TIME = "520"
 
 # offload_bench beside a baseline commit's tree (benchmarks/h200/side_by_side.sh, .baseline/ and .whl/ carried; set
 # BASELINE_COMMIT and OMNI_COMMIT): MODEL:BASELINE_VARIANTS:CURRENT_VARIANTS[:BUDGET], an empty BASELINE_VARIANTS runs
@@ -201,11 +206,18 @@ SCENARIOS: tuple[Scenario, ...] = (
              args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", _PIPELINE_FLUX,
                    "--omni-budget", "8GiB", "--sequential-steps", "4", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-flux-auto", "pipeline_offload_bench",
-             "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: omni with no budget, with "
-             "max_device_memory 8 GiB and auto (its reading and choice recorded), and compression=lossless with no "
-             "budget (the sweep's other budgets: pipeline-offload-flux-sweep, another call)", "gpu", (OFFLOAD,),
+             "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: resident, then "
+             "max_device_memory=auto (its reading, choice and per-shape headroom recorded) and the budget sweep "
+             "8, 9, 10, 11, 6 and 4 GiB in the same run, a plot of end to end against the budget with auto's choice "
+             "marked (#40: auto within 1.05 of the sweep's fastest)", "gpu", (OFFLOAD,),
+             args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", "resident",
+                   "--omni-budget", _FLUX_AUTO_SWEEP, "--time-budget", _PIPELINE_SWEEP_TIME)),
+    Scenario("pipeline-offload-flux-lossless", "pipeline_offload_bench",
+             "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: resident, omni with no budget, "
+             "and compression=lossless with no budget and with max_device_memory=auto (#37: <= 9.5 s; #40: auto + "
+             "lossless <= 7.5 s)", "gpu", (),
              args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", "resident,omni",
-                   "--omni-budget", "8GiB,auto", "--omni-lossless", "none", "--time-budget", _PIPELINE_TIME)),
+                   "--omni-lossless", "none,auto", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-flux-shapes", "auto_shapes_bench",
              "FLUX.1-dev pipeline on an emulated 12 GiB card, one max_device_memory=auto, then 10 calls of 4 steps "
              "from 512² to 2048² at batch 1 and 2, the shape growing and shrinking: each call's peak against the "

@@ -71,20 +71,21 @@ def test_flux_sweep_scenario_runs_the_other_budgets_after_resident():
                                                                                    "4GiB"))]
 
 
-def test_flux_auto_scenario_smoke_records_auto_budget_and_lossless_and_plots(tmp_path):
+def test_flux_auto_scenario_smoke_records_auto_budget_beside_the_sweep_and_plots(tmp_path):
     scenario = registry.get("pipeline-offload-flux-auto")
     assert scenario.docs == ("docs/user_guide/offload.md",) and scenario.smoke == ("--smoke",)
-    assert scenario.args[scenario.args.index("--omni-budget") + 1] == "8GiB,auto"
+    assert scenario.args[scenario.args.index("--omni-budget") + 1] == "auto,8GiB,9GiB,10GiB,11GiB,6GiB,4GiB"
     out = tmp_path / "run"
     assert bench.main([*scenario.args, *scenario.smoke, "--in-process", "--out", str(out)]) == 0
     report = json.loads(out.with_suffix(".json").read_text())
     names = [r["strategy"] for r in report["strategies"]]
-    assert names == ["resident", "omni", "omni-budget (8GiB)", "omni-auto", "omni-lossless"]
+    sized = [f"omni-budget ({b})" for b in ("8GiB", "9GiB", "10GiB", "11GiB", "6GiB", "4GiB")]
+    assert names == ["resident", "omni-auto", *sized]
     by = {r["strategy"]: r for r in report["strategies"]}
     assert all(r["status"] == "ok" for r in by.values()), {n: r.get("error") for n, r in by.items()}
     assert all(r["sha256"] == by["resident"]["sha256"] for r in by.values())  # every budget: the same image
     rows = {row["strategy"]: row for row in report["budget_sweep"]["rows"]}
-    assert list(rows) == names[1:]  # omni (no budget), then one row per run
+    assert list(rows) == names[1:]  # one row per run (no omni without a budget in this scenario)
     assert rows["omni-budget (8GiB)"]["planned_budget_bytes"] > 0
     plan = by["omni-auto"]["omni_plan"]
     assert plan["budget"] == "auto" and plan["max_device_memory"] == "auto" and plan["compression"] is None
@@ -92,10 +93,27 @@ def test_flux_auto_scenario_smoke_records_auto_budget_and_lossless_and_plots(tmp
     assert plan["auto_readings"]["device"] == "cpu" and "mem_available" in plan["auto_readings"]
     assert any(n.startswith("auto read: ") for n in plan["report_notes"])
     assert rows["omni-auto"]["auto_readings"] == plan["auto_readings"]
-    # With no budget every block streams, coded.
-    assert by["omni-lossless"]["omni_plan"]["compression"] == "lossless"
-    assert 0.5 < by["omni-lossless"]["omni_plan"]["compression_ratio"] < 0.8
     text = out.with_suffix(".md").read_text()
     assert "## Budget sweep" in text and "| omni-auto | auto | auto chose " in text
     assert "omni-auto (chose " in text and "omni-auto: auto read device cpu" in text
+    fastest = min(sized, key=lambda name: by[name]["end_to_end_s"])
+    ratio = by["omni-auto"]["end_to_end_s"] / by[fastest]["end_to_end_s"]
+    assert (f"omni-auto {bench._s(by['omni-auto']['end_to_end_s'])} against the sweep's fastest, {fastest} "
+            f"{bench._s(by[fastest]['end_to_end_s'])}: **{ratio:.3f}×** (of 6 sized runs)") in text
     assert report["plot"] == "run.png" and out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_flux_lossless_scenario_smoke_runs_lossless_with_no_budget_and_with_auto(tmp_path):
+    scenario = registry.get("pipeline-offload-flux-lossless")
+    out = tmp_path / "run"
+    assert bench.main([*scenario.args, *scenario.smoke, "--in-process", "--out", str(out)]) == 0
+    report = json.loads(out.with_suffix(".json").read_text())
+    by = {r["strategy"]: r for r in report["strategies"]}
+    assert list(by) == ["resident", "omni", "omni-lossless", "omni-auto-lossless"]
+    assert all(r["status"] == "ok" for r in by.values()), {n: r.get("error") for n, r in by.items()}
+    assert all(r["sha256"] == by["resident"]["sha256"] for r in by.values())
+    # With no budget every block streams, coded.
+    assert by["omni-lossless"]["omni_plan"]["compression"] == "lossless"
+    assert 0.5 < by["omni-lossless"]["omni_plan"]["compression_ratio"] < 0.8
+    assert by["omni-auto-lossless"]["omni_plan"]["budget"] == "auto"
+    assert by["omni-auto-lossless"]["omni_plan"]["compression"] == "lossless"
