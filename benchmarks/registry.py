@@ -131,6 +131,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("headroom-check", "headroom_check", "auto's per-shape headroom on the device, bit for bit: blocks "
              "kept through their store (pinned, lossless) and streamed first for a larger shape, tiny FLUX.1 bf16",
              "gpu", ()),
+    Scenario("vae-workspace-probe", "vae_workspace_probe", "the FLUX.1 VAE decoding the same latents with less and "
+             "less device memory free under a 12 GiB cap: whether cuDNN's choice, so the bits, follow free memory",
+             "gpu", (), smoke=None),
     Scenario("gpu-pipeline-check", "gpu_pipeline_check", "tiny FLUX.1 pipeline through omni attention vs stock",
              "gpu", (README,), out="file", smoke=None),
     Scenario("alignment", "alignment_gpu", "deterministic mode: bitwise repeatability per backend", "gpu",

@@ -1,0 +1,110 @@
+"""Does the FLUX.1 VAE's decode give other bits when the device has less free memory? (#40: auto and the 10/11 GiB
+budgets gave an image that is not the resident one, with no VAE tiling and no out-of-memory error recorded.)
+
+PyTorch's cuDNN convolutions try the heuristics' plans in order and take the next one when a plan's workspace cannot
+be allocated: under a memory cap (a card, a per-process fraction) a full device can change the algorithm, so the
+bits and the time, with no error. This probe decodes the same latents (1024², bf16, the FLUX.1 VAE's configuration
+with random weights) with the per-process fraction capping the process at ``--card-gib``, first with nothing else on
+the device, then with ballast tensors leaving less and less free under the cap; each decode's SHA-256 and time, and
+whether it matches the first. Then the same with ``torch.backends.cudnn.benchmark`` off and on, and the decode's own
+peak.
+
+    python -m benchmarks run vae-workspace-probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL
+
+from benchmarks.pipeline_offload_bench import FLUX_DEV
+
+GiB = 1 << 30
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.float().cpu().numpy().tobytes()).hexdigest()
+
+
+def decode(vae: AutoencoderKL, latents: torch.Tensor) -> tuple[str, float, int]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        image = vae.decode(latents, return_dict=False)[0]
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() - before
+    return digest(image), seconds, peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--card-gib", type=float, default=12.0)
+    parser.add_argument("--free-gib", default="8,6,4,3,2.5,2,1.5,1", help="free GiB left under the cap, in order")
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--smoke", action="store_true", help="not on the CPU: the probe needs CUDA (exits 0 there)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if not torch.cuda.is_available():
+        report = {"skipped": "no CUDA device: the probe reads the CUDA allocator and cuDNN"}
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+        out.with_suffix(".md").write_text(f"# VAE decode under device-memory pressure\n\n{report['skipped']}\n")
+        return 0
+    device = torch.device("cuda")
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(args.card_gib * GiB / total, 1.0), device)
+    torch.manual_seed(0)
+    vae = AutoencoderKL.from_config(FLUX_DEV["vae"]).to(device=device, dtype=torch.bfloat16).eval()
+    side = args.size // 8
+    latents = torch.randn(1, 16, side, side, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    rows = []
+    for benchmark in (False, True):
+        torch.backends.cudnn.benchmark = benchmark
+        torch.cuda.empty_cache()
+        reference, seconds, peak = decode(vae, latents)
+        rows.append({"cudnn_benchmark": benchmark, "free_gib": None, "sha256": reference, "seconds": seconds,
+                     "peak_bytes": peak, "same": True})
+        for free in (float(f) for f in args.free_gib.split(",")):
+            torch.cuda.empty_cache()
+            cap = int(args.card_gib * GiB)
+            ballast_bytes = cap - torch.cuda.memory_allocated() - int(free * GiB)
+            ballast = torch.empty(max(ballast_bytes, 0), dtype=torch.uint8, device=device)
+            try:
+                sha, seconds, peak = decode(vae, latents)
+                rows.append({"cudnn_benchmark": benchmark, "free_gib": free, "sha256": sha, "seconds": seconds,
+                             "peak_bytes": peak, "same": sha == reference})
+            except torch.OutOfMemoryError as error:
+                rows.append({"cudnn_benchmark": benchmark, "free_gib": free, "error": str(error).splitlines()[0]})
+            del ballast
+    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "cudnn": torch.backends.cudnn.version(), "card_gib": args.card_gib, "size": args.size, "rows": rows}
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    lines = ["# VAE decode under device-memory pressure", "",
+             f"{report['device']}, torch {report['torch']}, cuDNN {report['cudnn']}; FLUX.1 VAE (random weights, bf16), "
+             f"{args.size}² decode, process capped at {args.card_gib:g} GiB by the per-process fraction; ballast leaves "
+             "the free GiB shown under the cap.", "",
+             "| cudnn.benchmark | free under the cap | time | decode peak | same bits as with all free |",
+             "|---|---|---|---|---|"]
+    for row in rows:
+        free = "all" if row["free_gib"] is None else f"{row['free_gib']:g} GiB"
+        if "error" in row:
+            lines.append(f"| {row['cudnn_benchmark']} | {free} | out of memory | | |")
+            continue
+        lines.append(f"| {row['cudnn_benchmark']} | {free} | {row['seconds'] * 1e3:.1f} ms | "
+                     f"{row['peak_bytes'] / GiB:.2f} GiB | {'yes' if row['same'] else '**no**'} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
