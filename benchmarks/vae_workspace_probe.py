@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL
+from diffusers import AutoencoderKL, FluxTransformer2DModel
 
 from benchmarks.pipeline_offload_bench import FLUX_DEV
 
@@ -45,6 +45,54 @@ def decode(vae: AutoencoderKL, latents: torch.Tensor) -> tuple[str, float, int]:
     return digest(image), seconds, peak
 
 
+def transformer_forward(model: FluxTransformer2DModel, inputs: dict) -> tuple[str, float, int]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model(**inputs, return_dict=False)[0]
+    torch.cuda.synchronize()
+    return digest(out), time.perf_counter() - start, torch.cuda.max_memory_allocated() - before
+
+
+def flux_slice(device: torch.device, tokens: int) -> tuple[FluxTransformer2DModel, dict]:
+    """FLUX.1-dev's transformer at its real widths with one double- and two single-stream blocks, and inputs of
+    ``tokens`` image tokens and 512 text tokens (bf16)."""
+    config = {**FLUX_DEV["transformer"], "num_layers": 1, "num_single_layers": 2}
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel.from_config(config).to(device=device, dtype=torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(2)
+    inputs = {"hidden_states": torch.randn(1, tokens, 64, generator=g), "encoder_hidden_states":
+              torch.randn(1, 512, 4096, generator=g), "pooled_projections": torch.randn(1, 768, generator=g),
+              "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]),
+              "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(512, 3)}
+    inputs = {k: v.to(device, torch.bfloat16 if k not in ("img_ids", "txt_ids") else torch.float32)
+              for k, v in inputs.items()}
+    return model, inputs
+
+
+def under_pressure(run, card: int, frees: list[float], label: str, benchmark: bool) -> list[dict]:
+    """``run()`` with all free, then with ballast leaving each of ``frees`` GiB free under the cap."""
+    torch.cuda.empty_cache()
+    reference, seconds, peak = run()
+    rows = [{"what": label, "cudnn_benchmark": benchmark, "free_gib": None, "sha256": reference, "seconds": seconds,
+             "peak_bytes": peak, "same": True}]
+    for free in frees:
+        torch.cuda.empty_cache()
+        ballast = torch.empty(max(card - torch.cuda.memory_allocated() - int(free * GiB), 0), dtype=torch.uint8,
+                              device="cuda")
+        try:
+            sha, seconds, peak = run()
+            rows.append({"what": label, "cudnn_benchmark": benchmark, "free_gib": free, "sha256": sha,
+                         "seconds": seconds, "peak_bytes": peak, "same": sha == reference})
+        except torch.OutOfMemoryError as error:
+            rows.append({"what": label, "cudnn_benchmark": benchmark, "free_gib": free,
+                         "error": str(error).splitlines()[0]})
+        del ballast
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--card-gib", type=float, default=12.0)
@@ -66,25 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     vae = AutoencoderKL.from_config(FLUX_DEV["vae"]).to(device=device, dtype=torch.bfloat16).eval()
     side = args.size // 8
     latents = torch.randn(1, 16, side, side, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    card = int(args.card_gib * GiB)
+    frees = [float(f) for f in args.free_gib.split(",")]
     rows = []
     for benchmark in (False, True):
         torch.backends.cudnn.benchmark = benchmark
-        torch.cuda.empty_cache()
-        reference, seconds, peak = decode(vae, latents)
-        rows.append({"cudnn_benchmark": benchmark, "free_gib": None, "sha256": reference, "seconds": seconds,
-                     "peak_bytes": peak, "same": True})
-        for free in (float(f) for f in args.free_gib.split(",")):
-            torch.cuda.empty_cache()
-            cap = int(args.card_gib * GiB)
-            ballast_bytes = cap - torch.cuda.memory_allocated() - int(free * GiB)
-            ballast = torch.empty(max(ballast_bytes, 0), dtype=torch.uint8, device=device)
-            try:
-                sha, seconds, peak = decode(vae, latents)
-                rows.append({"cudnn_benchmark": benchmark, "free_gib": free, "sha256": sha, "seconds": seconds,
-                             "peak_bytes": peak, "same": sha == reference})
-            except torch.OutOfMemoryError as error:
-                rows.append({"cudnn_benchmark": benchmark, "free_gib": free, "error": str(error).splitlines()[0]})
-            del ballast
+        rows += under_pressure(lambda: decode(vae, latents), card, frees, f"VAE decode {args.size}²", benchmark)
+    torch.backends.cudnn.benchmark = False
+    vae = None  # its memory goes back before the transformer slice is built
+    model, inputs = flux_slice(device, (args.size // 16) ** 2)
+    rows += under_pressure(lambda: transformer_forward(model, inputs), card, frees,
+                           f"FLUX.1 transformer slice, {(args.size // 16) ** 2} tokens", False)
     report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "cudnn": torch.backends.cudnn.version(), "card_gib": args.card_gib, "size": args.size, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
@@ -92,14 +132,14 @@ def main(argv: list[str] | None = None) -> int:
              f"{report['device']}, torch {report['torch']}, cuDNN {report['cudnn']}; FLUX.1 VAE (random weights, bf16), "
              f"{args.size}² decode, process capped at {args.card_gib:g} GiB by the per-process fraction; ballast leaves "
              "the free GiB shown under the cap.", "",
-             "| cudnn.benchmark | free under the cap | time | decode peak | same bits as with all free |",
-             "|---|---|---|---|---|"]
+             "| what | cudnn.benchmark | free under the cap | time | peak | same bits as with all free |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
         free = "all" if row["free_gib"] is None else f"{row['free_gib']:g} GiB"
         if "error" in row:
-            lines.append(f"| {row['cudnn_benchmark']} | {free} | out of memory | | |")
+            lines.append(f"| {row['what']} | {row['cudnn_benchmark']} | {free} | out of memory | | |")
             continue
-        lines.append(f"| {row['cudnn_benchmark']} | {free} | {row['seconds'] * 1e3:.1f} ms | "
+        lines.append(f"| {row['what']} | {row['cudnn_benchmark']} | {free} | {row['seconds'] * 1e3:.1f} ms | "
                      f"{row['peak_bytes'] / GiB:.2f} GiB | {'yes' if row['same'] else '**no**'} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
