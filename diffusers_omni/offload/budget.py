@@ -152,6 +152,24 @@ def _host_available(reading: MachineReading, steps: list[str]) -> int:
     return min(candidates)
 
 
+def device_room(reading: MachineReading, steps: list[str] | None = None) -> int | None:
+    """The bytes this process may still take on an accelerator: its free memory plus what this process's allocator
+    holds cached, capped by the per-process memory fraction less what is allocated; ``None`` on the CPU or where the
+    device's memory could not be read. ``steps`` gets how it was found."""
+    if reading.device == "cpu" or reading.device_free is None or reading.device_total is None:
+        return None
+    steps = [] if steps is None else steps
+    usable = reading.device_free + reading.device_cached
+    steps.append(f"free {format_bytes(reading.device_free)} + cached by this process "
+                 f"{format_bytes(reading.device_cached)}")
+    if reading.device_fraction is not None:
+        cap = int(reading.device_total * reading.device_fraction) - reading.device_allocated
+        steps.append(f"per-process fraction {reading.device_fraction:g} of {format_bytes(reading.device_total)} "
+                     f"less {format_bytes(reading.device_allocated)} allocated = {format_bytes(cap)}")
+        usable = min(usable, cap)
+    return usable
+
+
 def device_budget(reading: MachineReading) -> AutoBudget:
     """``max_device_memory="auto"``: the bytes of weights allowed on the device."""
     steps: list[str] = []
@@ -159,17 +177,10 @@ def device_budget(reading: MachineReading) -> AutoBudget:
         usable = _host_available(reading, steps)
         steps.append("the device is the CPU: host memory")
     else:
-        if reading.device_free is None or reading.device_total is None:
+        usable = device_room(reading, steps)
+        if usable is None:
             raise ValueError(f"max_device_memory=\"auto\" could not read the memory of {reading.device}; allowed: a "
                              "size such as \"12GiB\"")
-        usable = reading.device_free + reading.device_cached
-        steps.append(f"free {format_bytes(reading.device_free)} + cached by this process "
-                     f"{format_bytes(reading.device_cached)}")
-        if reading.device_fraction is not None:
-            cap = int(reading.device_total * reading.device_fraction) - reading.device_allocated
-            steps.append(f"per-process fraction {reading.device_fraction:g} of {format_bytes(reading.device_total)} "
-                         f"less {format_bytes(reading.device_allocated)} allocated = {format_bytes(cap)}")
-            usable = min(usable, cap)
     headroom = max(int(usable * HEADROOM_SHARE), HEADROOM_MIN)
     nbytes = max(usable - headroom, 0)
     steps.append(f"less {format_bytes(headroom)} headroom for activations ({HEADROOM_SHARE:.0%}, at least "
@@ -232,5 +243,5 @@ def weights_in_ram(tensors: list[torch.Tensor], is_file_view) -> int:
     return total
 
 
-__all__ = ["AUTO", "AutoBudget", "MachineReading", "device_budget", "host_budget", "peak_margin", "read_machine",
+__all__ = ["AUTO", "AutoBudget", "MachineReading", "device_budget", "device_room", "host_budget", "peak_margin", "read_machine",
            "read_reserved", "weights_in_ram"]

@@ -455,7 +455,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         for component in state.topology.vaes:  # a VAE phase that does not fit untiled runs in tiles
             if component.label in state.managed:
                 vae_tiling.install(component.module, component.label, self._guards.set, self._guard_undo,
-                                   state.stats.tiled_vaes.append, state.phases.make_room)
+                                   state.stats.tiled_vaes.append, state.phases.make_room, self.device)
         way_out = self._guard_installer(state, self._guards).way_out
         install_state_dict_guards(state, self._managed_modules(state), way_out, self._guards)
 

@@ -13,6 +13,17 @@ VAE switches to tiling, says so once (the output of a tiled decode can differ sl
 same call runs again. Tiling stays on for later calls; ``disable_omni_offload()`` puts the VAE's own setting back.
 A VAE already tiling, or one without ``enable_tiling``, raises the error as it came, and so does a tiled retry that
 fails too (tiling is switched off again first).
+
+Running out of memory is not the only way a full device changes a VAE's output. cuDNN's convolutions try their
+plans in order and take the next one when a plan's workspace cannot be allocated: beside resident blocks under a
+memory cap, the same decode takes another algorithm, other bits and more time, and raises nothing (measured on an
+H200: FLUX.1-dev on a 12 GiB card with 10 and 11 GiB budgets and auto, images that differ from the resident one
+with no error and a slower decode). So where the allocator keeps statistics (CUDA), the first call of a VAE method at
+each input shape makes room before it runs (the resident blocks leave; they come back when the DiT runs again) and
+is measured: what the allocator reserved over the call, with its unused cache handed back first
+(``budget.read_reserved``). A later call at that shape runs beside the resident blocks only where the device still
+has that much room for this process (``budget.device_room``, less ``budget.peak_margin``), and makes room otherwise;
+the VAE then always finds the room its first choice of plan had, and decodes the bits it decodes alone.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from ..config.offload import format_bytes as _format_bytes
+from . import budget as machine
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -40,11 +52,11 @@ def can_tile(vae: Any) -> bool:
 def install(vae: Any, label: str, set_attribute: Callable[[Any, str, Any], None],
             on_remove: Callable[[Callable[[], None]], None],
             switched: Callable[[str], None] = lambda label: None,
-            make_room: Callable[[], int] = lambda: 0) -> list[str]:
+            make_room: Callable[[], int] = lambda: 0, device: torch.device | None = None) -> list[str]:
     """Wrap ``vae``'s ``decode`` and ``encode`` (instance attributes through ``set_attribute``, undone by the
     caller) and register, through ``on_remove``, putting its tiling setting back; ``switched(label)`` is told when a
-    retry turns tiling on; ``make_room()`` frees device memory other weights hold (the bytes freed). The methods
-    wrapped."""
+    retry turns tiling on; ``make_room()`` frees device memory other weights hold (the bytes freed); ``device``: where
+    the VAE runs (its calls' room is measured there, see the module's docstring). The methods wrapped."""
     if not can_tile(vae):
         return []
     tiled_before = vae.use_tiling
@@ -55,7 +67,7 @@ def install(vae: Any, label: str, set_attribute: Callable[[Any, str, Any], None]
 
     on_remove(restore)
     wrapped = []
-    room = _Room(make_room)
+    room = _Room(make_room, device, label)
     for name in METHODS:
         method = getattr(vae, name, None)
         if callable(method):
@@ -65,11 +77,47 @@ def install(vae: Any, label: str, set_attribute: Callable[[Any, str, Any], None]
 
 
 class _Room:
-    """``make_room`` for one VAE, and whether its phase needed it (then later calls make room before running)."""
+    """``make_room`` for one VAE; whether its phase ran out of memory beside the resident blocks (then every later
+    call makes room first); and what each of its calls' shapes reserved, measured with the room made."""
 
-    def __init__(self, make_room: Callable[[], int]) -> None:
+    def __init__(self, make_room: Callable[[], int], device: torch.device | None, label: str) -> None:
         self.make_room = make_room
+        self.device = device
+        self.label = label
         self.needed = False
+        self.needs: dict[tuple[Any, ...], int] = {}  # (method, input shape) → bytes reserved over its call
+
+    def before(self, key: tuple[Any, ...]) -> int | None:
+        """Make room where this call may need it (see the module's docstring); the bytes reserved at its start
+        where it is to be measured, else ``None``."""
+        if self.needed:
+            self.make_room()
+            return None
+        if self.device is None:
+            return None
+        start = machine.read_reserved(self.device, empty_cache=True)
+        if start is None:  # no allocator statistics (the CPU): nothing chooses its algorithm by free memory
+            return None
+        need = self.needs.get(key)
+        if need is None:
+            if self.make_room():
+                start = machine.read_reserved(self.device, empty_cache=True)
+            return start
+        room = machine.device_room(machine.read_machine(self.device))
+        if room is None or room < need + machine.peak_margin(need):
+            if self.make_room():
+                logger.info("%s.%s at %s needs %s of device memory (measured); %s is left beside the resident DiT "
+                            "blocks, so they leave for it", self.label, key[0], key[1:], _format_bytes(need),
+                            "an unknown amount" if room is None else _format_bytes(room))
+        return None
+
+    def after(self, key: tuple[Any, ...], start: int | None) -> None:
+        """The call returned: keep what it reserved, if it was measured."""
+        if start is None:
+            return
+        end = machine.read_reserved(self.device)
+        if end is not None:
+            self.needs[key] = max(self.needs.get(key, 0), end - start)
 
 
 def _first_line(error: BaseException) -> str:
@@ -82,16 +130,27 @@ def _free_cached() -> None:
         torch.cuda.empty_cache()
 
 
+def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """The dimensions of a VAE call's input (its first tensor argument); empty without one."""
+    tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return () if tensor is None else tuple(tensor.shape)
+
+
+def _measured(room: _Room, key: tuple[Any, ...], start: int | None, output: Any) -> Any:
+    room.after(key, start)
+    return output
+
+
 def _retry_tiled(vae: Any, label: str, name: str, method: Callable[..., Any],
                  switched: Callable[[str], None], room: _Room) -> Callable[..., Any]:
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if room.needed:
-            room.make_room()
+        key = (name, bool(vae.use_tiling), *_input_shape(args, kwargs))
+        start = room.before(key)
         if vae.use_tiling:
-            return method(*args, **kwargs)
+            return _measured(room, key, start, method(*args, **kwargs))
         try:
-            return method(*args, **kwargs)
+            return _measured(room, key, start, method(*args, **kwargs))
         except torch.OutOfMemoryError as error:
             # Leave the except block before retrying, so the failed call's frames (and the activations they hold)
             # are gone from the traceback first.

@@ -12,7 +12,10 @@ import logging
 import pytest
 import torch
 
+from diffusers_omni.offload.budget import MachineReading
 from offload_helpers import WAN_CALL, flux_pipe, wan22_pipe
+
+GiB = 1 << 30
 
 
 def generate(pipe) -> torch.Tensor:
@@ -161,3 +164,75 @@ def test_a_decode_beside_no_resident_block_tiles_as_before():
     assert backend._state.phases.residents is None  # nothing to free: the tiling retry as before
     generate(pipe)
     assert pipe.vae.use_tiling and backend.stats.residents_left == 0
+
+
+class Allocator:
+    """A simulated CUDA allocator for the VAE's room (``budget.read_reserved`` and ``budget.read_machine``): what is
+    reserved is the resident blocks' bytes while they are on the device plus what the VAE's decoder takes (``need``,
+    kept cached after the call as a real allocator keeps its segments); ``free`` is what the card has left."""
+
+    def __init__(self, residents, need: int, free: int) -> None:
+        self.residents, self.need, self.free = residents, need, free
+        self.reserved = 0
+        self.beside = []  # per decode: whether the resident blocks were on the device
+
+    def on_device(self) -> int:
+        return 0 if self.residents.away else self.residents.nbytes
+
+    def read_reserved(self, device, empty_cache: bool = False) -> int:
+        if empty_cache:
+            self.reserved = self.on_device()
+        return self.reserved
+
+    def read_machine(self, device) -> MachineReading:
+        return MachineReading("cuda:0", device_free=self.free, device_total=self.free + self.reserved,
+                              device_allocated=self.on_device(), device_cached=0)
+
+    def decoder(self, forward):
+        def decode(*args, **kwargs):
+            self.beside.append(not self.residents.away)
+            self.reserved = self.on_device() + self.need
+            return forward(*args, **kwargs)
+        return decode
+
+
+def test_a_decode_is_measured_with_the_room_made_then_runs_beside_resident_blocks_only_where_it_fits(monkeypatch):
+    """Where the allocator keeps statistics, a VAE's first decode at a shape makes room first and is measured (a
+    decode beside resident blocks may silently take another cuDNN algorithm, other bits); a later decode at that
+    shape stays beside them when the device has its measured need plus the margin left, and makes room otherwise.
+    The video is the resident one throughout, and after disable."""
+    from diffusers_omni.offload import budget
+
+    pipe = wan22_pipe()
+    reference = generate_video(pipe, steps=2)
+    backend = pipe.enable_layerwise_offload(device="cpu", max_device_memory=308160 + 50000)
+    stats, residents = backend.stats, backend._state.phases.residents
+    assert len(residents.weights) == 1
+    need = GiB
+    card = Allocator(residents, need, free=need + budget.peak_margin(need))
+    pipe.vae.decoder.forward = card.decoder(pipe.vae.decoder.forward)
+    monkeypatch.setattr(budget, "read_reserved", card.read_reserved)
+    monkeypatch.setattr(budget, "read_machine", card.read_machine)
+
+    def call() -> set[bool]:  # whether the resident blocks were beside the decoder (called per latent frame)
+        card.beside.clear()
+        assert torch.equal(generate_video(pipe, steps=2), reference)
+        return set(card.beside)
+
+    assert call() == {False} and stats.residents_left == 1  # measured with the room made
+    assert call() == {True} and stats.residents_left == 1  # its need fits beside them: they stay
+    card.free = need + budget.peak_margin(need) - 1
+    assert call() == {False} and stats.residents_left == 2  # no longer: they leave first
+    assert not pipe.vae.use_tiling
+    pipe.disable_omni_offload()
+    assert torch.equal(generate_video(pipe, steps=2), reference)
+
+
+def test_without_allocator_statistics_a_decode_runs_beside_resident_blocks():
+    """On the CPU (no allocator statistics: nothing chooses an algorithm by free memory) a decode that fits runs
+    beside the resident blocks: nothing leaves."""
+    pipe = wan22_pipe()
+    reference = generate_video(pipe, steps=2)
+    backend = pipe.enable_layerwise_offload(device="cpu", max_device_memory=308160 + 50000)
+    assert torch.equal(generate_video(pipe, steps=2), reference)
+    assert backend.stats.residents_left == 0 and len(backend._state.phases.residents.weights) == 1
