@@ -261,10 +261,10 @@ def offload_lossless() -> str:
                    f"weights ({source('pipeline-offload-flux-auto')}'s count).\n")
 
 
-def offload_auto() -> str:
-    """``max_device_memory="auto"`` on a whole pipeline (pipeline-offload-flux-auto): what it chose, against no budget
-    and resident, and whether the image stayed the resident one."""
-    report = result("pipeline-offload-flux-auto")
+def offload_auto(scenario: str = "pipeline-offload-flux-auto") -> str:
+    """``max_device_memory="auto"`` on a whole pipeline (pipeline-offload-flux-auto; pipeline-offload-flux-lossless
+    for the lossless runs): what each run chose, against resident, and whether the image stayed the resident one."""
+    report = result(scenario)
     by = {r["strategy"]: r for r in report["strategies"]}
     reference = by["resident"]
     rows = []
@@ -281,7 +281,7 @@ def offload_auto() -> str:
     verdict = pipeline_offload_bench.auto_against_sweep(
         (report.get("budget_sweep") or pipeline_offload_bench.budget_sweep(report))["rows"])
     return (f"**FLUX.1-dev**, {report['steps']} steps, card emulated at {gib(card)}, "
-            f"{report['environment']['device_name']}; {source('pipeline-offload-flux-auto')}\n\n"
+            f"{report['environment']['device_name']}; {source(scenario)}\n\n"
             + table(["Run", "Budget (auto: its choice)", "End to end", "VAE decode", "Device peak (allocated / "
                      "reserved)", "Same image as resident"], rows)
             + (f"\n{verdict}\n" if verdict else ""))
@@ -1733,6 +1733,7 @@ RENDERERS = {
     "offload-budget-window": offload_budget_window,
     "offload-lossless": offload_lossless,
     "offload-auto": offload_auto,
+    "offload-lossless-pipeline": lambda: offload_auto("pipeline-offload-flux-lossless"),
     "distributed-summary": distributed_summary,
     "distributed-example": distributed_example,
     "fp8-kernels": fp8_kernels,

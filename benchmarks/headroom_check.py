@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:  # noqa: BLE001 - recorded, and the check fails: the report says where
             import traceback
 
-            trace = traceback.format_exc().strip().splitlines()[-12:]
+            trace = traceback.format_exc().strip().splitlines()  # whole: where in the offload it failed
             print("\n".join(trace), flush=True)
             variants.append({"variant": name, "compression": VARIANTS[name], "calls": [], "state_dict_exact": False,
                              "bitwise_after_disable": False, "exercised": {},
