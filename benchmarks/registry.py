@@ -218,7 +218,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("pipeline-offload-flux-lossless", "pipeline_offload_bench",
              "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: resident, omni with no budget, "
              "and compression=lossless with no budget and with max_device_memory=auto (#37: <= 9.5 s; #40: auto + "
-             "lossless <= 7.5 s)", "gpu", (),
+             "lossless <= 7.5 s)", "gpu", (OFFLOAD,),
              args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", "resident,omni",
                    "--omni-lossless", "none,auto", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-flux-shapes", "auto_shapes_bench",
