@@ -6,7 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from ..config.offload import format_bytes
+from ..config.offload import NO_BUDGET, format_bytes
 from ..installer import check_roles_of_plans, plan_attention
 from ..attention.platform import current_platform, use_platform
 from ..attention.routing import sparse_rules
@@ -65,7 +65,10 @@ def explain_offload(config) -> dict:
     reading = None
     for name in ("max_device_memory", "max_host_memory"):
         value = getattr(config, name, None)
-        if value is None:
+        if value is None or value == NO_BUDGET:
+            if name == "max_device_memory" and hasattr(config, name):
+                out["budgets"][name] = {"bytes": None, "explain": f"{name}: no budget (every DiT block streams "
+                                        "through the prefetch window)"}
             continue
         if value != budget.AUTO:
             out["budgets"][name] = {"bytes": value, "explain": f"{name}={format_bytes(value)} (as given)"}

@@ -69,6 +69,8 @@ class ModelLevelOffloadConfig(OffloadConfig):
 
 
 AUTO = "auto"
+# max_device_memory="none": no budget on any device, every DiT block streams through the prefetch window
+NO_BUDGET = "none"
 LOSSLESS = "lossless"
 COMPRESSIONS = (LOSSLESS,)
 
@@ -86,6 +88,26 @@ def _compression(value: Any) -> str | None:
         raise ValueError(f"compression={show(value)} is not a known mode; allowed: {', '.join(map(repr, COMPRESSIONS))}"
                          " or None")
     return name
+
+
+def device_budget_default(device: Any) -> str | None:
+    """What ``max_device_memory`` comes to when not given: ``"auto"`` on an accelerator (the budget read from the
+    card when enabling), ``None`` (no budget: every block streams) on the CPU, where "device" memory is the host's
+    own and streaming is the testing mode."""
+    return None if getattr(device, "type", str(device)) in ("cpu", "meta") else AUTO
+
+
+def _device_budget(value: Any, device: Any) -> int | str | None:
+    """``max_device_memory``: ``None`` (not given: ``device_budget_default``), ``"none"`` (no budget, any device),
+    ``"auto"`` or a byte size."""
+    if value is None:
+        return device_budget_default(device)
+    if isinstance(value, str) and value.strip().lower() == NO_BUDGET:
+        return NO_BUDGET
+    try:
+        return _bytes_or_auto(value, "max_device_memory")
+    except (TypeError, ValueError) as error:
+        raise type(error)(f'{error}; or "none" (no budget: every block streams)') from None
 
 
 def _bytes_or_auto(value: Any, field_name: str) -> int | str:
@@ -141,9 +163,11 @@ class LayerwiseOffloadConfig(OffloadConfig):
         max_device_memory (`int | str`, *optional*): bytes of weights allowed on the device at once, every
             component counted: the DiTs' non-block weights and resident blocks, the streaming slots, and the largest
             weights one phase brings in (an encoder's non-block weights, or the VAE); activations are not counted.
-            E.g. ``"12GiB"``. DiT blocks that fit stay resident; ``None`` streams every block. ``"auto"``: what this
-            process may use on the device when enabling (free memory, the per-process memory fraction) less a
-            headroom for activations (``offload.budget``; on ``device="cpu"``, host memory).
+            E.g. ``"12GiB"``. DiT blocks that fit stay resident. ``"auto"``: what this process may use on the
+            device when enabling (free memory, the per-process memory fraction) less a headroom for activations
+            (``offload.budget``), then fitted to what each call shape measures (``offload.headroom``; on
+            ``device="cpu"``, host memory). ``"none"``: no budget, every block streams through the prefetch window.
+            Not given (``None``): ``"auto"`` on an accelerator, no budget on the CPU.
         prefetch_depth (`int`, defaults to `1`): blocks copied ahead of the running one; each costs one device slot
             the size of the largest streamed block.
         dits_only (`bool`, defaults to `False`): stream the DiTs' blocks only and keep the text/image encoders and
@@ -175,7 +199,8 @@ class LayerwiseOffloadConfig(OffloadConfig):
 
     max_device_memory: int | str | None = offload_option(
         None, kind="bytes", help="weight bytes allowed on the device, every component counted, e.g. 12GiB (DiT "
-        "blocks that fit stay), or auto (what this process may use, less a headroom)")
+        "blocks that fit stay); auto (what this process may use, less a headroom: the default on an accelerator) or "
+        "none (every block streams: the default on the CPU)")
     prefetch_depth: int = _prefetch_depth()
     dits_only: bool = offload_option(
         False, help="stream the DiTs only; text/image encoders and VAEs stay on the device")
@@ -187,8 +212,7 @@ class LayerwiseOffloadConfig(OffloadConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_device_memory is not None:
-            object.__setattr__(self, "max_device_memory", _bytes_or_auto(self.max_device_memory, "max_device_memory"))
+        object.__setattr__(self, "max_device_memory", _device_budget(self.max_device_memory, self.device))
         check_count(self.prefetch_depth, "prefetch_depth", 1)
         check_bool(self.dits_only, "dits_only")
         if self.max_host_memory is not None:

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from ..config.offload import OffloadStrategy, format_bytes
+from ..config.offload import NO_BUDGET, OffloadStrategy, format_bytes
 from ..utils.journal import Journal
 from ..utils.progress import byte_progress
 from . import budget as machine
@@ -139,7 +139,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
         enabling); ``None`` streams every block that is not forced resident."""
         if self._state is not None and self._state.device_budget is not None:
             return self._state.device_budget
-        return self.config.max_device_memory
+        value = self.config.max_device_memory
+        return None if value == NO_BUDGET else value
 
     @property
     def stats(self) -> LayerwiseStats:
@@ -258,7 +259,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         with ``in_ram`` (the weights' bytes already in RAM) the host budget. What was read and chosen goes to the
         stats (``auto``) and the log."""
         if value != AUTO:
-            return value
+            return None if value == NO_BUDGET else value
         reading = machine.read_machine(self.device)
         chosen = machine.device_budget(reading) if in_ram is None else machine.host_budget(reading, in_ram)
         if in_ram is None:
