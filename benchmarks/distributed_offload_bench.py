@@ -246,7 +246,7 @@ def single_gpu_modes(ctx: Ctx, name: str, folder: Path, args: argparse.Namespace
     cls = model_class(name)
     model = load_transformer_mmap(cls, folder, torch_dtype=torch.bfloat16)
     inputs = request_inputs(name, model, ctx.device, args.smoke, seed=1000)
-    config = OffloadConfig("layerwise", device=ctx.device)
+    config = OffloadConfig("layerwise", device=ctx.device, max_device_memory="none")
     layerwise = run_variant("layerwise (1 GPU)", lambda: apply_offload(model, config), lambda b: b.disable(), model,
                             inputs, ctx.device, args)
     del model

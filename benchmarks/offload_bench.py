@@ -483,7 +483,7 @@ def benchmark_model(name: str, args: argparse.Namespace, device: torch.device, b
 
     def omni(budget: str | None, compression: str | None = None, cache_dir: str | None = None):
         def setup():
-            return apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory=budget,
+            return apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory=budget or "none",
                                                       compression=compression, compression_cache_dir=cache_dir))
         return setup
 
@@ -605,7 +605,8 @@ def measure_mmap_loading(model: nn.Module, model_bytes: int, device: torch.devic
         after_load = host_rss()
         strategy = "distributed_layerwise" if dist.is_initialized() else "layerwise"
         start = time.perf_counter()
-        backend = apply_offload(loaded, OffloadConfig(strategy, device=device))
+        backend = apply_offload(loaded, OffloadConfig(strategy, device=device, **(
+            {} if strategy == "distributed_layerwise" else {"max_device_memory": "none"})))
         pack_s = time.perf_counter() - start
         trim_host_heap()
         after_pack = host_rss()

@@ -38,8 +38,9 @@ from diffusers_omni.config.offload import format_bytes
 def configs(device: torch.device, model_bytes: int) -> dict[str, OffloadConfig]:
     budget = model_bytes * 3 // 4  # some blocks resident, the rest streamed
     return {
-        "layerwise": OffloadConfig("layerwise", device=device),
-        "layerwise, prefetch_depth=2": OffloadConfig("layerwise", device=device, prefetch_depth=2),
+        "layerwise": OffloadConfig("layerwise", device=device, max_device_memory="none"),
+        "layerwise, prefetch_depth=2": OffloadConfig("layerwise", device=device, max_device_memory="none",
+                                                     prefetch_depth=2),
         f"layerwise, budget {format_bytes(budget)}": OffloadConfig("layerwise", device=device,
                                                                    max_device_memory=budget),
         "model_level": OffloadConfig("model_level", device=device),

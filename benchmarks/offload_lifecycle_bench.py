@@ -124,7 +124,8 @@ def warm_up(pool: torch.Tensor, args: argparse.Namespace, device: torch.device) 
 
 
 def offload_config(strategy: str, device: torch.device) -> OffloadConfig:
-    return OffloadConfig(strategy, device=device, pin_memory=True)
+    window = {"max_device_memory": "none"} if strategy == "layerwise" else {}  # not given: auto on a GPU
+    return OffloadConfig(strategy, device=device, pin_memory=True, **window)
 
 
 # 1. Delete and rebuild ------------------------------------------------------------------------------------------

@@ -239,7 +239,7 @@ def run_format(fmt: str, args, device) -> dict[str, Any]:
         entry["resident_timeline"] = timeline(model, inputs, device)
     torch.cuda.empty_cache()
     timers = host_timers()  # before enabling: the hooks bind the streamer's methods when installed
-    handle = apply_offload(model, OffloadConfig("layerwise", device=device))
+    handle = apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory="none"))
     try:
         with torch.inference_mode():
             model(**inputs)

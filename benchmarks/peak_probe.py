@@ -102,7 +102,7 @@ def diff_main(args) -> int:
     device = torch.device("cuda")
     model, inputs = _quantized_flux(args.format, device)
     report = {"format": args.format}
-    backend = apply_offload(model, OffloadConfig("layerwise", device=device))
+    backend = apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory="none"))
     with torch.inference_mode():
         model(**inputs)
     report["omni layerwise"] = peak_live_set(model, inputs, device)
@@ -120,7 +120,7 @@ def diff_main(args) -> int:
 
     streamer.StreamedBlock.allocate = allocate_in_pool
     try:
-        backend = apply_offload(model, OffloadConfig("layerwise", device=device))
+        backend = apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory="none"))
         with torch.inference_mode():
             model(**inputs)
         report["omni layerwise, private pool"] = peak_live_set(model, inputs, device)
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
 
     device = torch.device("cuda")
     model, inputs = _quantized_flux(args.format, device)
-    apply_offload(model, OffloadConfig("layerwise", device=device))
+    apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory="none"))
     with torch.inference_mode():
         model(**inputs)
     torch.cuda.synchronize()

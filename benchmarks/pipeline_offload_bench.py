@@ -113,6 +113,7 @@ NEEDS_CUDA = {"diffusers-group", "diffusers-model", "diffusers-sequential", "mmg
 OMNI = ("omni", "omni-budget", "omni-host", "omni-host-lossless")
 HOST = ("omni-host", "omni-host-lossless")  # runs under --omni-host-budget, reading blocks from disk
 AUTO = "auto"
+NO_BUDGET = "none"  # max_device_memory: every block streams (not given, a GPU run would plan with auto)
 LOSSLESS = "lossless"
 PHASES = ("encode", "denoise", "decode")
 PROMPT = "A red fox sitting in a snowy forest at dawn, soft golden light, highly detailed photograph"
@@ -812,7 +813,8 @@ def enable_strategy(strategy: str, pipe: Any, device: torch.device, args: argpar
             kwargs = {}
             if strategy == "omni-host-lossless":
                 kwargs = {"compression": LOSSLESS, "compression_cache_dir": lossless_cache_dir(args)}
-            backend = omni.enable_layerwise_offload(device=str(device), max_host_memory=host_budget(omni, device, args),
+            backend = omni.enable_layerwise_offload(device=str(device), max_device_memory=NO_BUDGET,
+                                                    max_host_memory=host_budget(omni, device, args),
                                                     **kwargs)
             return omni, backend
         run = (args.omni_runs or {}).get(strategy)
@@ -821,7 +823,8 @@ def enable_strategy(strategy: str, pipe: Any, device: torch.device, args: argpar
         compression = None if run is None else run["compression"]
         budget = omni_budget(args, strategy, lambda: least_device_budget(omni, device, compression))
         kwargs = {"compression": compression} if compression else {}
-        backend = omni.enable_layerwise_offload(device=str(device), max_device_memory=budget, **kwargs)
+        backend = omni.enable_layerwise_offload(device=str(device), max_device_memory=NO_BUDGET if budget is None else budget,
+                                                **kwargs)
         args.omni_passed_budget = budget  # recorded by the child (omni_plan)
         return omni, backend
     if strategy == "diffusers-group":

@@ -483,7 +483,7 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
         entry["variants"].append(traffic)
 
     def omni_setup():
-        return apply_offload(model, OffloadConfig("layerwise", device=device))
+        return apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory="none"))
 
     _, omni = run_variant("omni layerwise", omni_setup, lambda backend: backend.disable(), model, inputs, device,
                           args, reference, alloc_stats=args.cache_probe)
@@ -497,6 +497,7 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
         # The step a deeper window buys, and the peak it costs (from the host copies, like the pass above).
         _, deeper = run_variant(f"omni layerwise prefetch_depth={args.deeper}",
                                 lambda: apply_offload(model, OffloadConfig("layerwise", device=device,
+                                                                           max_device_memory="none",
                                                                            prefetch_depth=args.deeper)),
                                 lambda backend: backend.disable(), model, inputs, device, args, reference)
         entry["variants"].append(deeper)
@@ -580,7 +581,7 @@ def benchmark_format(name: str, fmt: str, args: argparse.Namespace, device: torc
                 torch.cuda.empty_cache()
             reserved["before_apply_offload"] = torch.cuda.memory_reserved(device) if cuda else None
             backend, profiles["apply_offload"] = profile_top(
-                lambda: apply_offload(model, OffloadConfig("layerwise", device=device)))
+                lambda: apply_offload(model, OffloadConfig("layerwise", device=device, max_device_memory="none")))
             if cuda:
                 torch.cuda.synchronize(device)
                 reserved["after_apply_offload"] = torch.cuda.memory_reserved(device)

@@ -77,7 +77,7 @@ def check_model(name: str, fmt: str, device: torch.device, fresh_only: bool = Fa
 
     strategies = {
         "model_level": OffloadConfig("model_level", device=device),
-        "layerwise": OffloadConfig("layerwise", device=device),
+        "layerwise": OffloadConfig("layerwise", device=device, max_device_memory="none"),
         "layerwise_budget": budget_config(),
         "distributed_allgather": OffloadConfig("distributed_layerwise", device=device),
         "distributed_no_allgather": OffloadConfig("distributed_layerwise", device=device, use_allgather=False),
@@ -214,7 +214,7 @@ def check_pipeline(device: torch.device) -> dict:
                 if label == "model_level":
                     pipe.enable_model_level_offload(device=device)
                 else:
-                    pipe.enable_layerwise_offload(device=device)
+                    pipe.enable_layerwise_offload(device=device, max_device_memory="none")
                 out = generate(pipe)
                 phase = "LoRA loaded with the offload on"
                 pipe.load_lora_weights(lora)

@@ -4,6 +4,8 @@ explicit size, bitwise the same output."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -23,6 +25,30 @@ def test_config_takes_auto_in_any_case_and_names_auto_in_the_refusal():
         LayerwiseOffloadConfig(device="cpu", max_host_memory="plenty")
     with pytest.raises(TypeError, match=r"max_device_memory must be .*or \"auto\""):
         LayerwiseOffloadConfig(device="cpu", max_device_memory=1.5)
+
+
+def test_max_device_memory_not_given_is_auto_on_an_accelerator_and_no_budget_on_the_cpu():
+    assert LayerwiseOffloadConfig(device="cuda").max_device_memory == "auto"
+    assert LayerwiseOffloadConfig(device="cuda", max_device_memory=None).max_device_memory == "auto"
+    assert LayerwiseOffloadConfig(device="cpu").max_device_memory is None
+    for device in ("cuda", "cpu"):  # "none": no budget anywhere, kept as given (a replace() keeps it)
+        config = LayerwiseOffloadConfig(device=device, max_device_memory=" None ")
+        assert config.max_device_memory == "none"
+        assert dataclasses.replace(config, prefetch_depth=2).max_device_memory == "none"
+    assert dataclasses.replace(LayerwiseOffloadConfig(device="cuda"), prefetch_depth=2).max_device_memory == "auto"
+    with pytest.raises(ValueError, match=r"max_device_memory='lots' is not a byte size; allowed: .*or \"auto\".*"
+                                         r"or \"none\" \(no budget: every block streams\)"):
+        LayerwiseOffloadConfig(device="cuda", max_device_memory="lots")
+
+
+def test_no_budget_streams_every_block_as_none_did(monkeypatch):
+    """``max_device_memory="none"`` plans as no budget did: every block streams, nothing is read from the machine."""
+    monkeypatch.setattr(budget, "read_machine", lambda device: pytest.fail("no budget reads nothing"))
+    pipe = flux_pipe()
+    backend = pipe.enable_layerwise_offload(device="cpu", max_device_memory="none")
+    assert backend.max_device_memory is None and backend.stats.resident_blocks == 0
+    assert backend.stats.streamed_blocks > 0 and backend.stats.auto == []
+    pipe.disable_omni_offload()
 
 
 def test_device_budget_on_a_12_gib_card_under_a_process_fraction():
