@@ -1466,7 +1466,8 @@ def readme_pipelines() -> str:
     second = ("; ² from a second run of the same pipeline with its own resident reference, shown as measured ("
               + "; ".join(drifts) + ")") if drifts else ""
     return table(["Whole pipeline, every component offloaded (" + env["device_name"] + ")",
-                  "diffusers-omni `enable_layerwise_offload`", "Diffusers, fastest that ran", "mmgp profile 2"],
+                  "diffusers-omni `enable_layerwise_offload`, no budget (`\"none\"`)", "Diffusers, fastest that ran",
+                  "mmgp profile 2"],
                  rows) + (f"\nbf16 random weights at the real sizes, card emulated with "
                           f"`set_per_process_memory_fraction`; every time is end to end at the steps of its row (a "
                           f"strategy that ran fewer steps: its denoise scaled, said in its cell), the same value as "

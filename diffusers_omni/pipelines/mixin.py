@@ -520,8 +520,10 @@ class OmniPipelineMixin:
 
         Args:
             device: where the pipeline computes.
-            max_device_memory: bytes (or ``"12GiB"``) of DiT weights allowed on the device; blocks that fit stay
-                resident, spread through the stack. ``None`` streams every block.
+            max_device_memory: bytes (or ``"12GiB"``) of weights allowed on the device; DiT blocks that fit stay
+                resident, spread through the stack. ``"auto"`` reads what this process may use on the device and
+                follows what each call shape measures; ``"none"`` streams every block. Not given: ``"auto"`` on an
+                accelerator, no budget on the CPU.
             options: further ``LayerwiseOffloadConfig`` fields (``prefetch_depth``, ``pin_memory``, ``plan``,
                 ``show_progress``).
         """
