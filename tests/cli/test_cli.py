@@ -184,6 +184,14 @@ def test_explain_offload_says_what_auto_reads_and_chooses(capsys, monkeypatch):
     assert offload["budgets"] == {"max_device_memory": {"bytes": 8 * gib, "explain": "max_device_memory=8.00 GiB "
                                                                                       "(as given)"}}
     assert "read" not in offload
+    # Not given, on an accelerator: auto (the default there); "none": no budget, nothing read.
+    assert main(["explain", "--offload", "layerwise", "--device", "cuda", "--json"]) == 0
+    offload = _json.loads(capsys.readouterr().out)["offload"]
+    assert offload["budgets"]["max_device_memory"]["explain"].startswith("max_device_memory=auto: 9.60 GiB")
+    assert main(["explain", "--offload", "layerwise", "--device", "cuda", "--max-device-memory", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "max_device_memory: no budget (every DiT block streams through the prefetch window)" in out
+    assert "auto read" not in out
 
 
 def test_explain_offload_says_what_a_compression_cache_dir_holds(tmp_path, capsys):
