@@ -278,8 +278,7 @@ def offload_auto(scenario: str = "pipeline-offload-flux-auto") -> str:
         rows.append([name, chosen, f"{row['end_to_end_s']:.2f} s", f"{row['phases']['decode_s']:.2f} s",
                      f"{gib(row['device_peak_allocated'])} / {gib(row['device_peak_reserved'])}", same])
     card = next(r["card_bytes"] for r in report["strategies"] if r.get("card_bytes"))
-    verdict = pipeline_offload_bench.auto_against_sweep(
-        (report.get("budget_sweep") or pipeline_offload_bench.budget_sweep(report))["rows"])
+    verdict = pipeline_offload_bench.auto_against_sweep(pipeline_offload_bench.budget_sweep(report)["rows"])
     return (f"**FLUX.1-dev**, {report['steps']} steps, card emulated at {gib(card)}, "
             f"{report['environment']['device_name']}; {source(scenario)}\n\n"
             + table(["Run", "Budget (auto: its choice)", "End to end", "VAE decode", "Device peak (allocated / "

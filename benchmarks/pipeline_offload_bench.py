@@ -1342,6 +1342,7 @@ def budget_sweep(report: dict[str, Any]) -> dict[str, Any]:
     as planned (auto's choice), its split, the lossless ratio, and its times; and what each auto run read."""
     rows = []
     runs = [r for r in report["strategies"] if r["strategy"] == "omni"] + sweep_runs(report)
+    resident = next((r for r in report["strategies"] if r["strategy"] == "resident" and r.get("status") == "ok"), None)
     for r in runs:
         plan = r.get("omni_plan") or {}
         given = (report["args"].get("omni_runs") or {}).get(r["strategy"], {})
@@ -1354,6 +1355,7 @@ def budget_sweep(report: dict[str, Any]) -> dict[str, Any]:
             "streamed_blocks": plan.get("streamed_blocks"), "streamed_bytes_per_pass": plan.get("streamed_bytes_per_pass"),
             "compression_ratio": plan.get("compression_ratio"), "auto": plan.get("auto") or [],
             "auto_readings": plan.get("auto_readings") or {},
+            "same_image": None if resident is None or r.get("sha256") is None else r["sha256"] == resident["sha256"],
             "why_not": None if r.get("status") == "ok" else (r.get("skip_reason") or (r.get("error") or {}).get("type")),
         })
     return {"rows": rows}
@@ -1371,9 +1373,18 @@ def auto_against_sweep(rows: list[dict[str, Any]]) -> str | None:
         if auto is None or not sized:
             continue
         fastest = min(sized, key=lambda row: row["end_to_end_s"])
-        found.append(f"{auto['strategy']} {_s(auto['end_to_end_s'])} against the sweep's fastest, "
-                     f"{fastest['strategy']} {_s(fastest['end_to_end_s'])}: "
-                     f"**{auto['end_to_end_s'] / fastest['end_to_end_s']:.3f}×** (of {len(sized)} sized runs)")
+        text = (f"{auto['strategy']} {_s(auto['end_to_end_s'])} against the sweep's fastest, "
+                f"{fastest['strategy']} {_s(fastest['end_to_end_s'])}: "
+                f"**{auto['end_to_end_s'] / fastest['end_to_end_s']:.3f}×** (of {len(sized)} sized runs)")
+        differ = [row["strategy"] for row in [auto, *sized] if row.get("same_image") is False]
+        exact = [row for row in sized if row.get("same_image") is True]
+        if differ:
+            text += f"; images not the resident one: {', '.join(differ)}"
+            if exact:
+                best = min(exact, key=lambda row: row["end_to_end_s"])
+                text += (f"; the fastest sized run with the resident image, {best['strategy']} "
+                         f"{_s(best['end_to_end_s'])}: auto {auto['end_to_end_s'] / best['end_to_end_s']:.3f}× of it")
+        found.append(text)
     return "; ".join(found) + "." if found else None
 
 

@@ -117,3 +117,19 @@ def test_flux_lossless_scenario_smoke_runs_lossless_with_no_budget_and_with_auto
     assert 0.5 < by["omni-lossless"]["omni_plan"]["compression_ratio"] < 0.8
     assert by["omni-auto-lossless"]["omni_plan"]["budget"] == "auto"
     assert by["omni-auto-lossless"]["omni_plan"]["compression"] == "lossless"
+
+
+def test_auto_against_the_sweep_names_the_runs_whose_image_differs_and_the_fastest_exact_one():
+    def row(name, budget, seconds, same):
+        return {"strategy": name, "status": "ok", "end_to_end_s": seconds, "compression": None, "budget": budget,
+                "same_image": same}
+
+    rows = [row("omni", None, 12.0, True), row("omni-auto", "auto", 8.0, False), row("omni-budget (9GiB)", "9GiB", 8.5,
+            True), row("omni-budget (11GiB)", "11GiB", 7.5, False)]
+    assert bench.auto_against_sweep(rows) == (
+        "omni-auto 8.00 s against the sweep's fastest, omni-budget (11GiB) 7.50 s: **1.067×** (of 2 sized runs); "
+        "images not the resident one: omni-auto, omni-budget (11GiB); the fastest sized run with the resident image, "
+        "omni-budget (9GiB) 8.50 s: auto 0.941× of it.")
+    rows = [dict(r, same_image=True) for r in rows]
+    assert bench.auto_against_sweep(rows).endswith("**1.067×** (of 2 sized runs).")
+    assert bench.auto_against_sweep(rows[:1]) is None  # no auto run
