@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
 from ._values import show
 from .offload_base import MAX_BYTES as MAX_BYTES
 from .offload_base import MAX_COUNT as MAX_COUNT
@@ -91,10 +93,14 @@ def _compression(value: Any) -> str | None:
 
 
 def device_budget_default(device: Any) -> str | None:
-    """What ``max_device_memory`` comes to when not given: ``"auto"`` on an accelerator (the budget read from the
-    card when enabling), ``None`` (no budget: every block streams) on the CPU, where "device" memory is the host's
-    own and streaming is the testing mode."""
-    return None if getattr(device, "type", str(device)) in ("cpu", "meta") else AUTO
+    """What ``max_device_memory`` comes to when not given: ``"auto"`` on an accelerator whose free memory PyTorch
+    reads (``torch.<type>.mem_get_info``: CUDA, ROCm, XPU; the budget read from the card when enabling); ``None``
+    (no budget: every block streams) on the CPU, where "device" memory is the host's own and streaming is the
+    testing mode, and on a device PyTorch reads no free memory of (MPS)."""
+    kind = getattr(device, "type", str(device))
+    if kind in ("cpu", "meta"):
+        return None
+    return AUTO if callable(getattr(getattr(torch, kind, None), "mem_get_info", None)) else None
 
 
 def _device_budget(value: Any, device: Any) -> int | str | None:

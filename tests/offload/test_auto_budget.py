@@ -31,6 +31,7 @@ def test_max_device_memory_not_given_is_auto_on_an_accelerator_and_no_budget_on_
     assert LayerwiseOffloadConfig(device="cuda").max_device_memory == "auto"
     assert LayerwiseOffloadConfig(device="cuda", max_device_memory=None).max_device_memory == "auto"
     assert LayerwiseOffloadConfig(device="cpu").max_device_memory is None
+    assert LayerwiseOffloadConfig(device="mps").max_device_memory is None  # PyTorch reads no free memory there
     for device in ("cuda", "cpu"):  # "none": no budget anywhere, kept as given (a replace() keeps it)
         config = LayerwiseOffloadConfig(device=device, max_device_memory=" None ")
         assert config.max_device_memory == "none"
