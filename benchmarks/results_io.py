@@ -55,9 +55,12 @@ class ResultError(ValueError):
 # Provenance ---------------------------------------------------------------------------------------------------------
 
 def git_commit(root: Path = ROOT) -> tuple[str, str, bool | None]:
-    """(commit, where it came from, dirty): ``git rev-parse HEAD`` in ``root``; else ``$OMNI_COMMIT`` (the device
-    machine gets a copy of the working tree without ``.git``); else ``"unknown"``. ``dirty``: tracked files differ
-    from the commit (``None`` when git could not tell)."""
+    """(commit, where it came from, dirty): ``$OMNI_COMMIT`` when set (whoever runs on the device machine names the
+    tree it sent: that machine's copy may hold no ``.git``, or one that is not this tree's — a run there once answered
+    an older commit, dirty); else ``git rev-parse HEAD`` in ``root``; else ``"unknown"``. ``dirty``: tracked files
+    differ from the commit (``None`` when git could not tell)."""
+    if os.environ.get("OMNI_COMMIT"):
+        return os.environ["OMNI_COMMIT"], "OMNI_COMMIT", None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30)
         if head.returncode == 0:
@@ -67,8 +70,6 @@ def git_commit(root: Path = ROOT) -> tuple[str, str, bool | None]:
             return head.stdout.strip(), "git rev-parse HEAD", dirty
     except (OSError, subprocess.SubprocessError):
         pass
-    if os.environ.get("OMNI_COMMIT"):
-        return os.environ["OMNI_COMMIT"], "OMNI_COMMIT", None
     return UNKNOWN, UNKNOWN, None
 
 

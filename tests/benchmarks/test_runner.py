@@ -169,3 +169,15 @@ def test_each_scenarios_docs_are_the_pages_whose_tables_read_it(monkeypatch):
     for scenario in registry.SCENARIOS:
         pages = set().union(*(read.get(suite, set()) for suite in scenario.suites))
         assert pages == set(scenario.docs), scenario.name
+
+
+def test_omni_commit_names_the_tree_even_where_git_answers(monkeypatch):
+    """On the device machine a copy's ``.git`` once answered an older commit than the tree sent: ``$OMNI_COMMIT``,
+    set by whoever sent it, wins; without it git answers here."""
+    from benchmarks import results_io
+
+    monkeypatch.setenv("OMNI_COMMIT", "abc1234")
+    assert results_io.git_commit() == ("abc1234", "OMNI_COMMIT", None)
+    monkeypatch.delenv("OMNI_COMMIT")
+    commit, source, _ = results_io.git_commit()
+    assert source == "git rev-parse HEAD" and len(commit) == 40
