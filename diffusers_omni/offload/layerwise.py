@@ -259,7 +259,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         with ``in_ram`` (the weights' bytes already in RAM) the host budget. What was read and chosen goes to the
         stats (``auto``) and the log."""
         if value != AUTO:
-            return None if value == NO_BUDGET else value
+            return value
         reading = machine.read_machine(self.device)
         chosen = machine.device_budget(reading) if in_ram is None else machine.host_budget(reading, in_ram)
         if in_ram is None:

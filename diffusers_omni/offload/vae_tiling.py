@@ -37,6 +37,7 @@ import torch
 
 from ..config.offload import format_bytes as _format_bytes
 from . import budget as machine
+from .headroom import call_shape
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -85,7 +86,7 @@ class _Room:
         self.device = device
         self.label = label
         self.needed = False
-        self.needs: dict[tuple[Any, ...], int] = {}  # (method, input shape) → bytes reserved over its call
+        self.needs: dict[tuple[Any, ...], int] = {}  # (method, tiling, input shape) → bytes reserved over its call
 
     def before(self, key: tuple[Any, ...]) -> int | None:
         """Make room where this call may need it (see the module's docstring); the bytes reserved at its start
@@ -93,22 +94,19 @@ class _Room:
         if self.needed:
             self.make_room()
             return None
-        if self.device is None:
-            return None
-        start = machine.read_reserved(self.device, empty_cache=True)
-        if start is None:  # no allocator statistics (the CPU): nothing chooses its algorithm by free memory
+        # No allocator statistics (the CPU): nothing chooses its algorithm by free memory.
+        if self.device is None or machine.read_reserved(self.device) is None:
             return None
         need = self.needs.get(key)
         if need is None:
-            if self.make_room():
-                start = machine.read_reserved(self.device, empty_cache=True)
-            return start
+            self.make_room()
+            return machine.read_reserved(self.device, empty_cache=True)
         room = machine.device_room(machine.read_machine(self.device))
         if room is None or room < need + machine.peak_margin(need):
             if self.make_room():
-                logger.info("%s.%s at %s needs %s of device memory (measured); %s is left beside the resident DiT "
-                            "blocks, so they leave for it", self.label, key[0], key[1:], _format_bytes(need),
-                            "an unknown amount" if room is None else _format_bytes(room))
+                logger.info("%s needs %s of device memory (measured); %s is left beside the resident DiT blocks, "
+                            "so they leave for it", key[2].describe() if key[2] else f"{self.label}.{key[0]}",
+                            _format_bytes(need), "an unknown amount" if room is None else _format_bytes(room))
         return None
 
     def after(self, key: tuple[Any, ...], start: int | None) -> None:
@@ -130,12 +128,6 @@ def _free_cached() -> None:
         torch.cuda.empty_cache()
 
 
-def _input_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
-    """The dimensions of a VAE call's input (its first tensor argument); empty without one."""
-    tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-    return () if tensor is None else tuple(tensor.shape)
-
-
 def _measured(room: _Room, key: tuple[Any, ...], start: int | None, output: Any) -> Any:
     room.after(key, start)
     return output
@@ -145,7 +137,7 @@ def _retry_tiled(vae: Any, label: str, name: str, method: Callable[..., Any],
                  switched: Callable[[str], None], room: _Room) -> Callable[..., Any]:
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        key = (name, bool(vae.use_tiling), *_input_shape(args, kwargs))
+        key = (name, bool(vae.use_tiling), call_shape(label, args, kwargs))
         start = room.before(key)
         if vae.use_tiling:
             return _measured(room, key, start, method(*args, **kwargs))
