@@ -133,7 +133,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              "gpu", ()),
     Scenario("vae-workspace-probe", "vae_workspace_probe", "the FLUX.1 VAE decoding the same latents with less and "
              "less device memory free under a 12 GiB cap: whether cuDNN's choice, so the bits, follow free memory",
-             "gpu", (), smoke=None),
+             "gpu", ()),
     Scenario("gpu-pipeline-check", "gpu_pipeline_check", "tiny FLUX.1 pipeline through omni attention vs stock",
              "gpu", (README,), out="file", smoke=None),
     Scenario("alignment", "alignment_gpu", "deterministic mode: bitwise repeatability per backend", "gpu",

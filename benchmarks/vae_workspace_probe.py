@@ -9,7 +9,7 @@ the device, then with ballast tensors leaving less and less free under the cap; 
 whether it matches the first. Then the same with ``torch.backends.cudnn.benchmark`` off and on, and the decode's own
 peak.
 
-    python -m benchmarks run vae-workspace-probe
+    python -m benchmarks run vae-workspace-probe            # --smoke: the script on the CPU, tiny models
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 
-from benchmarks.pipeline_offload_bench import FLUX_DEV
+from benchmarks.pipeline_offload_bench import FLUX_DEV, FLUX_TINY
 
 GiB = 1 << 30
 
@@ -32,58 +32,54 @@ def digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.float().cpu().numpy().tobytes()).hexdigest()
 
 
-def decode(vae: AutoencoderKL, latents: torch.Tensor) -> tuple[str, float, int]:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
+def timed(call, device: torch.device) -> tuple[str, float, int | None]:
+    """``call()``'s output digest, its seconds and (CUDA) the peak it allocated above what was allocated before."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     with torch.inference_mode():
-        image = vae.decode(latents, return_dict=False)[0]
-    torch.cuda.synchronize()
+        output = call()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() - before
-    return digest(image), seconds, peak
+    return digest(output), seconds, torch.cuda.max_memory_allocated() - before if cuda else None
 
 
-def transformer_forward(model: FluxTransformer2DModel, inputs: dict) -> tuple[str, float, int]:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model(**inputs, return_dict=False)[0]
-    torch.cuda.synchronize()
-    return digest(out), time.perf_counter() - start, torch.cuda.max_memory_allocated() - before
-
-
-def flux_slice(device: torch.device, tokens: int) -> tuple[FluxTransformer2DModel, dict]:
-    """FLUX.1-dev's transformer at its real widths with one double- and two single-stream blocks, and inputs of
-    ``tokens`` image tokens and 512 text tokens (bf16)."""
-    config = {**FLUX_DEV["transformer"], "num_layers": 1, "num_single_layers": 2}
+def flux_slice(device: torch.device, tokens: int, config: dict, text_tokens: int
+               ) -> tuple[FluxTransformer2DModel, dict]:
+    """A FLUX.1 transformer of ``config`` (FLUX.1-dev's widths on the device) with one double- and two single-stream
+    blocks, and inputs of ``tokens`` image tokens and ``text_tokens`` text tokens (bf16)."""
+    config = {**config, "num_layers": 1, "num_single_layers": 2}
     torch.manual_seed(0)
     model = FluxTransformer2DModel.from_config(config).to(device=device, dtype=torch.bfloat16).eval()
     g = torch.Generator().manual_seed(2)
-    inputs = {"hidden_states": torch.randn(1, tokens, 64, generator=g), "encoder_hidden_states":
-              torch.randn(1, 512, 4096, generator=g), "pooled_projections": torch.randn(1, 768, generator=g),
+    inputs = {"hidden_states": torch.randn(1, tokens, config["in_channels"], generator=g),
+              "encoder_hidden_states": torch.randn(1, text_tokens, config["joint_attention_dim"], generator=g),
+              "pooled_projections": torch.randn(1, config["pooled_projection_dim"], generator=g),
               "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]),
-              "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(512, 3)}
+              "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(text_tokens, 3)}
     inputs = {k: v.to(device, torch.bfloat16 if k not in ("img_ids", "txt_ids") else torch.float32)
               for k, v in inputs.items()}
     return model, inputs
 
 
-def under_pressure(run, card: int, frees: list[float], label: str, benchmark: bool) -> list[dict]:
-    """``run()`` with all free, then with ballast leaving each of ``frees`` GiB free under the cap."""
-    torch.cuda.empty_cache()
-    reference, seconds, peak = run()
+def under_pressure(call, device: torch.device, card: int, frees: list[float], label: str,
+                   benchmark: bool) -> list[dict]:
+    """``call()`` with all free, then (CUDA) with ballast leaving each of ``frees`` GiB free under the cap."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    reference, seconds, peak = timed(call, device)
     rows = [{"what": label, "cudnn_benchmark": benchmark, "free_gib": None, "sha256": reference, "seconds": seconds,
              "peak_bytes": peak, "same": True}]
     for free in frees:
         torch.cuda.empty_cache()
         ballast = torch.empty(max(card - torch.cuda.memory_allocated() - int(free * GiB), 0), dtype=torch.uint8,
-                              device="cuda")
+                              device=device)
         try:
-            sha, seconds, peak = run()
+            sha, seconds, peak = timed(call, device)
             rows.append({"what": label, "cudnn_benchmark": benchmark, "free_gib": free, "sha256": sha,
                          "seconds": seconds, "peak_bytes": peak, "same": sha == reference})
         except torch.OutOfMemoryError as error:
@@ -98,40 +94,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--card-gib", type=float, default=12.0)
     parser.add_argument("--free-gib", default="8,6,4,3,2.5,2,1.5,1", help="free GiB left under the cap, in order")
     parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--smoke", action="store_true", help="not on the CPU: the probe needs CUDA (exits 0 there)")
+    parser.add_argument("--smoke", action="store_true", help="check the script on the CPU: tiny models, no pressure")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     out = Path(args.out)
-    if not torch.cuda.is_available():
-        report = {"skipped": "no CUDA device: the probe reads the CUDA allocator and cuDNN"}
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-        out.with_suffix(".md").write_text(f"# VAE decode under device-memory pressure\n\n{report['skipped']}\n")
-        return 0
-    device = torch.device("cuda")
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(args.card_gib * GiB / total, 1.0), device)
+    if args.smoke:  # the script itself, on the CPU: tiny models, no cap, no ballast (nothing to press on)
+        device, spec, size, text_tokens, frees = torch.device("cpu"), FLUX_TINY, 64, 8, []
+    elif not torch.cuda.is_available():
+        raise SystemExit("vae-workspace-probe needs a CUDA device (it reads the CUDA allocator and cuDNN); "
+                         "--smoke checks the script on the CPU")
+    else:
+        device, spec, size, text_tokens = torch.device("cuda"), FLUX_DEV, args.size, 512
+        frees = [float(f) for f in args.free_gib.split(",")]
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(args.card_gib * GiB / total, 1.0), device)
     torch.manual_seed(0)
-    vae = AutoencoderKL.from_config(FLUX_DEV["vae"]).to(device=device, dtype=torch.bfloat16).eval()
-    side = args.size // 8
-    latents = torch.randn(1, 16, side, side, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    vae = AutoencoderKL.from_config(spec["vae"]).to(device=device, dtype=torch.bfloat16).eval()
+    scale = 2 ** (len(spec["vae"]["block_out_channels"]) - 1)
+    latents = torch.randn(1, spec["vae"]["latent_channels"], size // scale, size // scale,
+                          generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
     card = int(args.card_gib * GiB)
-    frees = [float(f) for f in args.free_gib.split(",")]
     rows = []
     for benchmark in (False, True):
         torch.backends.cudnn.benchmark = benchmark
-        rows += under_pressure(lambda: decode(vae, latents), card, frees, f"VAE decode {args.size}²", benchmark)
+        rows += under_pressure(lambda: vae.decode(latents, return_dict=False)[0], device, card, frees,
+                               f"VAE decode {size}²", benchmark)
     torch.backends.cudnn.benchmark = False
     vae = None  # its memory goes back before the transformer slice is built
-    model, inputs = flux_slice(device, (args.size // 16) ** 2)
-    rows += under_pressure(lambda: transformer_forward(model, inputs), card, frees,
-                           f"FLUX.1 transformer slice, {(args.size // 16) ** 2} tokens", False)
-    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "cudnn": torch.backends.cudnn.version(), "card_gib": args.card_gib, "size": args.size, "rows": rows}
+    tokens = (size // 16) ** 2
+    model, inputs = flux_slice(device, tokens, spec["transformer"], text_tokens)
+    rows += under_pressure(lambda: model(**inputs, return_dict=False)[0], device, card, frees,
+                           f"FLUX.1 transformer slice, {tokens} tokens", False)
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke)",
+              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "card_gib": args.card_gib,
+              "size": size, "smoke": args.smoke, "rows": rows}
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = ["# VAE decode under device-memory pressure", "",
              f"{report['device']}, torch {report['torch']}, cuDNN {report['cudnn']}; FLUX.1 VAE (random weights, bf16), "
-             f"{args.size}² decode, process capped at {args.card_gib:g} GiB by the per-process fraction; ballast leaves "
-             "the free GiB shown under the cap.", "",
+             f"{size}² decode" + ("; the smoke: tiny models on the CPU, no cap and no ballast." if args.smoke else
+                                   f", process capped at {args.card_gib:g} GiB by the per-process fraction; ballast "
+                                   "leaves the free GiB shown under the cap."), "",
              "| what | cudnn.benchmark | free under the cap | time | peak | same bits as with all free |",
              "|---|---|---|---|---|---|"]
     for row in rows:
@@ -139,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in row:
             lines.append(f"| {row['what']} | {row['cudnn_benchmark']} | {free} | out of memory | | |")
             continue
+        peak = "n/a" if row["peak_bytes"] is None else f"{row['peak_bytes'] / GiB:.2f} GiB"
         lines.append(f"| {row['what']} | {row['cudnn_benchmark']} | {free} | {row['seconds'] * 1e3:.1f} ms | "
-                     f"{row['peak_bytes'] / GiB:.2f} GiB | {'yes' if row['same'] else '**no**'} |")
+                     f"{peak} | {'yes' if row['same'] else '**no**'} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
