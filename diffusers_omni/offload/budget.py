@@ -9,8 +9,8 @@ memory plus what PyTorch's allocator holds cached but unused, capped by the per-
 it has allocated — minus the headroom the call needs for activations: ``HEADROOM_SHARE`` of it, at least
 ``HEADROOM_MIN``. On the CPU (the testing mode) the "device" is host memory, read as for the host budget.
 
-Host (``max_host_memory="auto"``): RAM the kernel says is available (``MemAvailable``), capped by the cgroup's
-limit less its usage, plus the bytes of the model's weights that are already in this process's RAM as ordinary
+Host (``max_host_memory="auto"``): RAM the kernel says is available (``MemAvailable``), capped by the room the
+process's memory cgroups leave (its own and each ancestor's limit less its usage without reclaimable page cache), plus the bytes of the model's weights that are already in this process's RAM as ordinary
 (not file-mapped) tensors — packing moves them into the host copies rather than adding to them — minus
 ``HOST_MARGIN_SHARE`` of that, at least ``HOST_MARGIN_MIN``.
 
@@ -101,22 +101,71 @@ def _read_int(path: Path) -> int | None:
     return None if value >= 1 << 60 else value  # cgroup v1 writes a huge number for "no limit"
 
 
-def _cgroup() -> tuple[int | None, int | None]:
-    """(limit, usage) of this process's memory cgroup (v2, else v1); ``(None, None)`` where none limits it."""
-    v2 = Path("/sys/fs/cgroup")
+def _stat(path: Path, key: str) -> int:
+    """``key``'s value in a cgroup's ``memory.stat`` (0 where absent)."""
     try:
-        relative = next((line.split(":", 2)[2].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
-                         if line.startswith("0::")), "/")
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
     except OSError:
-        relative = "/"
-    own = v2 / relative.lstrip("/")
-    for folder in (own, v2):
-        limit = _read_int(folder / "memory.max")
-        if limit is not None:
-            return limit, _read_int(folder / "memory.current")
-    v1 = Path("/sys/fs/cgroup/memory")
-    limit = _read_int(v1 / "memory.limit_in_bytes")
-    return limit, (_read_int(v1 / "memory.usage_in_bytes") if limit is not None else None)
+        pass
+    return 0
+
+
+# (version, the limit's file, the usage's file, memory.stat's key for reclaimable page cache)
+_CGROUP_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
+                 1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+
+
+def _own_cgroups(proc_cgroup: Path) -> dict[int, str]:
+    """This process's cgroup paths from ``/proc/self/cgroup``: the unified (v2) one and v1's memory controller's."""
+    found: dict[int, str] = {}
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            found[2] = parts[2].strip()
+        elif "memory" in parts[1].split(","):
+            found[1] = parts[2].strip()
+    return found
+
+
+def _cgroup(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/sys/fs/cgroup"
+            ) -> tuple[int | None, int | None]:
+    """(limit, usage) of the memory cgroup that leaves this process the least room: its own (v2, else v1's memory
+    controller) and each ancestor up to the mount, as the kernel enforces every one of them. Usage leaves out the
+    page cache the kernel can reclaim (``inactive_file``, as container runtimes count a working set). Where the
+    process's own folder is not visible (a container whose cgroup is mounted as the root), the mount's root is its
+    cgroup. ``(None, None)`` where no cgroup limits it."""
+    root = Path(root)
+    own = _own_cgroups(Path(proc_cgroup))
+    for version, mount in ((2, root), (2, root / "unified"), (1, root / "memory")):
+        limit_file, usage_file, cache_key = _CGROUP_FILES[version]
+        if not (mount / ("cgroup.controllers" if version == 2 else "memory.limit_in_bytes")).exists():
+            continue
+        relative = own.get(version, "/").lstrip("/")
+        folder = mount / relative if relative and (mount / relative).is_dir() else mount
+        best: tuple[int, int, int] | None = None  # (room, limit, usage)
+        while True:
+            limit = _read_int(folder / limit_file)
+            if limit is not None:
+                usage = _read_int(folder / usage_file) or 0
+                usage = max(usage - _stat(folder / "memory.stat", cache_key), 0)
+                room = limit - usage
+                if best is None or room < best[0]:
+                    best = (room, limit, usage)
+            if folder == mount or mount not in folder.parents:
+                break
+            folder = folder.parent
+        if best is not None:
+            return best[1], best[2]
+    return None, None
 
 
 def read_machine(device: torch.device) -> MachineReading:

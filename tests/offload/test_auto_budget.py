@@ -165,3 +165,50 @@ def test_host_auto_refuses_a_model_without_files_that_does_not_fit_before_pinnin
     assert "not loaded from local safetensors files" in str(info.value)  # how much it needs, and the way out
     assert pipe.omni_offload_backend is None
     assert_same_snapshot(before, pipeline_snapshot(pipe))
+
+
+def _cgroup_folder(folder, files):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+
+
+def test_cgroup_v1_reads_the_process_own_cgroup_and_the_tightest_ancestor(tmp_path):
+    """The CPU machine's own case: v1, the process in a nested memory cgroup (``/process_api/<id>``) whose
+    limit is not the mount root's; the ancestor leaving the least room binds; reclaimable page cache is not usage."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("4:memory:/jobs/one\n1:cpu:/\n0::/\n")
+    mount = tmp_path / "fs" / "memory"
+    _cgroup_folder(mount, {"memory.limit_in_bytes": str(2**63 - 4096), "memory.usage_in_bytes": "1000"})
+    _cgroup_folder(mount / "jobs", {"memory.limit_in_bytes": str(10 * GiB), "memory.usage_in_bytes": str(9 * GiB),
+                                    "memory.stat": f"cache 5\ntotal_inactive_file {2 * GiB}\n"})
+    _cgroup_folder(mount / "jobs" / "one", {"memory.limit_in_bytes": str(8 * GiB),
+                                            "memory.usage_in_bytes": str(1 * GiB)})
+    # jobs: 10 GiB less 7 GiB used (9 less 2 reclaimable) = 3 GiB; one: 8 less 1 = 7 GiB: jobs binds
+    assert budget._cgroup(proc, tmp_path / "fs") == (10 * GiB, 7 * GiB)
+    (mount / "jobs" / "memory.limit_in_bytes").write_text(str(2**63 - 4096))  # no limit there: one binds
+    assert budget._cgroup(proc, tmp_path / "fs") == (8 * GiB, 1 * GiB)
+
+
+def test_cgroup_v2_walks_up_from_the_own_folder_and_a_container_root_is_its_cgroup(tmp_path):
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/user.slice/app.scope\n")
+    mount = tmp_path / "fs"
+    _cgroup_folder(mount, {"cgroup.controllers": "memory"})
+    _cgroup_folder(mount / "user.slice", {"memory.max": str(6 * GiB), "memory.current": str(2 * GiB),
+                                          "memory.stat": f"anon 1\ninactive_file {GiB}\n"})
+    _cgroup_folder(mount / "user.slice" / "app.scope", {"memory.max": "max", "memory.current": str(GiB)})
+    assert budget._cgroup(proc, mount) == (6 * GiB, 1 * GiB)
+    # A container: /proc/self/cgroup names a path of the host's tree that its mount does not show
+    proc.write_text("0::/system.slice/docker-abc.scope\n")
+    (mount / "memory.max").write_text(str(4 * GiB))
+    (mount / "memory.current").write_text(str(3 * GiB))
+    assert budget._cgroup(proc, mount) == (4 * GiB, 3 * GiB)
+
+
+def test_cgroup_without_limits_or_files_reads_none(tmp_path):
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/\n")
+    _cgroup_folder(tmp_path / "fs", {"cgroup.controllers": "memory"})
+    assert budget._cgroup(proc, tmp_path / "fs") == (None, None)
+    assert budget._cgroup(tmp_path / "missing", tmp_path / "nowhere") == (None, None)
