@@ -153,6 +153,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("offload-side-by-side", "side_by_side",
              "offload_bench of this tree beside a baseline commit's (benchmarks/h200/side_by_side.sh), step times "
              "compared", "gpu", (OFFLOAD,), args=_SIDE_BY_SIDE, smoke=None),
+    Scenario("host-auto-cgroup", "host_auto_cgroup",
+             "max_host_memory=auto under a memory cgroup the kernel enforces (this machine, root): a FLUX.1-shaped "
+             "pipeline whose transformer exceeds the cap's room, loaded as views of its checkpoint; resident, auto "
+             "under the cap, no host budget under the same cap", "cpu", (OFFLOAD,)),
     Scenario("codec-ratio", "codec_ratio", "lossless code's ratio on trained weights (PyPI wheels) and random ones",
              "cpu", (OFFLOAD,), smoke=("--random-weights", "4096")),
     Scenario("offload-distributed-flux", "offload_bench", "FLUX.1-dev size: distributed layerwise (N = 1), mmap",

@@ -328,6 +328,7 @@ class DiskReader:
         self.files = files
         self.fds: list[int] = []
         self._signatures: list[tuple[int, int, int]] = []
+        self._file_maps: dict[int, torch.UntypedStorage] = {}  # file → its private mapping (``mapped_views``)
         try:
             for file in files:
                 fd = os.open(file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -341,6 +342,7 @@ class DiskReader:
 
     def close(self) -> None:
         fds, self.fds = self.fds, []
+        self._file_maps = {}  # the views given back keep their mappings
         _close_all(fds)
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
@@ -370,6 +372,51 @@ class DiskReader:
             )
         for dest, data in source.kept:
             ctypes.memmove(address + dest, data.data_ptr(), data.numel())
+
+    def mapped_views(self, source: BlockSource, slots: list[Any]) -> list[torch.Tensor] | None:
+        """``source``'s tensors as views of private (copy-on-write) mappings of its files, one per ``slots`` entry
+        (``memory.TensorSlot``: dtype, offset, shape, strides), for giving a block back without its bytes in RAM:
+        the pages are the page cache's, which the kernel reclaims under a memory cap (reading a model that does not
+        fit into RAM on disable would have the process killed there). Tensors no file holds as the model does
+        (``kept``) are copies of those bytes. ``None`` where a view cannot stand for the bytes checked at enable: a
+        file changed since it was opened (``read`` then checks the bytes), a tensor at an offset its dtype cannot
+        start at, a block read coded (``compression_cache_dir``: decoded, as ``read_pageable`` gives it)."""
+        if not self.fds:
+            raise RuntimeError("the checkpoint files are closed (offload disabled)")
+        if source.coded is not None:  # the files hold the block's code, not its bytes
+            return None
+        for file, _, _ in source.runs:
+            status = os.fstat(self.fds[file])
+            if (status.st_ino, status.st_size, status.st_mtime_ns) != self._signatures[file]:
+                return None
+        pieces = {piece.dest: piece for piece in source.pieces if piece.length}
+        kept = dict(source.kept)
+        views = []
+        for slot in slots:
+            if slot.dtype not in source.regions:
+                return None
+            start = source.regions[slot.dtype][0] + slot.offset * slot.dtype.itemsize
+            length = slot.numel * slot.dtype.itemsize
+            piece = pieces.get(start)
+            if piece is not None and piece.length == length and piece.offset % slot.dtype.itemsize == 0:
+                storage = self._mapping(piece.file)
+                view = torch.empty(0, dtype=slot.dtype).set_(storage, piece.offset // slot.dtype.itemsize,
+                                                             slot.shape, slot.strides)
+            elif start in kept and kept[start].numel() == length:
+                view = kept[start].clone().view(slot.dtype).as_strided(slot.shape, slot.strides)
+            elif length == 0:
+                view = torch.empty(slot.shape, dtype=slot.dtype)
+            else:
+                return None
+            views.append(view)
+        return views
+
+    def _mapping(self, file: int) -> torch.UntypedStorage:
+        """A private mapping of the whole of file ``file`` (made once; pages are read as they are touched)."""
+        if file not in self._file_maps:
+            self._file_maps[file] = torch.UntypedStorage.from_file(str(self.files[file]), False,
+                                                                   self._signatures[file][1])
+        return self._file_maps[file]
 
     def read_pageable(self, source: BlockSource) -> dict[torch.dtype, torch.Tensor]:
         """``source``'s bytes in a fresh ordinary (pageable) host buffer: its per-dtype regions."""

@@ -805,3 +805,78 @@ def test_a_larger_host_budget_never_plans_more_disk_traffic():
     assert any(p.shared and not any(c.key[0] in "abc" for c in p.disk) for p in plans)  # shared, DiTs not on disk
     assert any(p.shared and any(c.key[0] in "ab" for c in p.disk) for p in plans)  # some positions read every load
     assert all("q" not in {c.key for c in p.blocks} for p in plans)  # a block that must keep its copy keeps it
+
+
+def _file_of(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (``/proc/self/maps``), ``None`` for anonymous memory."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
+def _anon_peak_while(action) -> int:
+    """The most the anonymous RSS grew over ``before`` while ``action`` ran (sampled every 2 ms)."""
+    def anon() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
+
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], anon())
+            done.wait(0.002)
+
+    gc.collect()
+    before = anon()
+    thread = threading.Thread(target=sample)
+    thread.start()
+    try:
+        action()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0], anon()) - before
+
+
+def test_disable_gives_disk_blocks_back_as_views_of_their_files_not_as_ram(tmp_path):
+    """Under a host budget the model is larger than what RAM holds for it: disable gives the blocks read from disk
+    back as private mappings of their checkpoint files (found on the CPU machine in a real memory cgroup, where
+    reading every block back into RAM on disable had the process killed). The bytes are the model's, exactly."""
+    from diffusers_omni.offload.loading import load_transformer_mmap
+
+    config = dict(num_layers=2, num_single_layers=6, attention_head_dim=64, num_attention_heads=12,
+                  joint_attention_dim=32, pooled_projection_dim=32, in_channels=16, axes_dims_rope=[16, 24, 24])
+    torch.manual_seed(0)
+    FluxTransformer2DModel(**config).save_pretrained(tmp_path / "transformer")
+    pipe = flux_pipe()
+    pipe.transformer = load_transformer_mmap(FluxTransformer2DModel, tmp_path, subfolder="transformer",
+                                             torch_dtype=torch.float32).eval()
+    expected = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    reference = _image(pipe)
+    model_bytes = sum(v.numel() * v.element_size() for v in expected.values())
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=_least_host_budget(pipe))
+    disk = [b for row in backend._state.streamed for b in row if b is not None and b.store.name == "disk"
+            and b.weights.path.startswith("transformer.")]
+    disk_bytes = sum(b.weights.nbytes for b in disk)
+    assert disk_bytes > model_bytes // 2
+    assert torch.equal(_image(pipe), reference)
+    grown = _anon_peak_while(pipe.disable_omni_offload)
+    assert grown < disk_bytes // 4, (grown, disk_bytes)
+    files = {str(p) for p in (tmp_path / "transformer").glob("*.safetensors")}
+    for block in disk:
+        for leaf in block.weights.tensors.leaves:
+            data = leaf.data()
+            assert data.numel() == 0 or _file_of(data.data_ptr()) in files, leaf.name
+    actual = pipe.transformer.state_dict()
+    assert actual.keys() == expected.keys() and all(torch.equal(actual[k], expected[k]) for k in expected)
+    assert torch.equal(_image(pipe), reference)
+    with torch.no_grad():  # private mappings: writing to the model never writes its file
+        next(pipe.transformer.single_transformer_blocks[-1].parameters()).add_(1)
+    reloaded = load_transformer_mmap(FluxTransformer2DModel, tmp_path, subfolder="transformer",
+                                     torch_dtype=torch.float32)
+    assert all(torch.equal(reloaded.state_dict()[k], expected[k]) for k in expected)
