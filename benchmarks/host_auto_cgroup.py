@@ -6,6 +6,9 @@ each run is a child process placed in a fresh memory cgroup (v2, else v1's memor
 which loads the pipeline as a user would (``from_pretrained``, the transformer as views of its files:
 ``load_transformer_mmap``) and generates twice:
 
+Before each run the checkpoint's pages are dropped from the page cache, so what a run reads is charged to its own
+cgroup.
+
 - ``resident``: no offload, in a cgroup without a limit (the reference image; its RSS after loading is the
   baseline the cap is set from);
 - ``auto``: ``enable_layerwise_offload(max_host_memory="auto")`` under the cap: auto reads the cgroup, keeps what it
@@ -226,10 +229,14 @@ def child(args: argparse.Namespace) -> int:
         digests.append(hashlib.sha256(image.float().cpu().numpy().tobytes()).hexdigest())
     stop.set()
     sampler.join()
-    result.update({"digests": digests, "call_s": seconds, "rss_end": rss(), "stage": "done"})
+    result.update({"digests": digests, "call_s": seconds, "rss_end": rss()})
     if args.child != "resident":
         result["offload"] = offload_record(backend)
+        result["stage"] = "disable"
+        save()
         omni.disable_omni_offload()
+        result["rss_disabled"] = rss()
+    result["stage"] = "done"
     save()
     return 0
 
@@ -244,7 +251,21 @@ def offload_record(backend: Any) -> dict[str, Any]:
             "host_budget": getattr(backend.config, "max_host_memory", None)}
 
 
+def drop_page_cache(folder: Path) -> None:
+    """Write the checkpoint's files out and drop their pages (``POSIX_FADV_DONTNEED``): the pages a run reads are
+    then charged to its own cgroup, not left charged to the process that wrote them."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def spawn(run: str, args: argparse.Namespace, folder: Path, work: Path, group: Cgroup | None) -> dict[str, Any]:
+    drop_page_cache(folder)
     out = work / f"{run}.json"
     argv = [sys.executable, "-m", "benchmarks.host_auto_cgroup", "--child", run, "--folder", str(folder),
             "--child-out", str(out), "--device", args.device, "--steps", str(args.steps), "--size", str(args.size),

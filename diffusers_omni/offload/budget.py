@@ -264,16 +264,20 @@ def read_reserved(device: torch.device, empty_cache: bool = False) -> int | None
     return module.memory_reserved(device)
 
 
-def host_budget(reading: MachineReading, weights_in_ram: int) -> AutoBudget:
+def host_budget(reading: MachineReading, weights_in_ram: int, device_in_ram: int = 0) -> AutoBudget:
     """``max_host_memory="auto"``: the bytes of host copies allowed; ``weights_in_ram`` is what the model's weights
-    already take in this process's RAM (packing reuses it)."""
+    already take in this process's RAM (packing reuses it); ``device_in_ram`` what the device side will take in RAM
+    when the device is the CPU (the streaming window, resident blocks' device copies), left out of the budget."""
     steps: list[str] = []
     available = _host_available(reading, steps) + weights_in_ram
     steps.append(f"+ the weights already in RAM {format_bytes(weights_in_ram)}")
     margin = max(int(available * HOST_MARGIN_SHARE), HOST_MARGIN_MIN)
-    nbytes = max(available - margin, 0)
+    nbytes = max(available - margin - device_in_ram, 0)
     steps.append(f"less a margin of {format_bytes(margin)} ({HOST_MARGIN_SHARE:.0%}, at least "
                  f"{format_bytes(HOST_MARGIN_MIN)})")
+    if device_in_ram:
+        steps.append(f"less {format_bytes(device_in_ram)} the device takes in RAM (the device is the CPU: the "
+                     "streaming window and resident blocks' device copies)")
     return AutoBudget("max_host_memory", nbytes, reading, steps)
 
 

@@ -244,8 +244,20 @@ class LayerwiseOffloadBackend(OffloadBackend):
             views = file_views(state)
             tensors = [slot.leaf.data() for row in state.weights for w in row for slot in w.slots]
             tensors += [slot.leaf.data() for unit in state.units for slot in unit.weights.slots]
-            budget = self._resolve(state, AUTO, weights_in_ram(tensors, lambda t: views.locate(t) is not None))
+            budget = self._resolve(state, AUTO, weights_in_ram(tensors, lambda t: views.locate(t) is not None),
+                                   self._device_in_ram(state))
         plan_disk_blocks(state, budget, self._staging_count(), self.config.show_progress, journal, coded)
+
+    def _device_in_ram(self, state: LayerwiseState) -> int:
+        """What the device side takes in RAM when the device is the CPU (0 otherwise): the window's slots (one per
+        block it holds, each the largest streamed block's bytes) and a device copy of each resident block."""
+        if self.device.type != "cpu":
+            return 0
+        streamed = [w.nbytes for row, resident_row in zip(state.weights, state.resident)
+                    for w, resident in zip(row, resident_row) if not resident and not w.empty]
+        resident = sum(w.nbytes for row, resident_row in zip(state.weights, state.resident)
+                       for w, resident in zip(row, resident_row) if resident and not w.empty)
+        return (self.config.prefetch_depth + 1) * max(streamed, default=0) + resident
 
     def _coded_cache(self, state: LayerwiseState) -> CodedCache | None:
         """The folder of ``compression_cache_dir`` (opened once per enable; ``None`` without one)."""
@@ -254,14 +266,16 @@ class LayerwiseOffloadBackend(OffloadBackend):
             state.coded_cache = CodedCache(folder)
         return state.coded_cache
 
-    def _resolve(self, state: LayerwiseState, value: int | str | None, in_ram: int | None = None) -> int | None:
+    def _resolve(self, state: LayerwiseState, value: int | str | None, in_ram: int | None = None,
+                 device_in_ram: int = 0) -> int | None:
         """A budget as given, or ``"auto"`` read from the machine (``budget.read_machine``): the device budget, or
-        with ``in_ram`` (the weights' bytes already in RAM) the host budget. What was read and chosen goes to the
-        stats (``auto``) and the log."""
+        with ``in_ram`` (the weights' bytes already in RAM) the host budget, less ``device_in_ram`` (the device's
+        share of RAM when it is the CPU). What was read and chosen goes to the stats (``auto``) and the log."""
         if value != AUTO:
             return value
         reading = machine.read_machine(self.device)
-        chosen = machine.device_budget(reading) if in_ram is None else machine.host_budget(reading, in_ram)
+        chosen = (machine.device_budget(reading) if in_ram is None
+                  else machine.host_budget(reading, in_ram, device_in_ram))
         if in_ram is None:
             state.device_limit = chosen.limit
         state.stats.auto.append(chosen.explain())

@@ -128,14 +128,20 @@ def test_host_auto_under_a_cgroup_cap_reads_the_rest_from_disk_and_the_cap_holds
     chosen = []
     host_budget = budget.host_budget
 
-    def capture(reading, in_ram):
-        chosen.append(host_budget(reading, in_ram))
+    def capture(reading, in_ram, device_in_ram=0):
+        chosen.append(host_budget(reading, in_ram, device_in_ram))
+        device_share.append(device_in_ram)
         return chosen[-1]
 
+    device_share = []
+
     monkeypatch.setattr(budget, "host_budget", capture)
-    # The cap leaves the margin (1 GiB at this size) less a quarter of the host copies: with the weights in RAM
-    # (auto counts those back in) about three quarters of the host copies fit.
-    room = GiB - everything // 4
+    # The cap leaves the margin (1 GiB at this size) and the window less a quarter of the host copies: with the
+    # weights in RAM (auto counts those back in) about three quarters of the host copies fit.
+    backend = pipe.enable_layerwise_offload(device="cpu")
+    window = backend.stats.in_flight_capacity  # the device's share of RAM here (the device is the CPU)
+    pipe.disable_omni_offload()
+    room = GiB - everything // 4 + window
     monkeypatch.setattr(budget, "read_machine", lambda device: MachineReading(
         str(device), mem_available=64 * GiB, cgroup_limit=8 * GiB, cgroup_usage=8 * GiB - room))
     backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory="auto")
@@ -144,6 +150,9 @@ def test_host_auto_under_a_cgroup_cap_reads_the_rest_from_disk_and_the_cap_holds
     assert any("cgroup limit 8.00 GiB" in step for step in auto.steps)
     assert stats.disk_blocks > 0  # the cap did not hold every host copy
     assert stats.host_bytes + stats.staging_bytes + stats.shared_bytes <= auto.nbytes  # the cap holds
+    # The device is the CPU: its window is RAM too, and left out of the host copies' share
+    assert device_share == [stats.in_flight_capacity] and stats.in_flight_capacity > 0
+    assert any("the device takes in RAM" in step for step in auto.steps)
     for _ in range(2):
         assert torch.equal(_image(pipe), reference)
     report = str(pipe.omni_offload_report())
