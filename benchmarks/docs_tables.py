@@ -21,7 +21,7 @@ import re
 from functools import cache
 from pathlib import Path
 
-from benchmarks import pipeline_offload_bench, registry, results_io
+from benchmarks import host_auto_cgroup, pipeline_offload_bench, registry, results_io
 from benchmarks.derive_routing import distinct_exact, routed_choices
 from benchmarks.quant_offload_check import PIPELINE_CHECKS
 
@@ -284,6 +284,14 @@ def offload_auto(scenario: str = "pipeline-offload-flux-auto") -> str:
             + table(["Run", "Budget (auto: its choice)", "End to end", "VAE decode", "Device peak (allocated / "
                      "reserved)", "Same image as resident"], rows)
             + (f"\n{verdict}\n" if verdict else ""))
+
+
+def offload_host_auto_cgroup() -> str:
+    """``max_host_memory="auto"`` under a memory cgroup the kernel enforces (host-auto-cgroup)."""
+    report = result("host-auto-cgroup")
+    header, rows = host_auto_cgroup.table_rows(report)
+    return (f"{host_auto_cgroup.describe(report)} {source('host-auto-cgroup')}\n\n" + table(header, rows)
+            + f"\n{host_auto_cgroup.NOTE}\n\n**{report['verdict']}**\n")
 
 
 def offload_budget_window() -> str:
@@ -1734,6 +1742,7 @@ RENDERERS = {
     "offload-lossless": offload_lossless,
     "offload-auto": offload_auto,
     "offload-lossless-pipeline": lambda: offload_auto("pipeline-offload-flux-lossless"),
+    "offload-host-auto-cgroup": offload_host_auto_cgroup,
     "distributed-summary": distributed_summary,
     "distributed-example": distributed_example,
     "fp8-kernels": fp8_kernels,

@@ -181,8 +181,13 @@ def child(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"run": args.child, "stage": "load"}
     out = Path(args.child_out)
 
-    def save() -> None:
-        out.write_text(json.dumps(result, indent=1))
+    lock = threading.Lock()
+
+    def save() -> None:  # whole files only (a kill may come at any time), one writer at a time
+        with lock:
+            text = json.dumps(dict(result), indent=1)
+            Path(f"{out}.tmp").write_text(text)
+            os.replace(f"{out}.tmp", out)
 
     save()
     transformer = load_transformer_mmap(FluxTransformer2DModel, folder, "transformer", torch_dtype=torch.bfloat16)
@@ -208,12 +213,17 @@ def child(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
     def sample() -> None:  # the peaks of the anonymous and file-backed RSS, saved as they grow (a kill loses none)
-        while not stop.wait(0.2):
+        while True:
             now = rss()
             peaks = result.setdefault("rss_peaks", {"RssAnon": 0, "RssFile": 0})
             if any(now[k] > peaks[k] for k in peaks):
                 result["rss_peaks"] = {k: max(now[k], peaks[k]) for k in peaks}
-                save()
+                try:
+                    save()
+                except RuntimeError:  # the main thread changed the result meanwhile: saved at the next sample
+                    pass
+            if stop.wait(0.02):
+                return
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -285,24 +295,31 @@ def spawn(run: str, args: argparse.Namespace, folder: Path, work: Path, group: C
     return result
 
 
-def markdown(report: dict[str, Any]) -> str:
-    def gib(value: int | None) -> str:
-        return "" if value is None else f"{value / GiB:.2f} GiB"
+def _gib(value: int | None) -> str:
+    return "" if value is None else f"{value / GiB:.2f} GiB"
 
-    lines = ["# max_host_memory=auto under a memory cgroup", "",
-             f"{report['machine']}; torch {report['torch']}; device {report['device']}. A FLUX.1-shaped pipeline, "
-             f"transformer {report['pipeline']['transformer_parameters']:,} parameters "
-             f"({gib(report['pipeline']['transformer_bytes'])} bf16, random weights) loaded as views of its "
-             f"checkpoint; {report['steps']} steps at {report['size']}², two calls per run.", ""]
+
+def describe(report: dict[str, Any]) -> str:
+    """One paragraph: the machine, the pipeline, the cap (the report's and the docs' table say it first)."""
+    pipeline = report["pipeline"]
+    text = (f"{report['machine']}; torch {report['torch']}; device {report['device']}. A FLUX.1-shaped pipeline, "
+            f"transformer {pipeline['transformer_parameters']:,} parameters ({_gib(pipeline['transformer_bytes'])} "
+            f"bf16, random weights) loaded as views of its checkpoint; {report['steps']} steps at "
+            f"{report['size']}², two calls per run.")
     if report.get("cgroup_error"):
-        lines += [f"**No cgroup**: {report['cgroup_error']}", ""]
-    cap = report.get("cap")
-    if cap is not None:
-        lines += [f"Cap: {gib(cap)} (the resident run's RSS after loading, {gib(report['baseline'])}, + "
-                  f"{report['cap_extra_gib']:g} GiB).", ""]
-    lines += ["| run | cgroup limit | exit | cgroup peak | OOM kills | RSS peak | auto chose | blocks from disk | "
-              "host copies | same image as resident |", "|---|---|---|---|---|---|---|---|---|---|"]
+        text += f" **No cgroup**: {report['cgroup_error']}."
+    if report.get("cap") is not None:
+        text += (f" Cap: {_gib(report['cap'])} (the resident run's RSS after loading, {_gib(report['baseline'])}, + "
+                 f"{report['cap_extra_gib']:g} GiB).")
+    return text
+
+
+def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The runs' table (header, rows): what the cgroup saw, what auto chose, whether the image held."""
+    header = ["run", "cgroup limit", "exit", "cgroup peak", "OOM kills", "anonymous RSS peak", "auto chose",
+              "blocks from disk", "host copies", "same image as resident"]
     reference = report["runs"][0].get("digests")
+    rows = []
     for r in report["runs"]:
         group = r.get("cgroup") or {}
         offload = r.get("offload") or {}
@@ -312,16 +329,29 @@ def markdown(report: dict[str, Any]) -> str:
         same = ("reference" if r is report["runs"][0] else
                 "" if not r.get("digests") or not reference else
                 "yes" if r["digests"] == reference else "**NO**")
-        peak = (r.get("rss_end") or r.get("rss_enabled") or r.get("rss_loaded") or {}).get("VmHWM")
-        lines.append(f"| {r['run']} | {gib(group.get('limit')) or 'none'} | {exit_text} | {gib(group.get('peak'))} | "
-                     f"{'' if group.get('oom_kills') is None else group['oom_kills']} | {gib(peak)} | {chose} | "
-                     f"{offload.get('disk_blocks', '')} | {gib(offload.get('host_bytes'))} | {same} |")
-    lines += ["", "cgroup peak: `memory.peak` (v2) / `memory.max_usage_in_bytes` (v1), page cache included (the "
-              "kernel reclaims it under the cap). RSS peak: the child's `VmHWM` (file-backed pages of the mapped "
-              "checkpoint included).", ""]
+        rows.append([r["run"], _gib(group.get("limit")) or "none", exit_text, _gib(group.get("peak")),
+                     "" if group.get("oom_kills") is None else str(group["oom_kills"]),
+                     _gib((r.get("rss_peaks") or {}).get("RssAnon")), chose,
+                     str(offload.get("disk_blocks", "")), _gib(offload.get("host_bytes")), same])
+    return header, rows
+
+
+NOTE = ("cgroup peak: `memory.peak` (v2) / `memory.max_usage_in_bytes` (v1), page cache included (the kernel "
+        "reclaims it under the cap, so a run that reads its checkpoint reaches the limit). Anonymous RSS peak: the "
+        "child's `RssAnon`, sampled every 20 ms while it generates.")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    header, rows = table_rows(report)
+    lines = ["# max_host_memory=auto under a memory cgroup", "", describe(report), "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += ["", NOTE, ""]
     for r in report["runs"]:
         for line in (r.get("offload") or {}).get("auto", []):
             lines.append(f"- {r['run']}: {line}")
+        if r.get("exit") not in (0, None) and r.get("stderr_tail") and not r.get("signal"):
+            lines.append(f"- {r['run']} failed: {r['stderr_tail'].strip().splitlines()[-1]}")
     lines.append("")
     lines.append(f"**{report['verdict']}**")
     return "\n".join(lines) + "\n"
@@ -346,9 +376,9 @@ def verdict(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--double-blocks", type=int, default=4)
-    parser.add_argument("--single-blocks", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16, help="attention heads of 128 (width = 128 × heads)")
+    parser.add_argument("--double-blocks", type=int, default=6)
+    parser.add_argument("--single-blocks", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=12, help="attention heads of 128 (width = 128 × heads)")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--size", type=int, default=32, help="image side in pixels (the tiny VAE: 2× downsampling)")
     parser.add_argument("--cap-extra-gib", type=float, default=2.0,

@@ -240,13 +240,20 @@ class LayerwiseOffloadBackend(OffloadBackend):
         cache = self._coded_cache(state)
         coded = CodedSources(cache, self.device) if cache is not None else None
         budget = getattr(self.config, "max_host_memory", None)
-        if budget == AUTO:
+        auto = budget == AUTO
+        if auto:
             views = file_views(state)
             tensors = [slot.leaf.data() for row in state.weights for w in row for slot in w.slots]
             tensors += [slot.leaf.data() for unit in state.units for slot in unit.weights.slots]
             budget = self._resolve(state, AUTO, weights_in_ram(tensors, lambda t: views.locate(t) is not None),
                                    self._device_in_ram(state))
-        plan_disk_blocks(state, budget, self._staging_count(), self.config.show_progress, journal, coded)
+        try:
+            plan_disk_blocks(state, budget, self._staging_count(), self.config.show_progress, journal, coded)
+        except ValueError as error:
+            if not auto:
+                raise
+            raise ValueError(f"{error}. That budget is what auto found this machine leaves: {state.stats.auto[-1]}"
+                             ) from None
 
     def _device_in_ram(self, state: LayerwiseState) -> int:
         """What the device side takes in RAM when the device is the CPU (0 otherwise): the window's slots (one per

@@ -54,3 +54,4 @@ def test_the_smoke_runs_each_child_and_every_image_is_the_resident_one(tmp_path)
     assert runs["auto"]["offload"]["auto"][0].startswith("max_host_memory=auto: ")
     assert runs["no-budget"]["offload"]["auto"] == []
     assert "| auto | none | 0 |" in (tmp_path / "run.md").read_text()
+    assert runs["auto"]["rss_peaks"]["RssAnon"] > 0

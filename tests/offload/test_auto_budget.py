@@ -172,6 +172,8 @@ def test_host_auto_refuses_a_model_without_files_that_does_not_fit_before_pinnin
     with pytest.raises(ValueError, match=r"max_host_memory=\d+ \(.*\) is too small; allowed: at least") as info:
         pipe.enable_layerwise_offload(device="cpu", max_host_memory="auto")
     assert "not loaded from local safetensors files" in str(info.value)  # how much it needs, and the way out
+    assert "That budget is what auto found this machine leaves: max_host_memory=auto: " in str(info.value)
+    assert "cgroup limit 8.00 GiB" in str(info.value)  # what it read
     assert pipe.omni_offload_backend is None
     assert_same_snapshot(before, pipeline_snapshot(pipe))
 
