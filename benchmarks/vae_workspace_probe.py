@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("vae-workspace-probe needs a CUDA device (it reads the CUDA allocator and cuDNN); "
                          "--smoke checks the script on the CPU")
     else:
-        device, spec, size, text_tokens = torch.device("cuda"), FLUX_DEV, args.size, 512
+        device, spec, size, text_tokens = torch.device("cuda", torch.cuda.current_device()), FLUX_DEV, args.size, 512
         frees = [float(f) for f in args.free_gib.split(",")]
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(args.card_gib * GiB / total, 1.0), device)
