@@ -378,9 +378,10 @@ class DiskReader:
         (``memory.TensorSlot``: dtype, offset, shape, strides), for giving a block back without its bytes in RAM:
         the pages are the page cache's, which the kernel reclaims under a memory cap (reading a model that does not
         fit into RAM on disable would have the process killed there). Tensors no file holds as the model does
-        (``kept``) are copies of those bytes. ``None`` where a view cannot stand for the bytes checked at enable: a
-        file changed since it was opened (``read`` then checks the bytes), a tensor at an offset its dtype cannot
-        start at, a block read coded (``compression_cache_dir``: decoded, as ``read_pageable`` gives it)."""
+        (``kept``) are copies of those bytes. The sampled checksum taken at enable is compared first, from the files
+        (``pread``: a sixteenth of the bytes, into the page cache). ``None`` where a view cannot stand for the bytes
+        checked at enable: a file changed since it was opened, by its signature or its sampled bytes (``read`` then
+        checks the bytes and refuses), a tensor at an offset its dtype cannot start at, a block read coded (``compression_cache_dir``: decoded, as ``read_pageable`` gives it)."""
         if not self.fds:
             raise RuntimeError("the checkpoint files are closed (offload disabled)")
         if source.coded is not None:  # the files hold the block's code, not its bytes
@@ -389,6 +390,8 @@ class DiskReader:
             status = os.fstat(self.fds[file])
             if (status.st_ino, status.st_size, status.st_mtime_ns) != self._signatures[file]:
                 return None
+        if source.checksum is not None and _file_checksum(source, self) != source.checksum:
+            return None  # rewritten in place (its signature put back): ``read`` names the block and refuses
         pieces = {piece.dest: piece for piece in source.pieces if piece.length}
         kept = dict(source.kept)
         views = []
