@@ -222,6 +222,13 @@ SCENARIOS: tuple[Scenario, ...] = (
              "marked (#40: auto within 1.05 of the sweep's fastest)", "gpu", (OFFLOAD,),
              args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies", "resident",
                    "--omni-budget", _FLUX_AUTO_SWEEP, "--time-budget", _PIPELINE_SWEEP_TIME)),
+    Scenario("pipeline-offload-flux-auto-peers", "pipeline_offload_bench",
+             "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: resident, max_device_memory=auto, "
+             "the sweep's fastest budget (11 GiB), Diffusers' pipeline-level group offload and mmgp profile 2 in one "
+             "run (#40: the peers beside auto; the whole sweep is pipeline-offload-flux-auto, one call each)", "gpu",
+             (), args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies",
+                       "resident,omni-budget,diffusers-group,mmgp2", "--omni-budget", "auto,11GiB",
+                       "--time-budget", _PIPELINE_SWEEP_TIME)),
     Scenario("pipeline-offload-flux-lossless", "pipeline_offload_bench",
              "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: resident, omni with no budget, "
              "and compression=lossless with no budget and with max_device_memory=auto (#37: <= 9.5 s; #40: auto + "
