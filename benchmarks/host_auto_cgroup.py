@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from diffusers_omni.offload.budget import own_cgroups
+
 GiB = 1 << 30
 RUNS = ("resident", "auto", "no-budget")
 
@@ -74,8 +76,7 @@ class Cgroup:
                 errors.append(f"v2 {path}: {error}")
         v1 = root / "memory"
         if (v1 / "memory.limit_in_bytes").exists():
-            own = next((line.split(":", 2)[2].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
-                        if "memory" in line.split(":", 2)[1].split(",")), "/")
+            own = own_cgroups().get(1, "/")
             parent = v1 / own.lstrip("/") if (v1 / own.lstrip("/")).is_dir() else v1
             path = parent / name
             try:

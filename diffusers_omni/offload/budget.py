@@ -118,11 +118,11 @@ _CGROUP_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
                  1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
 
 
-def _own_cgroups(proc_cgroup: Path) -> dict[int, str]:
+def own_cgroups(proc_cgroup: str | Path = "/proc/self/cgroup") -> dict[int, str]:
     """This process's cgroup paths from ``/proc/self/cgroup``: the unified (v2) one and v1's memory controller's."""
     found: dict[int, str] = {}
     try:
-        lines = proc_cgroup.read_text().splitlines()
+        lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
         return found
     for line in lines:
@@ -144,7 +144,7 @@ def _cgroup(proc_cgroup: str | Path = "/proc/self/cgroup", root: str | Path = "/
     process's own folder is not visible (a container whose cgroup is mounted as the root), the mount's root is its
     cgroup. ``(None, None)`` where no cgroup limits it."""
     root = Path(root)
-    own = _own_cgroups(Path(proc_cgroup))
+    own = own_cgroups(proc_cgroup)
     for version, mount in ((2, root), (2, root / "unified"), (1, root / "memory")):
         limit_file, usage_file, cache_key = _CGROUP_FILES[version]
         if not (mount / ("cgroup.controllers" if version == 2 else "memory.limit_in_bytes")).exists():
@@ -296,5 +296,5 @@ def weights_in_ram(tensors: list[torch.Tensor], is_file_view) -> int:
     return total
 
 
-__all__ = ["AUTO", "AutoBudget", "MachineReading", "device_budget", "device_room", "host_budget", "peak_margin", "read_machine",
-           "read_reserved", "weights_in_ram"]
+__all__ = ["AUTO", "AutoBudget", "MachineReading", "device_budget", "device_room", "host_budget", "own_cgroups",
+           "peak_margin", "read_machine", "read_reserved", "weights_in_ram"]
