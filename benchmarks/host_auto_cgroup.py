@@ -200,6 +200,8 @@ def child(args: argparse.Namespace) -> int:
     result["stage"] = "enable"
     save()
     target = pipe
+    if args.child == "resident" and args.device != "cpu":
+        pipe.to(args.device)  # the reference on the device the offloaded runs compute on
     if args.child != "resident":
         omni = omnify(pipe, enable_attention=False)
         start = time.perf_counter()
@@ -374,7 +376,7 @@ def verdict(report: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--double-blocks", type=int, default=6)
@@ -391,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke and args.child is None:  # the script's path on the CPU, whatever device and sizes the scenario names
+        args.device, args.size, args.steps = "cpu", 32, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.child is not None:
         return child(args)
 

@@ -160,6 +160,12 @@ SCENARIOS: tuple[Scenario, ...] = (
              "max_host_memory=auto under a memory cgroup the kernel enforces (this machine, root): a FLUX.1-shaped "
              "pipeline whose transformer exceeds the cap's room, loaded as views of its checkpoint; resident, auto "
              "under the cap, no host budget under the same cap", "cpu", (OFFLOAD,)),
+    Scenario("host-auto-cgroup-gpu", "host_auto_cgroup",
+             "max_host_memory=auto under a memory cgroup on the GPU machine: a FLUX.1-dev-size transformer (19 + 38 "
+             "blocks, 23.8 GB bf16) behind the tiny encoders, loaded as views of its checkpoint, computing on the GPU; "
+             "resident, auto under a cap of the resident RSS + 12 GiB, no host budget under the same cap", "gpu", (),
+             args=("--device", "cuda", "--double-blocks", "19", "--single-blocks", "38", "--heads", "24",
+                   "--size", "256", "--steps", "4", "--cap-extra-gib", "12")),
     Scenario("codec-ratio", "codec_ratio", "lossless code's ratio on trained weights (PyPI wheels) and random ones",
              "cpu", (OFFLOAD,), smoke=("--random-weights", "4096")),
     Scenario("offload-distributed-flux", "offload_bench", "FLUX.1-dev size: distributed layerwise (N = 1), mmap",

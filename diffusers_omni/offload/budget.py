@@ -10,9 +10,10 @@ it has allocated — minus the headroom the call needs for activations: ``HEADRO
 ``HEADROOM_MIN``. On the CPU (the testing mode) the "device" is host memory, read as for the host budget.
 
 Host (``max_host_memory="auto"``): RAM the kernel says is available (``MemAvailable``), capped by the room the
-process's memory cgroups leave (its own and each ancestor's limit less its usage without reclaimable page cache), plus the bytes of the model's weights that are already in this process's RAM as ordinary
-(not file-mapped) tensors — packing moves them into the host copies rather than adding to them — minus
-``HOST_MARGIN_SHARE`` of that, at least ``HOST_MARGIN_MIN``.
+process's memory cgroups leave (its own and each ancestor's limit less its usage without reclaimable page cache),
+plus the bytes of the model's weights that are already in this process's RAM as ordinary (not file-mapped) tensors
+— packing moves them into the host copies rather than adding to them — minus ``HOST_MARGIN_SHARE`` of that, at
+least ``HOST_MARGIN_MIN``; on the CPU device, less what the device side takes in RAM.
 
 The device headroom is a prediction; ``headroom`` corrects it per call shape from what the allocator reserved over
 a forward, read by ``read_reserved`` (the other function tests replace), against the ceiling auto read

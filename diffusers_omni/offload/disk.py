@@ -381,7 +381,8 @@ class DiskReader:
         (``kept``) are copies of those bytes. The sampled checksum taken at enable is compared first, from the files
         (``pread``: a sixteenth of the bytes, into the page cache). ``None`` where a view cannot stand for the bytes
         checked at enable: a file changed since it was opened, by its signature or its sampled bytes (``read`` then
-        checks the bytes and refuses), a tensor at an offset its dtype cannot start at, a block read coded (``compression_cache_dir``: decoded, as ``read_pageable`` gives it)."""
+        checks the bytes and refuses), a tensor at an offset its dtype cannot start at, a block read coded
+        (``compression_cache_dir``: decoded, as ``read_pageable`` gives it)."""
         if not self.fds:
             raise RuntimeError("the checkpoint files are closed (offload disabled)")
         if source.coded is not None:  # the files hold the block's code, not its bytes

@@ -55,3 +55,13 @@ def test_the_smoke_runs_each_child_and_every_image_is_the_resident_one(tmp_path)
     assert runs["no-budget"]["offload"]["auto"] == []
     assert "| auto | none | 0 |" in (tmp_path / "run.md").read_text()
     assert runs["auto"]["rss_peaks"]["RssAnon"] > 0
+
+
+def test_the_gpu_scenario_smokes_on_the_cpu_at_tiny_sizes():
+    scenario = registry.get("host-auto-cgroup-gpu")
+    assert scenario.device == "gpu"
+    args = bench.parse_args([*scenario.args, "--out", "unused"])
+    assert (args.device, args.double_blocks, args.single_blocks, args.heads) == ("cuda", 19, 38, 24)
+    smoke = bench.parse_args([*scenario.args, *scenario.smoke, "--out", "unused"])
+    assert (smoke.device, smoke.size, smoke.steps) == ("cpu", 32, 2)
+    assert bench.transformer_config(smoke)["num_layers"] == 2  # the tiny transformer
