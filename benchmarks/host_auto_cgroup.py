@@ -96,9 +96,10 @@ class Cgroup:
         except OSError:
             return None
 
-    def join(self) -> None:
-        """Put the calling process in this cgroup (``preexec_fn`` of a child: before it execs)."""
-        self._write("cgroup.procs", str(os.getpid()))
+    def wrap(self, argv: list[str]) -> list[str]:
+        """``argv`` run by a shell that first moves itself into this cgroup, then execs it (the command starts
+        inside; no ``preexec_fn`` in a process that already runs threads)."""
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *argv]
 
     def readings(self) -> dict[str, Any]:
         """The cgroup's peak usage (``None`` where the kernel does not keep it) and its OOM kills."""
@@ -284,7 +285,7 @@ def spawn(run: str, args: argparse.Namespace, folder: Path, work: Path, group: C
             "--child-out", str(out), "--device", args.device, "--steps", str(args.steps), "--size", str(args.size),
             "--out", str(work / "unused")]
     start = time.perf_counter()
-    process = subprocess.run(argv, preexec_fn=group.join if group is not None else None, capture_output=True,
+    process = subprocess.run(group.wrap(argv) if group is not None else argv, capture_output=True,
                              text=True, timeout=args.timeout)
     result = json.loads(out.read_text()) if out.exists() else {"run": run, "stage": "start"}
     result["seconds"] = time.perf_counter() - start

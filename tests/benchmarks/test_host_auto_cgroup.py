@@ -20,7 +20,10 @@ def test_a_v2_cgroup_is_made_under_the_root_with_its_limit_and_read_back(tmp_pat
     (tmp_path / "run" / "memory.events").write_text("low 0\nmax 4\noom 1\noom_kill 1\n")
     assert group.readings() == {"version": 2, "path": str(tmp_path / "run"), "limit": 3 * GiB, "peak": 2 * GiB,
                                 "oom_kills": 1, "limit_hits": None}
-    for name in ("memory.max", "memory.peak", "memory.events"):
+    done = bench.subprocess.run(group.wrap(["sh", "-c", "echo started"]), capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "started\n"
+    assert int((tmp_path / "run" / "cgroup.procs").read_text()) > 1  # the command's pid, written before it ran
+    for name in ("memory.max", "memory.peak", "memory.events", "cgroup.procs"):
         (tmp_path / "run" / name).unlink()
     group.remove()
     assert not (tmp_path / "run").exists()
