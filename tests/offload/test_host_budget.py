@@ -844,8 +844,8 @@ def _anon_peak_while(action) -> int:
 
 
 def test_disable_gives_disk_blocks_back_as_views_of_their_files_not_as_ram(tmp_path):
-    """Under a host budget the model is larger than what RAM holds for it: disable gives the blocks read from disk
-    back as private mappings of their checkpoint files (found on the CPU machine in a real memory cgroup, where
+    """Under a host budget the model is larger than what RAM holds for it: ``state_dict()`` shows, and disable gives,
+    the blocks read from disk back as private mappings of their checkpoint files (found on the CPU machine in a real memory cgroup, where
     reading every block back into RAM on disable had the process killed). The bytes are the model's, exactly."""
     from diffusers_omni.offload.loading import load_transformer_mmap
 
@@ -865,6 +865,13 @@ def test_disable_gives_disk_blocks_back_as_views_of_their_files_not_as_ram(tmp_p
     disk_bytes = sum(b.weights.nbytes for b in disk)
     assert disk_bytes > model_bytes // 2
     assert torch.equal(_image(pipe), reference)
+    shown: dict[str, torch.Tensor] = {}
+    grown = _anon_peak_while(lambda: shown.update(pipe.transformer.state_dict()))  # while enabled: file views too
+    assert grown < disk_bytes // 4, (grown, disk_bytes)
+    assert shown.keys() == expected.keys() and all(torch.equal(shown[k], expected[k]) for k in expected)
+    disk_keys = [k for k in shown if any(k.startswith(b.weights.path.split(".", 1)[1] + ".") for b in disk)]
+    assert disk_keys and all(str(_file_of(shown[k].data_ptr())).endswith(".safetensors") for k in disk_keys)
+    del shown
     grown = _anon_peak_while(pipe.disable_omni_offload)
     assert grown < disk_bytes // 4, (grown, disk_bytes)
     files = {str(p) for p in (tmp_path / "transformer").glob("*.safetensors")}

@@ -84,15 +84,16 @@ class FileStore(BlockStore):
         return self.context.reader.read_pageable(self.source)
 
     def host_views(self) -> list[torch.Tensor]:
-        return self.weights.views_into(self._read_back())
+        # Views of the checkpoint files when they are the ones checked at enable (no RAM: a model bigger than the
+        # host budget is shown, saved or given back as pages the kernel may reclaim, as it was loaded); else read
+        # and checked against the checksum taken at enable (``DiskReader.read`` refuses changed bytes).
+        mapped = self.context.reader.mapped_views(self.source, self.weights.slots)
+        return mapped if mapped is not None else self.weights.views_into(self._read_back())
 
     def prepare_give_back(self) -> None:
-        # Views of the checkpoint files when they are the ones checked at enable (no RAM: a model bigger than the
-        # host budget comes back as pages the kernel may reclaim, as it was loaded); else read (and checked against
-        # the checksum taken at enable) before disable changes anything: a block that cannot be read back refuses
-        # the disable instead of being left empty.
-        mapped = self.context.reader.mapped_views(self.source, self.weights.slots)
-        self._given = mapped if mapped is not None else self.host_views()
+        # Got before disable changes anything: a block that cannot be read back refuses the disable instead of being
+        # left empty.
+        self._given = self.host_views()
 
     def cancel_give_back(self) -> None:
         self._given = None
