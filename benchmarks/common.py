@@ -54,6 +54,18 @@ def random_parameters_on(model: torch.nn.Module, device, dtype: torch.dtype = to
     return model.to(device)
 
 
+def flux_inputs(config: dict[str, Any], tokens: int, text_tokens: int, device, seed: int) -> dict[str, torch.Tensor]:
+    """Random inputs of a FLUX.1 transformer of ``config``: ``tokens`` image and ``text_tokens`` text tokens, batch 1,
+    bf16 on ``device`` (the position ids float32)."""
+    g = torch.Generator().manual_seed(seed)
+    made = {"hidden_states": torch.randn(1, tokens, config["in_channels"], generator=g),
+            "encoder_hidden_states": torch.randn(1, text_tokens, config["joint_attention_dim"], generator=g),
+            "pooled_projections": torch.randn(1, config["pooled_projection_dim"], generator=g),
+            "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]),
+            "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(text_tokens, 3)}
+    return {k: v.to(device, torch.float32 if k.endswith("_ids") else torch.bfloat16) for k, v in made.items()}
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 attention of ``[B, S, H, D]`` tensors (``mask``: ``[B, S_kv]`` key padding); on the GPU through the
     memory-efficient kernel (no S×S materialisation, fp32 accumulation throughout)."""

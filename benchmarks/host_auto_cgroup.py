@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import random_parameters_on
 from diffusers_omni.offload.budget import own_cgroups
 
 GiB = 1 << 30
@@ -66,24 +67,21 @@ class Cgroup:
 
     @staticmethod
     def _create(name: str, root: Path) -> tuple[int, Path]:
-        errors = []
+        candidates = []  # (version, the folder the new cgroup goes in)
         if (root / "cgroup.controllers").exists() and "memory" in (root / "cgroup.subtree_control").read_text():
-            path = root / name
-            try:
-                path.mkdir()
-                return 2, path
-            except OSError as error:
-                errors.append(f"v2 {path}: {error}")
+            candidates.append((2, root))
         v1 = root / "memory"
         if (v1 / "memory.limit_in_bytes").exists():
-            own = own_cgroups().get(1, "/")
-            parent = v1 / own.lstrip("/") if (v1 / own.lstrip("/")).is_dir() else v1
+            own = v1 / own_cgroups().get(1, "/").lstrip("/")
+            candidates.append((1, own if own.is_dir() else v1))
+        errors = []
+        for version, parent in candidates:
             path = parent / name
             try:
                 path.mkdir()
-                return 1, path
+                return version, path
             except OSError as error:
-                errors.append(f"v1 {path}: {error}")
+                errors.append(f"v{version} {path}: {error}")
         raise PermissionError("could not create a memory cgroup: " + ("; ".join(errors) or
                                                                       f"no memory controller under {root}"))
 
@@ -142,16 +140,9 @@ def save_pipeline(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 
     start = time.perf_counter()
     components = tiny_flux_components(0)
-    torch.manual_seed(0)
     with torch.device("meta"):
         transformer = FluxTransformer2DModel.from_config(transformer_config(args))
-    transformer = transformer.to_empty(device="cpu").to(torch.bfloat16)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, tensor in transformer.state_dict().items():
-            if tensor.is_floating_point():
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * (0.02 if tensor.dim() > 1 else 0.1)
-                             + (1.0 if name.endswith("norm.weight") else 0.0))
+    transformer = random_parameters_on(transformer, "cpu", torch.bfloat16)
     components["transformer"] = transformer
     pipe = FluxPipeline(**components)
     pipe.to(torch.bfloat16)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from diffusers import FluxTransformer2DModel
 
+from benchmarks.common import flux_inputs, random_parameters_on
 from benchmarks.pipeline_offload_bench import FLUX_DEV, FLUX_TINY
 from diffusers_omni import OffloadConfig, apply_offload
 from diffusers_omni.offload.stores import lossless
@@ -103,24 +104,7 @@ class CodeRing:
 def build(config: dict[str, Any], double: int, single: int) -> FluxTransformer2DModel:
     with torch.device("meta"):
         model = FluxTransformer2DModel.from_config({**config, "num_layers": double, "num_single_layers": single})
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            if tensor.is_floating_point():
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * 0.02)
-    return model.eval()
-
-
-def inputs(config: dict[str, Any], tokens: int, text: int, device: torch.device) -> dict[str, Any]:
-    g = torch.Generator().manual_seed(1)
-    made = {"hidden_states": torch.randn(1, tokens, config["in_channels"], generator=g),
-            "encoder_hidden_states": torch.randn(1, text, config["joint_attention_dim"], generator=g),
-            "pooled_projections": torch.randn(1, config["pooled_projection_dim"], generator=g),
-            "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]),
-            "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(text, 3)}
-    return {k: v.to(device, torch.bfloat16) if v.is_floating_point() and not k.endswith("_ids") else v.to(device)
-            for k, v in made.items()}
+    return random_parameters_on(model, "cpu", torch.bfloat16).eval()
 
 
 def forward(model: FluxTransformer2DModel, batch: dict[str, Any]) -> torch.Tensor:
@@ -164,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             args.tokens, 512
     start = time.perf_counter()
     model = build(config, args.double, args.single)
-    batch = inputs(config, tokens, text, device)
+    batch = flux_inputs(config, tokens, text, device, seed=1)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke)",
                               "torch": torch.__version__, "double": args.double, "single": args.single,
                               "tokens": tokens, "repeats": args.repeats, "smoke": args.smoke,

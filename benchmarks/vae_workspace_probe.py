@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 
+from benchmarks.common import flux_inputs
 from benchmarks.pipeline_offload_bench import FLUX_DEV, FLUX_TINY
 
 GiB = 1 << 30
@@ -55,15 +56,7 @@ def flux_slice(device: torch.device, tokens: int, config: dict, text_tokens: int
     config = {**config, "num_layers": 1, "num_single_layers": 2}
     torch.manual_seed(0)
     model = FluxTransformer2DModel.from_config(config).to(device=device, dtype=torch.bfloat16).eval()
-    g = torch.Generator().manual_seed(2)
-    inputs = {"hidden_states": torch.randn(1, tokens, config["in_channels"], generator=g),
-              "encoder_hidden_states": torch.randn(1, text_tokens, config["joint_attention_dim"], generator=g),
-              "pooled_projections": torch.randn(1, config["pooled_projection_dim"], generator=g),
-              "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]),
-              "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(text_tokens, 3)}
-    inputs = {k: v.to(device, torch.bfloat16 if k not in ("img_ids", "txt_ids") else torch.float32)
-              for k, v in inputs.items()}
-    return model, inputs
+    return model, flux_inputs(config, tokens, text_tokens, device, seed=2)
 
 
 def under_pressure(call, device: torch.device, card: int, frees: list[float], label: str,

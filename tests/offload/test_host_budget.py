@@ -444,14 +444,15 @@ def test_mmap_views_changed_in_place_are_compared_and_refused(saved):
     assert_same_snapshot(before, pipeline_snapshot(pipe))
 
 
-def _rss_peak_while(action) -> tuple[int, int]:
-    """``(RSS before, peak RSS while action runs)`` in bytes, sampled from ``/proc/self/status`` every 2 ms."""
+def _rss_peak_while(action, field: str = "VmRSS") -> tuple[int, int]:
+    """``(RSS before, peak RSS while action runs)`` in bytes, sampled from ``/proc/self/status``'s ``field`` every
+    2 ms."""
     def rss() -> int:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS in /proc/self/status")
+        raise AssertionError(f"no {field} in /proc/self/status")
 
     peak, done = [0], threading.Event()
 
@@ -819,28 +820,9 @@ def _file_of(address: int) -> str | None:
 
 
 def _anon_peak_while(action) -> int:
-    """The most the anonymous RSS grew over ``before`` while ``action`` ran (sampled every 2 ms)."""
-    def anon() -> int:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:"))
-
-    peak, done = [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            peak[0] = max(peak[0], anon())
-            done.wait(0.002)
-
-    gc.collect()
-    before = anon()
-    thread = threading.Thread(target=sample)
-    thread.start()
-    try:
-        action()
-    finally:
-        done.set()
-        thread.join()
-    return max(peak[0], anon()) - before
+    """The most the anonymous RSS grew over its value before ``action`` while it ran."""
+    before, peak = _rss_peak_while(action, "RssAnon")
+    return peak - before
 
 
 def test_disable_gives_disk_blocks_back_as_views_of_their_files_not_as_ram(tmp_path):
@@ -871,7 +853,7 @@ def test_disable_gives_disk_blocks_back_as_views_of_their_files_not_as_ram(tmp_p
     assert shown.keys() == expected.keys() and all(torch.equal(shown[k], expected[k]) for k in expected)
     disk_keys = [k for k in shown if any(k.startswith(b.weights.path.split(".", 1)[1] + ".") for b in disk)]
     assert disk_keys and all(str(_file_of(shown[k].data_ptr())).endswith(".safetensors") for k in disk_keys)
-    del shown
+    shown.clear()  # the file views go before disable
     grown = _anon_peak_while(pipe.disable_omni_offload)
     assert grown < disk_bytes // 4, (grown, disk_bytes)
     files = {str(p) for p in (tmp_path / "transformer").glob("*.safetensors")}
