@@ -1,14 +1,13 @@
 """Where the lossless code's device buffers come from, and what the caching allocator then holds (#37, #40).
 
 A FLUX.1-dev-width transformer slice (``--double`` + ``--single`` blocks, bf16, random weights) streamed by layerwise
-offload with no budget, plain and ``compression="lossless"``; lossless three times in the same run: the code's upload
-(``stores.lossless.upload_and_decode``: a fresh device buffer per load, made by the copy on the copy stream), one
-tried and measured (the buffer from the compute stream's pool: no less reserved, so reverted), and one to try (a
-ring of buffers made once). An H100 run of the full FLUX.1-dev pipeline held several times as much reserved as
-allocated with lossless, which auto's per-shape measurement reads as activations. Per run: the median step,
-``max_memory_allocated`` and ``max_memory_reserved`` over the timed forwards, its ratio to the resident step, and
-whether the output is bitwise the resident one. Last, lossless under a budget every block fits in (nothing streams:
-#37 asks for the step within 3 % of resident).
+offload with no budget, plain and ``compression="lossless"``; lossless twice in the same run: the code's upload
+(``stores.lossless.CodeRing``: the offload's few code buffers, made once and reused in turn) and the one it
+replaced (a fresh device buffer per load, made by the copy on the copy stream; an H100 run of the full FLUX.1-dev
+pipeline held several times as much reserved as allocated with it, which auto's per-shape measurement reads as
+activations). Per run: the median step, ``max_memory_allocated`` and ``max_memory_reserved`` over the timed forwards,
+its ratio to the resident step, and whether the output is bitwise the resident one. Last, lossless under a budget
+every block fits in (nothing streams: #37 asks for the step within 3 % of resident).
 
     python -m benchmarks run lossless-pool-probe          # --smoke: the tiny transformer on the CPU
 """
@@ -34,71 +33,25 @@ GiB = 1 << 30
 NOW = lossless.upload_and_decode
 
 
-def compute_stream_upload(block: Any, flat: torch.Tensor, buffers: dict[torch.dtype, torch.Tensor], transfers: Any,
-                          wait_for: Any, done: Any, copied: Any = None) -> None:
-    """Tried (commit 835c367, measured, reverted): the code's device buffer allocated on the compute stream, where
-    the block's buffers are, the copy waiting for that allocation (on the CPU: the code's upload)."""
+def fresh_buffer_upload(block: Any, flat: torch.Tensor, buffers: dict[torch.dtype, torch.Tensor], transfers: Any,
+                        wait_for: Any, done: Any, ring: Any = None) -> None:
+    """Before (up to commit 5017140): a fresh device buffer per load, made by the copy on the copy stream and freed
+    after the decode (on the CPU: the code's upload, which decodes from the host buffer)."""
     device = next(iter(buffers.values())).device
     if device.type == "cpu":
-        return NOW(block, flat, buffers, transfers, wait_for, done, copied)
-    module = torch.get_device_module(device)
-    with torch.inference_mode(False):
-        staged = torch.empty(flat.shape, dtype=flat.dtype, device=device)
-    copied = copied if copied is not None else transfers.new_event()
+        return NOW(block, flat, buffers, transfers, wait_for, done, ring)
+    staged, copied = [], transfers.new_event()
 
     def copy() -> None:
-        staged.copy_(flat, non_blocking=True)
-        staged.record_stream(module.current_stream(device))
+        staged.append(flat.to(device, non_blocking=True))
 
     def decode() -> None:
-        staged.record_stream(module.current_stream(device))
-        block.decode_into(staged, buffers)
+        buffer = staged.pop()
+        buffer.record_stream(torch.get_device_module(device).current_stream(device))  # freed after the decode
+        block.decode_into(buffer, buffers)
 
-    transfers.run(copy, wait_for=wait_for, done=copied)
+    transfers.run(copy, done=copied)
     transfers.run_decode(decode, wait_for=(copied, wait_for), done=done)
-
-
-class CodeRing:
-    """To try: a few device buffers for the code, each as large as the largest code so far, made once and reused in
-    turn (a buffer is written again once the decode that read it is done), so the code's buffers stop churning
-    through the caching allocator in a different size for every block."""
-
-    def __init__(self, count: int = 3) -> None:
-        self.count = count
-        self.buffers: list[torch.Tensor] = []
-        self.freed: list[Any] = [None] * count  # the event after the last decode that read each buffer
-        self.next = 0
-
-    def upload(self, block: Any, flat: torch.Tensor, buffers: dict[torch.dtype, torch.Tensor], transfers: Any,
-               wait_for: Any, done: Any, copied: Any = None) -> None:
-        device = next(iter(buffers.values())).device
-        if device.type == "cpu":
-            return NOW(block, flat, buffers, transfers, wait_for, done, copied)
-        module = torch.get_device_module(device)
-        if not self.buffers or self.buffers[0].numel() < flat.numel():
-            module.synchronize(device)  # nothing may still use the smaller ones
-            with torch.inference_mode(False):
-                self.buffers = [torch.empty(flat.numel(), dtype=flat.dtype, device=device) for _ in range(self.count)]
-            made = transfers.new_event()  # the compute stream may have used that memory until now
-            transfers.record_on_compute(made)
-            self.freed = [made] * self.count
-        index, self.next = self.next, (self.next + 1) % self.count
-        staged, previous = self.buffers[index].narrow(0, 0, flat.numel()), self.freed[index]
-        copied = copied if copied is not None else transfers.new_event()
-        finished = transfers.new_event()
-        self.freed[index] = finished
-
-        def copy() -> None:
-            if previous is not None:
-                module.current_stream(device).wait_event(previous)
-            staged.copy_(flat, non_blocking=True)
-
-        def decode() -> None:
-            block.decode_into(staged, buffers)
-            finished.record(module.current_stream(device))
-
-        transfers.run(copy, done=copied)
-        transfers.run_decode(decode, wait_for=(copied, wait_for), done=done)
 
 
 def build(config: dict[str, Any], double: int, single: int) -> FluxTransformer2DModel:
@@ -165,10 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     everything = 2 * report["weights_bytes"]  # a budget every block fits in: nothing streams
     for name, compression, upload, budget in (
             ("layerwise", None, current, "none"),
-            ("lossless (the code: a fresh code buffer per load, copy stream)", "lossless", current, "none"),
-            ("lossless (tried: a fresh code buffer per load, compute stream)", "lossless", compute_stream_upload,
-             "none"),
-            ("lossless (to try: a ring of code buffers made once)", "lossless", CodeRing().upload, "none"),
+            ("lossless (the code: a ring of code buffers made once)", "lossless", current, "none"),
+            ("lossless (before: a fresh code buffer per load)", "lossless", fresh_buffer_upload, "none"),
             ("lossless, every block resident (a budget above the weights: #37's within 3 % of resident)",
              "lossless", current, everything)):
         lossless.upload_and_decode = upload

@@ -132,8 +132,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              "kept through their store (pinned, lossless) and streamed first for a larger shape, tiny FLUX.1 bf16",
              "gpu", ()),
     Scenario("lossless-pool-probe", "lossless_pool_probe", "FLUX.1-dev-width slice streamed plain and lossless: the "
-             "code's device buffers from the compute stream's pool (now) against the copy stream's (before): step, "
-             "max allocated / reserved, bitwise", "gpu", ()),
+             "code's device buffers as a ring made once (now) against a fresh buffer per load (before), and lossless "
+             "with every block resident: step, max allocated / reserved, bitwise", "gpu", ()),
     Scenario("vae-workspace-probe", "vae_workspace_probe", "the FLUX.1 VAE decoding the same latents with less and "
              "less device memory free under a 12 GiB cap: whether cuDNN's choice, so the bits, follow free memory",
              "gpu", ()),

@@ -312,7 +312,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
         # Weights that are views of checkpoint files (load_transformer_mmap) give their pages back once packed.
         context = state.stores = StoreContext(self.device, host_memory, file_views(state).release, state.disk,
                                               state.disk_reader, compression=getattr(self.config, "compression", None),
-                                              shards=self._shards(), cache=self._coded_cache(state))
+                                              shards=self._shards(), cache=self._coded_cache(state),
+                                              window_blocks=self.config.prefetch_depth + 1)
         rows = [[None if weights.empty or resident else StreamedBlock(weights, self.device,
                                                                       store_for(weights, context))
                  for weights, resident in zip(row_weights, row_resident)]
@@ -402,6 +403,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
         state.stats.slot_bytes = max((sum(n * d.itemsize for d, n in b.store.device_numel.items()) for b in blocks),
                                      default=0)
         state.stats.in_flight_capacity = count * state.stats.slot_bytes
+        code = state.stores.code_ring if state.stores is not None else None
+        if code is not None and code.nbytes and self.device.type != "cpu":  # the CPU decodes from the host buffer
+            state.stats.code_buffers, state.stats.code_buffer_bytes = code.count, code.count * code.nbytes
         # Without a budget, hold no more blocks than Diffusers' group offload would (running + prefetched); with one,
         # the reserve is paid for, so smaller blocks fill it.
         state.stats.in_flight_blocks = count if self.max_device_memory is None else None

@@ -157,6 +157,11 @@ def _lossless_notes(stats: Any, backend: Any) -> list[str]:
                          f"{format_bytes(counts.get('coded bytes', 0))} ({ratio:.3f}; {widths}; "
                          f"{counts.get('escapes', 0):,} escapes); other dtypes passed through as they are: "
                          f"{format_bytes(counts.get('passed bytes', 0))}")
+    if getattr(stats, "code_buffers", 0):
+        notes.append(f"lossless: the code moves to {device} through {stats.code_buffers} buffers of "
+                     f"{format_bytes(stats.code_buffer_bytes // stats.code_buffers)} (the largest code), "
+                     f"{format_bytes(stats.code_buffer_bytes)} made on the first load and reused in turn (not in the "
+                     "columns above)")
     cache = getattr(stats, "cache_counters", None)
     if cache:
         notes.append(f"compression_cache_dir {stats.cache_dir}: this enable read {cache['cache blocks read']} blocks' "

@@ -30,6 +30,9 @@ class LayerwiseStats:
     disk_blocks: int = 0
     disk_bytes_per_pass: int = 0  # file bytes those blocks read per pass
     staging_bytes: int = 0  # the page-locked staging ring they are read into
+    # compression="lossless" on an accelerator: the code's device buffers (``stores.lossless.CodeRing``)
+    code_buffers: int = 0
+    code_buffer_bytes: int = 0  # all of them, made on the first load
     disk_reads: int = 0
     disk_read_bytes: int = 0
     disk_read_seconds: float = 0.0  # the reader thread's time in reads (overlapping compute)

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from diffusers_omni.config.offload import LayerwiseOffloadConfig
+from diffusers_omni.offload.coded_block import CodedBlock, code_block
+from diffusers_omni.offload.memory import Transfers
 from diffusers_omni.offload.stores import LosslessStore
+from diffusers_omni.offload.stores.lossless import CodeRing
 from offload_helpers import assert_same_snapshot, flux_pipe, generate, pipeline_snapshot, wan22_pipe
 
 
@@ -104,4 +107,57 @@ def test_a_budget_that_keeps_everything_resident_codes_nothing():
     for _ in range(2):
         assert torch.equal(generate(pipe, steps=2), reference)
     assert stats.loads == 0  # nothing moved, nothing decoded
+    pipe.disable_omni_offload()
+
+
+def _coded(numel: int, seed: int) -> tuple[CodedBlock, dict[torch.dtype, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    flat = {torch.bfloat16: (torch.randn(numel, generator=generator) * 0.02).to(torch.bfloat16),
+            torch.float32: torch.randn(7, generator=generator)}
+    return code_block(flat, torch.device("cpu"), lambda n: torch.empty(n, dtype=torch.uint8)), flat
+
+
+def test_code_ring_reuses_its_buffers_in_turn_and_decodes_every_bit():
+    """The code's device buffers (``CodeRing``), exercised on the CPU: made once, as large as the largest code it
+    was told of, written in turn; each load decodes bit for bit; a code larger than planned remakes them."""
+    ring = CodeRing(3)
+    blocks = [_coded(numel, seed) for seed, numel in enumerate((4096, 9000, 2048, 9000, 5000))]
+    for block, _ in blocks[:4]:
+        ring.want(block.nbytes)
+    largest = max(block.nbytes for block, _ in blocks[:4])
+    transfers = Transfers(torch.device("cpu"))
+    pointers = []
+    for index, (block, flat) in enumerate(blocks[:4] * 2):
+        buffers = {dtype: torch.full_like(tensor, 7) for dtype, tensor in flat.items()}
+        ring.upload(block, block.buffer, buffers, transfers, None, None)
+        assert all(torch.equal(buffers[dtype].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                               tensor.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+                   for dtype, tensor in flat.items())
+        assert [b.numel() for b in ring.buffers] == [largest] * 3
+        pointers.append(ring.buffers[index % 3].data_ptr())
+        assert torch.equal(ring.buffers[index % 3][:block.nbytes], block.buffer)  # this load's buffer, in turn
+    assert len({b.data_ptr() for b in ring.buffers}) == 3 and set(pointers) == {b.data_ptr() for b in ring.buffers}
+    assert ring.device_nbytes == 3 * largest
+    bigger, flat = _coded(20000, 9)
+    buffers = {dtype: torch.empty_like(tensor) for dtype, tensor in flat.items()}
+    ring.upload(bigger, bigger.buffer, buffers, transfers, None, None)
+    assert [b.numel() for b in ring.buffers] == [bigger.nbytes] * 3
+    assert torch.equal(buffers[torch.bfloat16].view(torch.int16), flat[torch.bfloat16].view(torch.int16))
+    with pytest.raises(ValueError, match="CodeRing count=0 is not allowed"):
+        CodeRing(0)
+
+
+def test_the_offload_sizes_one_code_ring_for_its_coded_blocks():
+    """Every coded block told the offload's ring its size at enable (window + 1 buffers of the largest code); on
+    the CPU none is made (the code decodes from the host buffer) and the report says nothing of it."""
+    pipe = flux_pipe()
+    pipe.to(torch.bfloat16)
+    backend = pipe.enable_layerwise_offload(device="cpu", compression="lossless", prefetch_depth=2)
+    state = backend._state
+    ring = state.stores.code_ring
+    coded = [b.store for row in state.streamed for b in row if b is not None and isinstance(b.store, LosslessStore)]
+    assert coded and ring.count == 4 and ring.nbytes == max(store.block.nbytes for store in coded)
+    generate(pipe, steps=1)
+    assert ring.buffers == [] and backend.stats.code_buffers == 0
+    assert "buffers of" not in str(pipe.omni_offload_report())
     pipe.disable_omni_offload()

@@ -39,7 +39,7 @@ from ..memory import HostMemory, PackedWeights, Transfers
 class StoreContext:
     """What stores share within one enable: the device, the offload's host memory (pinned pages are released with
     it), the release of checkpoint pages once copied, and, under a host budget, the disk-backed blocks' sources,
-    their reader and the staging ring (set once the ring starts)."""
+    their reader and the staging ring (set once the ring starts), and the coded stores' device buffers."""
 
     device: torch.device
     host_memory: HostMemory
@@ -50,6 +50,8 @@ class StoreContext:
     compression: str | None = None  # the offload's ``compression`` ("lossless" lets the lossless store claim blocks)
     shards: Any = None  # shard.ShardGroup under AllGather: the shard store claims every streamed block
     cache: Any = None  # coded_cache.CodedCache of ``compression_cache_dir`` (None: no cache)
+    window_blocks: int = 2  # streamed blocks on the device at once, at most (prefetch depth + 1)
+    code_ring: Any = None  # lossless.CodeRing: the code's device buffers, shared by the coded stores
 
     @property
     def clone_on_release(self) -> bool:

@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
+from ...utils.journal import Journal
 from ..coded_block import CodedBlock
 from ..coded_cache import CodedCache
 from ..disk import BlockSource, DiskReader, Piece, take_checksum
 from ..memory import PackedWeights, Transfers
 from .base import StoreContext, register_store
 from .file import FileStore
-from .lossless import codes, upload_and_decode
+from .lossless import code_ring, codes, upload_and_decode
 
 
 class CodedSources:
@@ -74,12 +75,17 @@ class CodedFileStore(FileStore):
         source = context.sources.get(id(weights))
         return source is not None and source.coded is not None
 
+    def take(self, journal: Journal) -> None:
+        super().take(journal)
+        code_ring(self.context).want(self.source.nbytes)
+
     def _queue(self, staged: Any, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for,
                done) -> None:
-        # The code goes to the device on the copy stream (the staging buffer is free once it is there) and is
-        # decoded there into the block's buffers.
+        # The code goes to the device on the copy stream, into the offload's code buffers (the staging buffer is
+        # free once it is there), and is decoded there into the block's buffers.
         source = self.source
-        upload_and_decode(source.coded, staged.buffer.narrow(0, 0, source.nbytes), buffers, transfers, wait_for, done)
+        upload_and_decode(source.coded, staged.buffer.narrow(0, 0, source.nbytes), buffers, transfers, wait_for, done,
+                          code_ring(self.context))
 
     def _read_back(self) -> dict[torch.dtype, torch.Tensor]:
         return self.source.coded.decoded(self.context.reader.read_pageable(self.source)[torch.uint8])

@@ -3,11 +3,12 @@
 
 A block's coded parts and its tensors of other dtypes (float32 norms, say, which pass through as they are) live in
 one host buffer (page-locked with the rest of the offload's host memory); on an accelerator the block is coded
-there at enable (one block at a time). A load copies the whole buffer to a fresh device buffer in one copy on the copy stream
-and decodes it into the block's buffers on a second side stream (``offload.decode_kernel``), so the copy stream moves
-the next block while this one decodes, and both overlap the running block's compute; the block's ``ready`` event is
-recorded after the decode. With ``compression_cache_dir`` the code is read from the folder when it holds the code of
-these very weights (``offload.coded_cache``), and written there otherwise.
+there at enable (one block at a time). A load copies the whole buffer in one copy on the copy stream into one of the
+offload's code buffers on the device (``CodeRing``: a few buffers as large as its largest code, made on the first
+load and reused in turn) and decodes it into the block's buffers on a second side stream (``offload.decode_kernel``),
+so the copy stream moves the next block while this one decodes, and both overlap the running block's compute; the
+block's ``ready`` event is recorded after the decode. With ``compression_cache_dir`` the code is read from the folder
+when it holds the code of these very weights (``offload.coded_cache``), and written there otherwise.
 """
 
 from __future__ import annotations
@@ -53,29 +54,93 @@ def coded_copy(weights: PackedWeights, context: StoreContext, allocate) -> Coded
     return block
 
 
+class CodeRing:
+    """The code's device buffers of one offload: ``count`` buffers, each as large as the largest code of its
+    blocks (``want``), made on the first load and reused in turn. Each load writes the next buffer once the decode
+    that last read it is done, so the code never goes through the caching allocator per load. (A fresh device
+    buffer per load, in a different size for almost every block, left the allocator holding several times what was
+    allocated: ``benchmarks/results/lossless-pool-probe``.) On the CPU nothing is made: the code decodes from the
+    host buffer."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"CodeRing count={count!r} is not allowed: at least one buffer")
+        self.count = count
+        self.nbytes = 0  # the largest code it must hold
+        self.buffers: list[torch.Tensor] = []
+        self.freed: list[Any] = [None] * count  # per buffer: recorded after the last decode that read it
+        self.next = 0
+
+    @property
+    def device_nbytes(self) -> int:
+        """Device bytes the ring holds (0 until the first load)."""
+        return sum(buffer.numel() for buffer in self.buffers)
+
+    def want(self, nbytes: int) -> None:
+        """A block whose code takes ``nbytes`` will load through the ring."""
+        self.nbytes = max(self.nbytes, nbytes)
+
+    def _make(self, nbytes: int, device: torch.device, transfers: Transfers) -> None:
+        if self.buffers:  # a code larger than planned (nothing plans one): nothing may still read the old buffers
+            transfers.synchronize()
+        self.buffers = []
+        with torch.inference_mode(False):  # written outside inference mode too (a state_dict() or a backward)
+            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(self.count)]
+        made = transfers.new_event()  # the compute stream may have used that memory until now
+        transfers.record_on_compute(made)
+        self.freed = [made] * self.count
+
+    def upload(self, block: CodedBlock, flat: torch.Tensor, buffers: dict[torch.dtype, torch.Tensor],
+               transfers: Transfers, wait_for: Any, done: Any, copied: Any = None) -> None:
+        """Queue ``flat`` (a host buffer holding ``block``'s code) into the block's device ``buffers``: the copy
+        into the next ring buffer on the copy stream, once the decode that last read that buffer is done; the
+        decode on the decode stream once the copy is done and ``buffers`` are free (``wait_for``). ``done`` is
+        recorded after the decode, ``copied`` (made here when ``None``) after the copy."""
+        device = next(iter(buffers.values())).device
+        if not self.buffers or self.buffers[0].numel() < flat.numel():
+            self._make(max(self.nbytes, flat.numel()), device, transfers)
+        index, self.next = self.next, (self.next + 1) % self.count
+        staged, previous = self.buffers[index].narrow(0, 0, flat.numel()), self.freed[index]
+        copied = copied if copied is not None else transfers.new_event()
+        finished = self.freed[index] = transfers.new_event()
+        module = torch.get_device_module(device) if device.type != "cpu" else None
+
+        def copy() -> None:
+            if module is not None:
+                stream = module.current_stream(device)
+                if previous is not None:
+                    stream.wait_event(previous)
+                self.buffers[index].record_stream(stream)  # freed on disable only after what reads it
+            staged.copy_(flat, non_blocking=True)
+
+        def decode() -> None:
+            block.decode_into(staged, buffers)
+            if module is not None:
+                stream = module.current_stream(device)
+                self.buffers[index].record_stream(stream)
+                finished.record(stream)
+
+        transfers.run(copy, done=copied)
+        transfers.run_decode(decode, wait_for=(copied, wait_for), done=done)
+
+
+def code_ring(context: StoreContext) -> CodeRing:
+    """The offload's ``CodeRing`` (made with the first coded store): one buffer per block the window holds, and one
+    more, so a copy never waits for the decode of the block before it."""
+    if context.code_ring is None:
+        context.code_ring = CodeRing(context.window_blocks + 1)
+    return context.code_ring
+
+
 def upload_and_decode(block: CodedBlock, flat: torch.Tensor, buffers: dict[torch.dtype, torch.Tensor],
-                      transfers: Transfers, wait_for: Any, done: Any, copied: Any = None) -> None:
-    """Queue ``flat`` (a host buffer holding ``block``'s code) into the block's device ``buffers``: one copy to a
-    fresh device buffer on the copy stream (it overwrites nothing, so it waits for nothing), then the decode on the
-    decode stream once the copy is done and ``buffers`` are free (``wait_for``); ``done`` is recorded after the
-    decode, ``copied`` (made here when ``None``) after the copy — the copy stream moves the next block while this one
-    decodes. On the CPU the code is decoded straight from ``flat``."""
+                      transfers: Transfers, wait_for: Any, done: Any, ring: CodeRing) -> None:
+    """Queue ``flat`` (a host buffer holding ``block``'s code) into the block's device ``buffers``: through
+    ``ring`` on an accelerator (``CodeRing.upload``); on the CPU the code is decoded straight from ``flat``."""
     device = next(iter(buffers.values())).device
     if device.type == "cpu":
         transfers.run(lambda: block.decode_into(flat, buffers), wait_for=wait_for, done=done)
         return
-    staged, copied = [], copied if copied is not None else transfers.new_event()
-
-    def copy() -> None:
-        staged.append(flat.to(device, non_blocking=True))
-
-    def decode() -> None:
-        buffer = staged.pop()
-        buffer.record_stream(torch.get_device_module(device).current_stream(device))  # freed after the decode
-        block.decode_into(buffer, buffers)
-
-    transfers.run(copy, done=copied)
-    transfers.run_decode(decode, wait_for=(copied, wait_for), done=done)
+    ring.upload(block, flat, buffers, transfers, wait_for, done)
 
 
 @register_store
@@ -108,6 +173,7 @@ class LosslessStore(BlockStore):
         block = coded_copy(weights, self.context, lambda nbytes: host_memory.allocate(nbytes, torch.uint8))
         host_memory.pin(block.buffer)
         self.block = block
+        code_ring(self.context).want(block.nbytes)
         journal.record(f"restore {weights.path}", lambda: weights.park(
             [view if device.type == "cpu" else view.to(device)
              for view, device in zip(weights.views_into(block.decoded()), devices)]))
@@ -116,7 +182,8 @@ class LosslessStore(BlockStore):
         return self.block.counters() if self.block is not None else {}
 
     def fill(self, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for, done) -> None:
-        upload_and_decode(self.block, self.block.buffer, buffers, transfers, wait_for, done)
+        upload_and_decode(self.block, self.block.buffer, buffers, transfers, wait_for, done,
+                          code_ring(self.context))
 
     def host_views(self) -> list[torch.Tensor]:
         return self.weights.views_into(self.block.decoded(clone_raw=False))
