@@ -261,12 +261,19 @@ def offload_lossless() -> str:
                    f"weights ({source('pipeline-offload-flux-auto')}'s count).\n")
 
 
+MODEL_NAMES = {"flux": "FLUX.1-dev", "qwen": "Qwen-Image", "wan": "Wan2.2-T2V-A14B"}
+
+
 def offload_auto(scenario: str = "pipeline-offload-flux-auto") -> str:
-    """``max_device_memory="auto"`` on a whole pipeline (pipeline-offload-flux-auto; pipeline-offload-flux-lossless
-    for the lossless runs): what each run chose, against resident, and whether the image stayed the resident one."""
+    """``max_device_memory="auto"`` on a whole pipeline (pipeline-offload-flux-auto, -flux-auto-peers, -qwen-auto,
+    -wan-auto; pipeline-offload-flux-lossless for the lossless runs): what each run chose, against resident where the
+    run has one, and whether the image stayed the resident one."""
     report = result(scenario)
     by = {r["strategy"]: r for r in report["strategies"]}
-    reference = by["resident"]
+    reference = by.get("resident")
+    stand_in = reference is None and by.get("omni", {}).get("status") == "ok"
+    if stand_in:  # no resident run: omni with no budget is the image every other run must keep
+        reference = by["omni"]
     rows = []
     for name, row in by.items():
         if row.get("status") != "ok":
@@ -274,16 +281,46 @@ def offload_auto(scenario: str = "pipeline-offload-flux-auto") -> str:
         plan = row.get("omni_plan") or {}
         chosen = gib(plan["planned_budget_bytes"]) if plan.get("planned_budget_bytes") else (
             "none (two-block window)" if name.startswith("omni") else "")
-        same = "reference" if name == "resident" else ("yes" if row["sha256"] == reference["sha256"] else "**no**")
+        same = ("reference (no budget; no resident run)" if row is reference and stand_in else "reference"
+                if row is reference else "n/a (no resident run)" if reference is None
+                else "yes" if row["sha256"] == reference["sha256"] else "**no**")
         rows.append([name, chosen, f"{row['end_to_end_s']:.2f} s", f"{row['phases']['decode_s']:.2f} s",
                      f"{gib(row['device_peak_allocated'])} / {gib(row['device_peak_reserved'])}", same])
     card = next(r["card_bytes"] for r in report["strategies"] if r.get("card_bytes"))
     verdict = pipeline_offload_bench.auto_against_sweep(pipeline_offload_bench.budget_sweep(report)["rows"])
-    return (f"**FLUX.1-dev**, {report['steps']} steps, card emulated at {gib(card)}, "
-            f"{report['environment']['device_name']}; {source(scenario)}\n\n"
+    auto = by.get("omni-auto")
+    if reference is not None and not stand_in and auto is not None and auto.get("status") == "ok" and not verdict:
+        verdict = (f"omni-auto {auto['end_to_end_s']:.2f} s against resident {reference['end_to_end_s']:.2f} s: "
+                   f"**{auto['end_to_end_s'] / reference['end_to_end_s']:.3f}×**.")
+    return (f"**{MODEL_NAMES.get(report['model'], report['model'])}**, {report['steps']} steps, card emulated at "
+            f"{gib(card)}, {report['environment']['device_name']}; {source(scenario)}\n\n"
             + table(["Run", "Budget (auto: its choice)", "End to end", "VAE decode", "Device peak (allocated / "
                      "reserved)", "Same image as resident"], rows)
             + (f"\n{verdict}\n" if verdict else ""))
+
+
+def lossless_pool() -> str:
+    """The lossless code's device buffers and the caching allocator (lossless-pool-probe): step, peaks, bitwise."""
+    report = result("lossless-pool-probe")
+    rows = [[r["run"], f"{r['step_s']:.3f} s", f"{r.get('of_resident', 1.0):.3f}", gib(r["allocated"]),
+             gib(r["reserved"]), "yes" if r["bitwise"] else "**no**"] for r in report["runs"]]
+    return (f"A FLUX.1-dev-width transformer of {report['double']} + {report['single']} blocks "
+            f"({gib(report['weights_bytes'])} bf16), {report['tokens']} image tokens, no budget unless said, "
+            f"{report['device']}; {source('lossless-pool-probe')}\n\n"
+            + table(["Run", "Step", "÷ resident", "Max allocated", "Max reserved", "Same output as resident"], rows))
+
+
+def vae_workspace() -> str:
+    """The FLUX.1 VAE (and a transformer slice) under less and less free device memory (vae-workspace-probe): time,
+    peak and whether the bits stay those with everything free. Only the VAE rows, where the bits move."""
+    report = result("vae-workspace-probe")
+    rows = [[r["what"], "on" if r["cudnn_benchmark"] else "off", "all" if r["free_gib"] is None else
+             f"{r['free_gib']:g} GiB", "out of memory" if r.get("seconds") is None else f"{r['seconds'] * 1e3:.1f} ms",
+             "yes" if r.get("same") else "" if r.get("seconds") is None else "**no**"]
+            for r in report["rows"] if r["what"].startswith("VAE")]
+    return (f"{report['device']}, cuDNN {report['cudnn']}, one process capped at {report['card_gib']:g} GiB, ballast "
+            f"leaving the free memory shown; {source('vae-workspace-probe')}\n\n"
+            + table(["Decode", "cudnn.benchmark", "Free under the cap", "Time", "Same bits as with all free"], rows))
 
 
 def offload_host_auto_cgroup() -> str:
@@ -1741,6 +1778,11 @@ RENDERERS = {
     "offload-budget-window": offload_budget_window,
     "offload-lossless": offload_lossless,
     "offload-auto": offload_auto,
+    "offload-auto-peers": lambda: offload_auto("pipeline-offload-flux-auto-peers"),
+    "offload-auto-qwen": lambda: offload_auto("pipeline-offload-qwen-auto"),
+    "offload-auto-wan": lambda: offload_auto("pipeline-offload-wan-auto"),
+    "lossless-pool": lossless_pool,
+    "vae-workspace": vae_workspace,
     "offload-lossless-pipeline": lambda: offload_auto("pipeline-offload-flux-lossless"),
     "offload-host-auto-cgroup": offload_host_auto_cgroup,
     "distributed-summary": distributed_summary,

@@ -133,10 +133,10 @@ SCENARIOS: tuple[Scenario, ...] = (
              "gpu", ()),
     Scenario("lossless-pool-probe", "lossless_pool_probe", "FLUX.1-dev-width slice streamed plain and lossless: the "
              "code's device buffers as a ring made once (now) against a fresh buffer per load (before), and lossless "
-             "with every block resident: step, max allocated / reserved, bitwise", "gpu", ()),
+             "with every block resident: step, max allocated / reserved, bitwise", "gpu", (OFFLOAD,)),
     Scenario("vae-workspace-probe", "vae_workspace_probe", "the FLUX.1 VAE decoding the same latents with less and "
              "less device memory free under a 12 GiB cap: whether cuDNN's choice, so the bits, follow free memory",
-             "gpu", ()),
+             "gpu", (OFFLOAD,)),
     Scenario("gpu-pipeline-check", "gpu_pipeline_check", "tiny FLUX.1 pipeline through omni attention vs stock",
              "gpu", (README,), out="file", smoke=None),
     Scenario("alignment", "alignment_gpu", "deterministic mode: bitwise repeatability per backend", "gpu",
@@ -232,9 +232,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: resident, max_device_memory=auto, "
              "the sweep's fastest budget (11 GiB), Diffusers' pipeline-level group offload and mmgp profile 2 in one "
              "run (#40: the peers beside auto; the whole sweep is pipeline-offload-flux-auto, one call each)", "gpu",
-             (), args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies",
-                       "resident,omni-budget,diffusers-group,mmgp2", "--omni-budget", "auto,11GiB",
-                       "--time-budget", _PIPELINE_SWEEP_TIME)),
+             (OFFLOAD,), args=("--model", "flux", "--card-gib", "12", "--steps", "28", "--strategies",
+                               "resident,omni-budget,diffusers-group,mmgp2", "--omni-budget", "auto,11GiB",
+                               "--time-budget", _PIPELINE_SWEEP_TIME)),
     Scenario("pipeline-offload-flux-lossless", "pipeline_offload_bench",
              "FLUX.1-dev pipeline end to end (28 steps) on an emulated 12 GiB card: resident, omni with no budget, "
              "and compression=lossless with no budget and with max_device_memory=auto (#37: <= 9.5 s; #40: auto + "
@@ -260,7 +260,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("pipeline-offload-qwen-auto", "pipeline_offload_bench",
              "Qwen-Image pipeline end to end (20 of its 50 steps) on an emulated 24 GiB card: max_device_memory 12, 16 "
              "and 20 GiB and auto (its reading, choice and per-shape headroom recorded), a plot of end to end against "
-             "the budget (#40: auto within 1.05 of the sweep's fastest)", "gpu", (),
+             "the budget (#40: auto within 1.05 of the sweep's fastest)", "gpu", (OFFLOAD,),
              args=("--model", "qwen", "--card-gib", "24", "--steps", "20", "--strategies", "omni",
                    "--omni-budget", "12GiB,16GiB,20GiB,auto", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-qwen-diffusers", "pipeline_offload_bench",
@@ -276,7 +276,7 @@ SCENARIOS: tuple[Scenario, ...] = (
                    "--omni-budget", "14GiB", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-wan-auto", "pipeline_offload_bench",
              "Wan2.2-T2V-A14B pipeline, 81 frames 480×832, 4 of its 40 steps, on an emulated 24 GiB card: resident, "
-             "omni and max_device_memory=auto (#40: auto within 1.02 of resident)", "gpu", (),
+             "omni and max_device_memory=auto (#40: auto within 1.02 of resident)", "gpu", (OFFLOAD,),
              args=("--model", "wan", "--card-gib", "24", "--steps", "4", "--strategies", "resident,omni",
                    "--omni-budget", "auto", "--time-budget", _PIPELINE_TIME)),
     Scenario("pipeline-offload-wan-host", "pipeline_offload_bench",
