@@ -35,6 +35,9 @@ enabled (every strategy but ``resident``). Strategies:
   ``omni-host-lossless``: the same with ``compression="lossless"`` and ``compression_cache_dir`` in
   ``--checkpoint-dir`` (``lossless-cache``): the blocks beyond the budget are read coded from the cache (its pages
   dropped too) and decoded on the device; its enable writes the cache, or reads it when a previous run left it;
+  with ``--host-lossless-from-memory`` its DiTs stay as built (no checkpoint: the cache holds their code, checked
+  against their bytes, as ``compression_cache_dir`` allows for a model built in memory) and the checkpoint an earlier
+  omni-host left is removed first — for a disk that holds the DiTs' checkpoint or their cache, not both;
   ``--omni-attention`` chooses the attention ``omnify`` installs: ``off`` (default) keeps Diffusers' own processors,
   as every other strategy runs, so that only the offload differs (and the image can match ``resident`` bit for bit);
   ``auto`` is ``omnify(pipe)``'s default (omni attention with the platform's choice); any other value is passed on;
@@ -726,12 +729,25 @@ def lossless_cache_dir(args: argparse.Namespace) -> str:
     return str(Path(args.checkpoint_dir) / "lossless-cache")
 
 
-def host_budget(omni: Any, device: torch.device, args: argparse.Namespace) -> str | int:
+def host_budget(omni: Any, device: torch.device, args: argparse.Namespace, **options: Any) -> str | int:
     """``max_host_memory`` of omni-host: ``--omni-host-budget``; in a smoke run, the least the tiny pipeline allows
-    (read from the error a 1-byte budget raises), so that blocks go to disk there too."""
+    with ``options`` (the run's compression: read from the error a 1-byte budget raises), so that blocks go to disk
+    there too."""
     if not args.smoke:
         return args.omni_host_budget
-    return least_budget(omni, device, max_host_memory=1)
+    return least_budget(omni, device, max_host_memory=1, **options)
+
+
+def remove_checkpoint(spec: "ModelSpec", args: argparse.Namespace) -> dict[str, Any]:
+    """omni-host-lossless with ``--host-lossless-from-memory``: the DiTs stay as built; the checkpoint an earlier
+    omni-host run left in ``--checkpoint-dir`` is removed, so that the disk holds the cache alone."""
+    import shutil
+
+    folder = Path(args.checkpoint_dir)
+    for name in spec.transformers:
+        shutil.rmtree(folder / name, ignore_errors=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    return {"folder": str(folder), "bytes": 0, "save_and_load_s": 0.0, "files": [], "from_memory": True}
 
 
 def disk_checkpoint(pipe: Any, spec: "ModelSpec", args: argparse.Namespace) -> dict[str, Any]:
@@ -814,7 +830,7 @@ def enable_strategy(strategy: str, pipe: Any, device: torch.device, args: argpar
             if strategy == "omni-host-lossless":
                 kwargs = {"compression": LOSSLESS, "compression_cache_dir": lossless_cache_dir(args)}
             backend = omni.enable_layerwise_offload(device=str(device), max_device_memory=NO_BUDGET,
-                                                    max_host_memory=host_budget(omni, device, args),
+                                                    max_host_memory=host_budget(omni, device, args, **kwargs),
                                                     **kwargs)
             return omni, backend
         run = (args.omni_runs or {}).get(strategy)
@@ -1052,7 +1068,12 @@ def run_child(args: argparse.Namespace) -> int:
         save()
         print(f"built in {build['build_s']:.1f} s; host RSS {rss['rss'] / GiB:.1f} GiB", flush=True)
         dropper = None
-        if strategy in HOST:
+        if strategy == "omni-host-lossless" and args.host_lossless_from_memory:
+            result["checkpoint"] = remove_checkpoint(spec, args)
+            if args.drop_page_cache:
+                dropper = PageCacheDropper([])  # the cache's files, once its enable wrote them
+            save()
+        elif strategy in HOST:
             stage = result["stage"] = "checkpoint"
             save()
             result["checkpoint"] = disk_checkpoint(pipe, spec, args)
@@ -1689,6 +1710,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="max_host_memory for omni-host (e.g. 32GiB); given, omni-host runs after omni")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="omni-host: where the DiTs are saved (default: a folder under the temporary directory)")
+    parser.add_argument("--host-lossless-from-memory", action="store_true",
+                        help="omni-host-lossless: no checkpoint (the DiTs stay as built, the cache alone on disk; any "
+                             "checkpoint omni-host left is removed first): for a disk too small for both")
     parser.add_argument("--keep-page-cache", dest="drop_page_cache", action="store_false",
                         help="omni-host: leave the checkpoint's pages cached (default: dropped before each forward)")
     parser.add_argument("--omni-attention", default="off",
@@ -1795,6 +1819,11 @@ def main(argv: list[str] | None = None) -> int:
     sweep = [n for n in args.omni_runs if n != "omni-budget"]
     if args.in_process:
         report["notes"].append("--in-process: every strategy ran in the parent's process, one after the other")
+    if args.host_lossless_from_memory and "omni-host-lossless" in args.strategies:
+        report["notes"].append(
+            "omni-host-lossless: its DiTs stayed as built (no checkpoint on disk, --host-lossless-from-memory: the "
+            "disk holds the checkpoint or the cache, not both); the blocks beyond the budget are read coded from the "
+            "cache, whose pages are dropped before every forward")
     if args.smoke and sweep:
         report["notes"].append(
             "CPU (smoke): a sweep's sizes are placed on the tiny pipeline as on the card (the least budget it allows "
