@@ -1,9 +1,9 @@
 """Where the lossless code's device buffers come from, and what the caching allocator then holds (#37, #40).
 
 A FLUX.1-dev-width transformer slice (``--double`` + ``--single`` blocks, bf16, random weights) streamed by layerwise
-offload with no budget, plain and ``compression="lossless"``; lossless twice in the same run: the code's upload
-(``stores.lossless.CodeRing``: the offload's few code buffers, made once and reused in turn) and the one it
-replaced (a fresh device buffer per load, made by the copy on the copy stream; an H100 run of the full FLUX.1-dev
+offload with no budget, plain and ``compression="lossless"``; lossless three times in the same run: the code's
+upload (``stores.lossless.CodeRing``: one code buffer per window block, made once and reused in turn), the ring with
+one buffer more (as the probe first measured it) and the upload it replaced (a fresh device buffer per load, made by the copy on the copy stream; an H100 run of the full FLUX.1-dev
 pipeline held several times as much reserved as allocated with it, which auto's per-shape measurement reads as
 activations). Per run: the median step, ``max_memory_allocated`` and ``max_memory_reserved`` over the timed forwards,
 its ratio to the resident step, and whether the output is bitwise the resident one. Last, lossless under a budget
@@ -114,15 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     model.to("cpu")
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    current = lossless.upload_and_decode
+    current, buffers = lossless.upload_and_decode, lossless.ring_buffers
     everything = 2 * report["weights_bytes"]  # a budget every block fits in: nothing streams
-    for name, compression, upload, budget in (
-            ("layerwise", None, current, "none"),
-            ("lossless (the code: a ring of code buffers made once)", "lossless", current, "none"),
-            ("lossless (before: a fresh code buffer per load)", "lossless", fresh_buffer_upload, "none"),
+    for name, compression, upload, count, budget in (
+            ("layerwise", None, current, buffers, "none"),
+            ("lossless (the code: a ring of one code buffer per window block, made once)", "lossless", current,
+             buffers, "none"),
+            ("lossless (a ring of window + 1 buffers, as first measured)", "lossless", current,
+             lambda window: window + 1, "none"),
+            ("lossless (before: a fresh code buffer per load)", "lossless", fresh_buffer_upload, buffers, "none"),
             ("lossless, every block resident (a budget above the weights: #37's within 3 % of resident)",
-             "lossless", current, everything)):
-        lossless.upload_and_decode = upload
+             "lossless", current, buffers, everything)):
+        lossless.upload_and_decode, lossless.ring_buffers = upload, count
         try:
             enable = time.perf_counter()
             backend = apply_offload(model, OffloadConfig("layerwise", device=str(device), max_device_memory=budget,
@@ -131,15 +134,17 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 output, steps, allocated, reserved = measure(model, batch, device, args.repeats)
                 streamed = backend.stats.streamed_blocks
+                ring = backend.stats.code_buffer_bytes
             finally:
                 backend.disable()
         finally:
-            lossless.upload_and_decode = current
+            lossless.upload_and_decode, lossless.ring_buffers = current, buffers
         if device.type == "cuda":
             torch.cuda.empty_cache()
         row = {"run": name, "step_s": statistics.median(steps), "allocated": allocated, "reserved": reserved,
                "bitwise": bool(torch.equal(output.cpu(), reference.cpu())), "enable_s": enable,
-               "of_resident": statistics.median(steps) / report["runs"][0]["step_s"], "streamed_blocks": streamed}
+               "of_resident": statistics.median(steps) / report["runs"][0]["step_s"], "streamed_blocks": streamed,
+               "code_buffer_bytes": ring}
         report["runs"].append(row)
         print(json.dumps(row), flush=True)
     out = Path(args.out)
@@ -149,12 +154,12 @@ def main(argv: list[str] | None = None) -> int:
              f"{report['device']}, torch {report['torch']}; a FLUX.1-dev-width transformer of {args.double} + "
              f"{args.single} blocks ({report['weights_bytes'] / GiB:.2f} GiB bf16, random weights), {tokens} image "
              f"tokens; layerwise offload with no budget; median of {args.repeats} forwards after one warm-up.", "",
-             "| run | step | ÷ resident | max allocated | max reserved | bitwise as resident |",
-             "|---|---|---|---|---|---|"]
+             "| run | step | ÷ resident | max allocated | max reserved | code ring | bitwise as resident |",
+             "|---|---|---|---|---|---|---|"]
     for row in report["runs"]:
         gib = (lambda n: "" if n is None else f"{n / GiB:.2f} GiB")
         lines.append(f"| {row['run']} | {row['step_s']:.3f} s | {row.get('of_resident', 1.0):.3f} | "
-                     f"{gib(row['allocated'])} | {gib(row['reserved'])} | "
+                     f"{gib(row['allocated'])} | {gib(row['reserved'])} | {gib(row.get('code_buffer_bytes'))} | "
                      f"{'yes' if row['bitwise'] else '**NO**'} |")
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     return 0 if all(r["bitwise"] for r in report["runs"]) else 1

@@ -64,6 +64,7 @@ from .stats import LayerwiseStats
 from .stores import FileStore, ShardGroup, StoreContext, store_for
 from .stores.coded_file import CodedSources
 from .stores.file import file_views, plan_disk_blocks, request_reads, start_staging
+from .stores.lossless import LOSSLESS, codes, ring_bytes_planned
 from .stream_hooks import guard_state_dict, install_state_dict_guards, install_stream_hooks, rewire_stream_hooks
 from .streamer import StreamedBlock, Streamer
 from .tensors import TensorSet, tensor_nbytes
@@ -197,11 +198,13 @@ class LayerwiseOffloadBackend(OffloadBackend):
         everything = dit_bytes + sum(w.nbytes for w in flat) + sum(u.weights.nbytes for u in state.units)
         units_resident = budget is not None and everything <= budget
         largest_unit = max(state.units, key=lambda u: u.weights.nbytes).label if state.units else ""
+        ring = self._code_ring_planned(flat, forced)
         resident = plan_residency(
             [w.nbytes for w in flat], forced, dit_bytes + (0 if units_resident else unit_bytes), budget,
             self.config.prefetch_depth + 1, never=never, labels=[w.path for w in flat],
             fixed_detail=(f" (the DiTs' {format_bytes(dit_bytes)} + the largest phase, {largest_unit!r}, "
                           f"{format_bytes(unit_bytes)})" if unit_bytes and not units_resident else ""),
+            stream_extra=ring, stream_extra_detail="for the lossless code's device buffers (at the bf16 size)",
         )
         for unit in state.units:
             unit.resident = units_resident
@@ -228,6 +231,14 @@ class LayerwiseOffloadBackend(OffloadBackend):
             ", ".join(f"{label}: {how}" for label, how in state.managed.items()) or "encoders and VAEs stay there",
             "none" if budget is None else format_bytes(budget),
         )
+
+    def _code_ring_planned(self, flat: list[PackedWeights], forced: list[bool]) -> int:
+        """Device bytes the plan reserves for the lossless code's buffers when blocks stream coded (0 on the CPU,
+        which decodes from the host buffers, and without ``compression="lossless"``)."""
+        if getattr(self.config, "compression", None) != LOSSLESS or self.device.type == "cpu":
+            return 0
+        return ring_bytes_planned([w.nbytes for w, f in zip(flat, forced) if not f and codes(w)],
+                                  self.config.prefetch_depth + 1)
 
     def _staging_count(self) -> int:
         """Buffers of the staging ring: one per block the window can hold ahead (``prefetch_depth``), one whose

@@ -11,13 +11,15 @@ from .host_plan import spread_positions
 def plan_residency(
     block_bytes: list[int], forced: list[bool], fixed_bytes: int, budget: int | None, slot_count: int,
     never: list[bool] | None = None, labels: list[str] | None = None, fixed_detail: str = "",
+    stream_extra: int = 0, stream_extra_detail: str = "",
 ) -> list[bool]:
     """Which blocks stay on the device.
 
     ``forced`` blocks are always resident; ``never`` blocks (an encoder's, run once per call where a DiT's run every
     step) stay resident only when everything fits, and otherwise stream, sizing the window like any other streamed
     block. Without a budget the rest stream. With one, everything is resident if
-    it fits; otherwise ``slot_count`` slots for the largest candidate (the streaming window) are reserved and the
+    it fits; otherwise ``slot_count`` slots for the largest candidate (the streaming window) and ``stream_extra``
+    bytes (what streaming needs beside the window: the lossless code's device buffers) are reserved and the
     rest of the budget keeps blocks resident: size class by size class, the largest first (``size_classes``),
     each class as an evenly spread set, and no run of consecutive resident blocks longer than the window (or than
     an evenly spread set of the same budget would have; ``_longest_chosen_run``), so the streamed ones copy while
@@ -33,9 +35,9 @@ def plan_residency(
     if fixed_bytes + forced_bytes + sum(block_bytes[i] for i in streamable) <= budget:
         return [True] * len(block_bytes)
     window = slot_count * max(block_bytes[i] for i in streamable)
-    available = budget - fixed_bytes - forced_bytes - window
+    available = budget - fixed_bytes - forced_bytes - window - stream_extra
     if available < 0:
-        needed = fixed_bytes + forced_bytes + window
+        needed = fixed_bytes + forced_bytes + window + stream_extra
         largest = max(streamable, key=lambda i: block_bytes[i])
         block = f" (the largest streamed block, {labels[largest]!r})" if labels else ""
         raise ValueError(
@@ -43,6 +45,7 @@ def plan_residency(
             f"{needed} ({format_bytes(needed)}) = non-block weights {format_bytes(fixed_bytes)}{fixed_detail} + "
             f"resident blocks {format_bytes(forced_bytes)} + {slot_count} streaming slots of "
             f"{format_bytes(window // slot_count)}{block}"
+            + (f" + {format_bytes(stream_extra)} {stream_extra_detail}" if stream_extra else "")
         )
     if not candidates:
         return resident

@@ -13,11 +13,12 @@ def test_the_smoke_runs_plain_and_both_lossless_uploads_bitwise(tmp_path):
     assert registry.get("lossless-pool-probe").smoke == ("--smoke",)
     assert probe.main(["--smoke", "--repeats", "2", "--out", str(tmp_path / "run")]) == 0
     report = json.loads((tmp_path / "run.json").read_text())
-    assert [r["run"] for r in report["runs"]][:2] == ["resident", "layerwise"] and len(report["runs"]) == 5
-    assert all(r["run"].startswith("lossless (") for r in report["runs"][2:4])
+    assert [r["run"] for r in report["runs"]][:2] == ["resident", "layerwise"] and len(report["runs"]) == 6
+    assert all(r["run"].startswith("lossless (") for r in report["runs"][2:5])
     assert all(r["bitwise"] and r["step_s"] > 0 and r["reserved"] is None for r in report["runs"])
     assert probe.lossless.upload_and_decode is probe.NOW  # put back after the comparison
-    assert "| lossless (the code: a ring of code buffers made once) |" in (tmp_path / "run.md").read_text()
+    assert probe.lossless.ring_buffers(2) == 2  # the ring's count too
+    assert "| lossless (the code: a ring of one code buffer per window block, made once) |" in (tmp_path / "run.md").read_text()
 
 
 def test_without_cuda_and_without_smoke_it_says_what_it_needs(tmp_path):

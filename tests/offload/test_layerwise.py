@@ -243,6 +243,19 @@ def test_spread_and_plan():
     assert sum(resident) == 3 and resident[0] is False and resident[-1] is False
 
 
+def test_the_plan_reserves_what_streaming_needs_beside_the_window():
+    """``stream_extra`` (the lossless code's device buffers) comes out of the budget only when something streams,
+    and a budget too small for it says so."""
+    kept = plan_residency([10] * 8, [False] * 8, fixed_bytes=5, budget=5 + 2 * 10 + 30, slot_count=2)
+    fewer = plan_residency([10] * 8, [False] * 8, fixed_bytes=5, budget=5 + 2 * 10 + 30, slot_count=2,
+                           stream_extra=20)
+    assert sum(kept) == 3 and sum(fewer) == 1
+    assert all(plan_residency([10] * 8, [False] * 8, fixed_bytes=5, budget=85, slot_count=2, stream_extra=50))
+    with pytest.raises(ValueError, match=r"at least 45 .* \+ 2 streaming slots of 10 B \+ 20 B for the code"):
+        plan_residency([10] * 8, [False] * 8, fixed_bytes=5, budget=44, slot_count=2, stream_extra=20,
+                       stream_extra_detail="for the code")
+
+
 def test_plan_keeps_the_larger_blocks_first():
     # FLUX-like: 4 double-stream blocks of 20 bytes, then 8 single-stream ones of 8. Two 20-byte slots plus 45 bytes
     # keep two doubles (evenly spread among the doubles), not a mix spread over the whole stack.

@@ -3,6 +3,8 @@ their device buffers bit for bit; other dtypes pass through; the report says wha
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -148,7 +150,7 @@ def test_code_ring_reuses_its_buffers_in_turn_and_decodes_every_bit():
 
 
 def test_the_offload_sizes_one_code_ring_for_its_coded_blocks():
-    """Every coded block told the offload's ring its size at enable (window + 1 buffers of the largest code); on
+    """Every coded block told the offload's ring its size at enable (one buffer per window block, of the largest code); on
     the CPU none is made (the code decodes from the host buffer) and the report says nothing of it."""
     pipe = flux_pipe()
     pipe.to(torch.bfloat16)
@@ -156,8 +158,26 @@ def test_the_offload_sizes_one_code_ring_for_its_coded_blocks():
     state = backend._state
     ring = state.stores.code_ring
     coded = [b.store for row in state.streamed for b in row if b is not None and isinstance(b.store, LosslessStore)]
-    assert coded and ring.count == 4 and ring.nbytes == max(store.block.nbytes for store in coded)
+    assert coded and ring.count == 3 and ring.nbytes == max(store.block.nbytes for store in coded)
     generate(pipe, steps=1)
     assert ring.buffers == [] and backend.stats.code_buffers == 0
     assert "buffers of" not in str(pipe.omni_offload_report())
+    pipe.disable_omni_offload()
+
+
+def test_an_accelerator_plan_reserves_the_code_ring_at_the_bf16_size(monkeypatch):
+    """On an accelerator the device plan reserves the code ring (one buffer per window block, at the largest coded
+    block's bf16 size: codes are sized only once made); on the CPU, or without lossless, nothing."""
+    pipe = flux_pipe()
+    pipe.to(torch.bfloat16)
+    backend = pipe.enable_layerwise_offload(device="cpu", compression="lossless")
+    flat = [w for row in backend._state.weights for w in row]
+    forced = [w.empty for w in flat]
+    assert backend._code_ring_planned(flat, forced) == 0  # the CPU decodes from the host buffers
+    monkeypatch.setattr(backend, "device", torch.device("cuda"))
+    largest = max(w.nbytes for w, f in zip(flat, forced) if not f)
+    assert backend._code_ring_planned(flat, forced) == 2 * largest
+    monkeypatch.setattr(backend, "config", dataclasses.replace(backend.config, compression=None))
+    assert backend._code_ring_planned(flat, forced) == 0
+    monkeypatch.undo()
     pipe.disable_omni_offload()

@@ -124,11 +124,22 @@ class CodeRing:
         transfers.run_decode(decode, wait_for=(copied, wait_for), done=done)
 
 
+def ring_buffers(window_blocks: int) -> int:
+    """Buffers of the code ring: one per block the window holds. A load is queued once the block before it is
+    ready (decoded), so the buffer it writes was last read by a decode that is done or queued before its own."""
+    return window_blocks
+
+
+def ring_bytes_planned(block_bytes: list[int], window_blocks: int) -> int:
+    """What the device plan reserves for the code ring before anything is coded: its buffers at the largest coded
+    block's bf16 size (a code is about 0.7 of it; its size is known only once coded)."""
+    return ring_buffers(window_blocks) * max(block_bytes, default=0)
+
+
 def code_ring(context: StoreContext) -> CodeRing:
-    """The offload's ``CodeRing`` (made with the first coded store): one buffer per block the window holds, and one
-    more, so a copy never waits for the decode of the block before it."""
+    """The offload's ``CodeRing`` (made with the first coded store)."""
     if context.code_ring is None:
-        context.code_ring = CodeRing(context.window_blocks + 1)
+        context.code_ring = CodeRing(ring_buffers(context.window_blocks))
     return context.code_ring
 
 
