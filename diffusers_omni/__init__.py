@@ -51,6 +51,7 @@ _LAZY = {
     "disable_offload": "diffusers_omni.offload.api",
     "load_transformer_mmap": "diffusers_omni.offload.loading",
     "load_gguf_mmap": "diffusers_omni.offload.loading",
+    "load_dfloat11": "diffusers_omni.offload.dfloat11",
     "check_same_steps": "diffusers_omni.offload.dataparallel",
     "NextStep11Pipeline": "diffusers_omni.architectures.nextstep",
     "NextStepModel": "diffusers_omni.architectures.nextstep",
@@ -97,6 +98,7 @@ if TYPE_CHECKING:
                                  NoOffloadConfig)
     from .offload.api import apply_offload, disable_offload
     from .offload.factory import get_offload_backend
+    from .offload.dfloat11 import load_dfloat11
     from .offload.loading import load_gguf_mmap, load_transformer_mmap
     from .pipelines.flux import OmniFluxPipeline
     from .pipelines.mixin import OmniPipelineMixin, SupportsComponentDiscovery

@@ -1,0 +1,214 @@
+"""Reading DFloat11 checkpoints (arXiv 2504.11651; PyPI ``dfloat11``): their bfloat16 weights decoded bit for bit.
+
+A DFloat11 checkpoint stores the model's bfloat16 weights unit by unit (a unit is a module whose name matches one of
+``dfloat11_config.pattern_dict``'s patterns in the checkpoint's ``config.json``: a ``Linear`` or ``Embedding``, or a
+block whose listed sub-modules' weights are coded together, in the listed order). Per unit, six tensors:
+
+- ``encoded_exponent``: the exponent bytes as one Huffman-coded bit stream (most significant bit first);
+- ``sign_mantissa``: one byte per weight, its sign bit (``0x80``) and 7 mantissa bits, as they are;
+- ``luts``: the decoding tables, one row of 256 per code prefix: a row maps the next 8 bits either to an exponent
+  (< 240) or to the row to read the following 8 bits in (``256 - value``, at most four rows deep); the last row holds
+  each exponent's code length;
+- ``gaps``: 5 bits per 8-byte chunk of the stream, packed most significant bit first: where in that chunk the first
+  code starting there starts (each chunk decodes the codes that start in it, as DFloat11's CUDA threads do);
+- ``output_positions``: where each 4096-byte part of the stream starts in the output (``uint32`` as bytes); not
+  needed here, since chunks decode in stream order;
+- ``split_positions``: where each weight of the unit ends in the concatenated output.
+
+The other tensors (biases, norms, anything not coded) are stored under their own names. ``decode_unit`` decodes one
+unit with tensor operations, every chunk at once, on any device; ``load_dfloat11`` fills a model (built from its
+Diffusers config, on the meta device or not) from such a checkpoint, checking that every tensor of the model is
+given exactly once. This goes beyond the contract this package follows (vLLM-Omni's docs do not read DFloat11): the
+weights come back as ordinary bfloat16 tensors (streamed coded with ``compression="lossless"`` if asked); streaming
+DFloat11's own code without decoding it first is not done.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+UNIT_TENSORS = ("encoded_exponent", "sign_mantissa", "luts", "output_positions", "gaps", "split_positions")
+POINTER = 240  # a table value at or above this points to another row (256 - value)
+MAX_DEPTH = 4  # a code is at most 32 bits: four rows of 8
+
+
+class DFloat11Error(ValueError):
+    """A DFloat11 checkpoint this reader cannot take (what is wrong, and where, in the message)."""
+
+
+def _bits(stream: torch.Tensor, position: torch.Tensor, width: int) -> torch.Tensor:
+    """``width`` (<= 32) bits of ``stream`` (uint8, padded) starting at bit ``position`` (int64), as int64."""
+    byte, shift = position // 8, position % 8
+    window = torch.zeros_like(position)
+    for k in range(5):  # 40 bits hold any 32 starting anywhere in a byte
+        window = (window << 8) | stream[byte + k].to(torch.int64)
+    return (window >> (40 - shift - width)) & ((1 << width) - 1)
+
+
+def decode_exponents(encoded: torch.Tensor, gaps: torch.Tensor, luts: torch.Tensor, n_elements: int,
+                     bytes_per_thread: int = 8) -> torch.Tensor:
+    """The ``n_elements`` exponent bytes (uint8) of a unit's Huffman-coded ``encoded`` stream. Every chunk of
+    ``bytes_per_thread`` bytes decodes at once: step by step, each chunk decodes its next code while that code starts
+    inside the chunk; the codes of chunk ``c`` come before those of ``c + 1``."""
+    device = encoded.device
+    chunk_bits = 8 * bytes_per_thread
+    chunks = -(-encoded.numel() // bytes_per_thread)
+    if n_elements == 0 or chunks == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    stream = torch.cat([encoded.to(torch.uint8).flatten(), torch.zeros(bytes_per_thread + 8, dtype=torch.uint8,
+                                                                       device=device)])
+    packed = torch.cat([gaps.to(torch.uint8).flatten(), torch.zeros(8, dtype=torch.uint8, device=device)])
+    starts = torch.arange(chunks, device=device, dtype=torch.int64)
+    if gaps.numel() * 8 < 5 * chunks:
+        raise DFloat11Error(f"gaps holds {gaps.numel() * 8} bits; the stream's {chunks} chunks need {5 * chunks}")
+    gap = _bits(packed, starts * 5, 5)
+    tables = luts.to(torch.int64).reshape(-1, 256)
+    lengths = tables[-1]
+    position = starts * chunk_bits + gap
+    end = (starts + 1) * chunk_bits
+    symbols, valid = [], []
+    active = position < end
+    while bool(active.any()):
+        window = _bits(stream, position, 32)
+        value = tables[0][window >> 24]
+        for depth in range(1, MAX_DEPTH):
+            pointer = value >= POINTER
+            row = torch.where(pointer, 256 - value, 0).clamp(max=tables.shape[0] - 2)
+            value = torch.where(pointer, tables[row, (window >> (24 - 8 * depth)) & 0xFF], value)
+        symbols.append(value.to(torch.uint8))
+        valid.append(active)
+        position = torch.where(active, position + lengths[value.clamp(max=255)], position)
+        active = active & (position < end)
+    decoded = torch.stack(symbols, dim=1)[torch.stack(valid, dim=1)]  # chunk-major: the stream's order
+    if decoded.numel() < n_elements:
+        raise DFloat11Error(f"the stream decodes to {decoded.numel()} exponents; the unit has {n_elements} weights")
+    return decoded[:n_elements]
+
+
+def decode_unit(tensors: dict[str, torch.Tensor], bytes_per_thread: int = 8) -> list[torch.Tensor]:
+    """One DFloat11 unit's weights (flat bfloat16 tensors, split at ``split_positions``), bit for bit."""
+    missing = [name for name in UNIT_TENSORS if name not in tensors]
+    if missing:
+        raise DFloat11Error(f"a DFloat11 unit needs {', '.join(UNIT_TENSORS)}; missing: {', '.join(missing)}")
+    sign_mantissa = tensors["sign_mantissa"].to(torch.uint8).flatten()
+    exponents = decode_exponents(tensors["encoded_exponent"], tensors["gaps"], tensors["luts"],
+                                 sign_mantissa.numel(), bytes_per_thread).to(sign_mantissa.device)
+    low = sign_mantissa.to(torch.int32)
+    bits = ((low & 0x80) << 8) | (exponents.to(torch.int32) << 7) | (low & 0x7F)
+    words = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
+    splits = [int(p) for p in tensors["split_positions"].flatten().tolist()]
+    return list(torch.tensor_split(words.view(torch.bfloat16), splits))
+
+
+def read_config(folder: str | Path) -> dict:
+    """``dfloat11_config`` of the checkpoint's ``config.json`` (refused, naming the file, when there is none)."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())["dfloat11_config"]
+    except (OSError, KeyError, json.JSONDecodeError) as error:
+        raise DFloat11Error(f"{path} holds no dfloat11_config ({type(error).__name__}: {error}); a DFloat11 "
+                            "checkpoint's folder has one") from None
+    if int(config.get("bytes_per_thread", 8)) <= 0 or not isinstance(config.get("pattern_dict"), dict):
+        raise DFloat11Error(f"{path}: dfloat11_config needs bytes_per_thread > 0 and a pattern_dict; got {config}")
+    return config
+
+
+def _unit_weights(model: nn.Module, name: str, module: nn.Module, pattern_dict: dict[str, list[str]]) -> list[str]:
+    """The parameter names a unit's decoded weights go to, in order."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        return [f"{name}.weight"]
+    for pattern, attributes in pattern_dict.items():
+        if re.fullmatch(pattern, name):
+            return [f"{name}.{attribute}.weight" for attribute in attributes]
+    raise DFloat11Error(f"the checkpoint codes {name!r}, which no pattern of its pattern_dict "
+                        f"({', '.join(pattern_dict)}) matches")
+
+
+def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.device | None = None) -> nn.Module:
+    """Fill ``model`` (a Diffusers model built from the base model's config; its tensors may be on the meta device)
+    from the DFloat11 checkpoint in ``folder`` (``config.json`` with ``dfloat11_config`` and ``*.safetensors``):
+    every coded unit decoded bit for bit into bfloat16 (on ``device`` when given: a GPU decodes much faster; the
+    weights are then moved to where the model's tensors are, the CPU for a meta model), every other tensor as
+    stored. Refuses, before changing the model, a checkpoint that leaves a tensor of the model unset, names one the
+    model does not have, or gives a shape that differs from the model's. Returns the model, in eval mode."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    config = read_config(folder)
+    bytes_per_thread = int(config.get("bytes_per_thread", 8))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise DFloat11Error(f"{folder} holds no .safetensors file")
+    expected = dict(model.state_dict(keep_vars=True))
+    unsaved = sorted(name for name, buffer in model.named_buffers() if buffer.is_meta and name not in expected)
+    if unsaved:
+        raise DFloat11Error(f"the model's buffers {', '.join(unsaved)} are on the meta device and no checkpoint holds "
+                            "them (non-persistent: the model computes them when built); build the model on the CPU")
+    units: dict[str, dict[str, tuple[Path, str]]] = {}
+    plain: dict[str, tuple[Path, str]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                owner, _, leaf = key.rpartition(".")
+                if leaf in UNIT_TENSORS and key not in expected:
+                    units.setdefault(owner, {})[leaf] = (file, key)
+                else:
+                    plain[key] = (file, key)
+    modules = dict(model.named_modules())
+    targets: dict[str, list[str]] = {}
+    for owner in units:
+        if owner not in modules:
+            raise DFloat11Error(f"the checkpoint codes a unit {owner!r} the model has no module for")
+        targets[owner] = _unit_weights(model, owner, modules[owner], config["pattern_dict"])
+    given = [name for names in targets.values() for name in names] + list(plain)
+    unknown = sorted(name for name in given if name not in expected)
+    twice = sorted(name for name, count in Counter(given).items() if count > 1)
+    unset = sorted(name for name in expected if name not in given)
+    if unknown or twice or unset:
+        parts = [f"{label}: {', '.join(names[:8])}{' …' if len(names) > 8 else ''}"
+                 for label, names in (("not in the model", unknown), ("given twice", twice), ("not given", unset))
+                 if names]
+        raise DFloat11Error(f"{folder} does not match the model ({'; '.join(parts)})")
+    values: dict[str, torch.Tensor] = {}
+    handles = {}
+    try:
+        for file in files:
+            handles[file] = safe_open(str(file), framework="pt")
+        for key, (file, stored) in plain.items():
+            values[key] = handles[file].get_tensor(stored)
+        for owner, parts in units.items():
+            tensors = {leaf: handles[file].get_tensor(stored) for leaf, (file, stored) in parts.items()}
+            if device is not None:
+                tensors = {leaf: t.to(device) for leaf, t in tensors.items()}
+            decoded = decode_unit(tensors, bytes_per_thread)
+            names = targets[owner]
+            if len(decoded) != len(names):
+                raise DFloat11Error(f"unit {owner!r} decodes to {len(decoded)} weights; its pattern lists "
+                                    f"{len(names)} ({', '.join(names)})")
+            for name, flat in zip(names, decoded):
+                shape = expected[name].shape
+                if flat.numel() != shape.numel():
+                    raise DFloat11Error(f"{name}: the checkpoint holds {flat.numel()} weights, the model's "
+                                        f"{tuple(shape)} has {shape.numel()}")
+                values[name] = flat.reshape(shape)
+    finally:
+        handles.clear()
+    for name, value in values.items():
+        if value.shape != expected[name].shape:
+            raise DFloat11Error(f"{name}: the checkpoint's shape {tuple(value.shape)} is not the model's "
+                                f"{tuple(expected[name].shape)}")
+    home = {name: (torch.device("cpu") if t.device.type == "meta" else t.device) for name, t in expected.items()}
+    model.load_state_dict({name: value.to(home[name]) for name, value in values.items()}, assign=True)
+    return model.eval()
+
+
+def unit_names(model: nn.Module, pattern_dict: dict[str, list[str]]) -> Iterable[str]:
+    """The modules of ``model`` a DFloat11 ``pattern_dict`` makes units of, in the model's order."""
+    return [name for name, _ in model.named_modules() if any(re.fullmatch(p, name) for p in pattern_dict)]

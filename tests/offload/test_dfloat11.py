@@ -1,0 +1,145 @@
+"""Reading DFloat11 checkpoints (#37): every unit decoded bit for bit, a tiny FLUX.1 transformer loaded from one.
+
+The fixtures were coded by DFloat11's own encoder (``dfloat11`` 0.5.0 from PyPI, its ``dfloat11_utils``, run outside
+this repository): ``units.safetensors`` holds three units with their original weights (normal weights in two
+tensors, a wide skewed spread of magnitudes, normal weights with a run of zeros); ``fib.safetensors`` a unit whose
+exponents have Fibonacci counts (codes up to 24 bits: four table rows), its weights rebuilt here by the same rule;
+``flux/`` a tiny FLUX.1 transformer (two double- and two single-stream blocks) coded with DFloat11's FLUX.1 pattern,
+and ``flux_reference.safetensors`` its bfloat16 weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel
+from safetensors.torch import load_file, save_file
+
+from diffusers_omni import load_dfloat11
+from diffusers_omni.offload.dfloat11 import DFloat11Error, decode_unit
+
+FIXTURES = Path(__file__).parent / "fixtures" / "dfloat11"
+
+
+def _units(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    units: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in load_file(path).items():
+        unit, _, leaf = key.partition(".")
+        units.setdefault(unit, {})[leaf] = value
+    return units
+
+
+def _fibonacci_weights() -> torch.Tensor:
+    fib = [1, 1]
+    while len(fib) < 25:
+        fib.append(fib[-1] + fib[-2])
+    exponents = torch.cat([torch.full((count,), 100 + k, dtype=torch.int32) for k, count in enumerate(fib)])
+    n = exponents.numel()
+    exponents = exponents[(torch.arange(n, dtype=torch.int64) * 7919) % n]
+    i = torch.arange(n, dtype=torch.int32)
+    bits = ((i % 2) << 15) | (exponents << 7) | ((i * 37) & 0x7F)
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("unit", ["u1", "u2", "u3"])
+def test_each_unit_decodes_to_its_weights_bit_for_bit(unit):
+    tensors = _units(FIXTURES / "units.safetensors")[unit]
+    original = tensors.pop("original")
+    decoded = decode_unit(tensors)
+    assert len(decoded) == len(tensors["split_positions"]) + 1
+    assert _same_bits(torch.cat(decoded), original)
+
+
+def test_codes_four_table_rows_deep_decode_bit_for_bit():
+    tensors = _units(FIXTURES / "fib.safetensors")["fib"]
+    assert tensors["luts"].shape[0] == 5  # four rows of prefixes and the lengths
+    first, second = decode_unit(tensors)
+    expected = _fibonacci_weights()
+    assert _same_bits(first, expected[:100000]) and _same_bits(second, expected[100000:])
+
+
+def test_a_damaged_unit_is_refused_naming_what_is_wrong():
+    tensors = _units(FIXTURES / "units.safetensors")["u1"]
+    tensors.pop("original")
+    with pytest.raises(DFloat11Error, match="missing: gaps"):
+        decode_unit({k: v for k, v in tensors.items() if k != "gaps"})
+    with pytest.raises(DFloat11Error, match="gaps holds 8 bits"):
+        decode_unit({**tensors, "gaps": tensors["gaps"][:1]})
+    with pytest.raises(DFloat11Error, match="the stream decodes to"):
+        decode_unit({**tensors, "encoded_exponent": tensors["encoded_exponent"][:100]})
+
+
+def _flux(layers: int = 2, device: str = "meta") -> FluxTransformer2DModel:
+    config = {k: v for k, v in json.loads((FIXTURES / "flux" / "config.json").read_text()).items()
+              if not k.startswith("_") and k != "dfloat11_config"}
+    config["num_layers"] = layers
+    with torch.device(device):
+        return FluxTransformer2DModel(**config).to(torch.bfloat16)
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"hidden_states": torch.randn(1, 16, 16, generator=g).to(torch.bfloat16),
+            "encoder_hidden_states": torch.randn(1, 8, 32, generator=g).to(torch.bfloat16),
+            "pooled_projections": torch.randn(1, 32, generator=g).to(torch.bfloat16),
+            "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]),
+            "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(8, 3)}
+
+
+def test_a_tiny_flux_loads_from_its_dfloat11_checkpoint_bit_for_bit():
+    reference = load_file(FIXTURES / "flux_reference.safetensors")
+    model = load_dfloat11(_flux(), FIXTURES / "flux")
+    assert not model.training
+    state = model.state_dict()
+    assert set(state) == set(reference) and all(_same_bits(state[k], v) if v.dtype == torch.bfloat16
+                                                 else torch.equal(state[k], v) for k, v in reference.items())
+    assert all(t.device.type == "cpu" for t in state.values())
+    resident = _flux(device="cpu")
+    resident.load_state_dict(reference)
+    resident.eval()
+    with torch.inference_mode():
+        expected = resident(**_inputs(), return_dict=False)[0]
+        assert torch.equal(model(**_inputs(), return_dict=False)[0], expected)
+    # and streamed with the lossless code: the same output
+    from diffusers_omni import LayerwiseOffloadConfig, apply_offload
+
+    backend = apply_offload(model, LayerwiseOffloadConfig(device="cpu", compression="lossless"))
+    try:
+        with torch.inference_mode():
+            assert torch.equal(model(**_inputs(), return_dict=False)[0], expected)
+    finally:
+        backend.disable()
+
+
+def test_a_checkpoint_that_does_not_match_the_model_is_refused_before_anything_changes(tmp_path):
+    model = _flux(layers=1, device="cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(DFloat11Error, match=r"codes a unit 'transformer_blocks.1' the model has no module for"):
+        load_dfloat11(model, FIXTURES / "flux")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    folder = tmp_path / "flux"
+    shutil.copytree(FIXTURES / "flux", folder)
+    (folder / "config.json").write_text(json.dumps({"num_layers": 2}))
+    with pytest.raises(DFloat11Error, match="holds no dfloat11_config"):
+        load_dfloat11(_flux(), folder)
+    shutil.copy(FIXTURES / "flux" / "config.json", folder / "config.json")
+    tensors = load_file(folder / "diffusion_pytorch_model.safetensors")
+    tensors.pop("proj_out.bias")
+    tensors["not_a_tensor.weight"] = torch.zeros(1)
+    save_file(tensors, folder / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(DFloat11Error, match=r"not in the model: not_a_tensor.weight; not given: proj_out.bias"):
+        load_dfloat11(_flux(), folder)
+
+
+def test_a_meta_model_with_buffers_no_checkpoint_holds_is_refused():
+    model = _flux()
+    model.register_buffer("computed", torch.empty(4, device="meta"), persistent=False)
+    with pytest.raises(DFloat11Error, match="buffers computed are on the meta device .* build the model on the CPU"):
+        load_dfloat11(model, FIXTURES / "flux")
