@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -120,7 +119,7 @@ def read_config(folder: str | Path) -> dict:
     return config
 
 
-def _unit_weights(model: nn.Module, name: str, module: nn.Module, pattern_dict: dict[str, list[str]]) -> list[str]:
+def _unit_weights(name: str, module: nn.Module, pattern_dict: dict[str, list[str]]) -> list[str]:
     """The parameter names a unit's decoded weights go to, in order."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         return [f"{name}.weight"]
@@ -166,7 +165,7 @@ def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.devi
     for owner in units:
         if owner not in modules:
             raise DFloat11Error(f"the checkpoint codes a unit {owner!r} the model has no module for")
-        targets[owner] = _unit_weights(model, owner, modules[owner], config["pattern_dict"])
+        targets[owner] = _unit_weights(owner, modules[owner], config["pattern_dict"])
     given = [name for names in targets.values() for name in names] + list(plain)
     unknown = sorted(name for name in given if name not in expected)
     twice = sorted(name for name, count in Counter(given).items() if count > 1)
@@ -208,7 +207,3 @@ def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.devi
     model.load_state_dict({name: value.to(home[name]) for name, value in values.items()}, assign=True)
     return model.eval()
 
-
-def unit_names(model: nn.Module, pattern_dict: dict[str, list[str]]) -> Iterable[str]:
-    """The modules of ``model`` a DFloat11 ``pattern_dict`` makes units of, in the model's order."""
-    return [name for name, _ in model.named_modules() if any(re.fullmatch(p, name) for p in pattern_dict)]
