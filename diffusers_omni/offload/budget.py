@@ -36,6 +36,8 @@ HOST_MARGIN_SHARE = 0.1
 HOST_MARGIN_MIN = 1 << 30
 PEAK_MARGIN_SHARE = 0.08
 PEAK_MARGIN_MIN = 512 << 20
+# A VAE call beside resident blocks needs this share of its measured need free on top of it (``vae_room_margin``).
+VAE_ROOM_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,17 @@ def peak_margin(limit: int) -> int:
     return max(int(limit * PEAK_MARGIN_SHARE), PEAK_MARGIN_MIN)
 
 
+def vae_room_margin(need: int) -> int:
+    """What a VAE call, measured to reserve ``need`` bytes, wants free beyond them before it runs beside resident
+    blocks: ``VAE_ROOM_SHARE`` of its need, at least ``peak_margin(need)``. cuDNN takes another convolution plan
+    (other bits, no error) when the workspace of its first choice does not fit, and that happens before the call
+    runs out of memory: on an H100 the FLUX.1 VAE decoding 1024² (2.4 GiB at its peak) kept its bits with 3 GiB
+    free and changed them with 2.5 GiB (``benchmarks/results/vae-workspace-probe``), and a Qwen-Image pipeline under
+    a 20 GiB budget on a 24 GiB card decoded another image with the former margin
+    (``benchmarks/results/pipeline-offload-qwen-auto``)."""
+    return max(peak_margin(need), int(need * VAE_ROOM_SHARE))
+
+
 def read_reserved(device: torch.device, empty_cache: bool = False) -> int | None:
     """The bytes this process's caching allocator holds reserved on ``device`` (``None`` on the CPU: no allocator
     statistics), after first handing its unused cache back to the driver with ``empty_cache``. Reserved, not
@@ -298,4 +311,4 @@ def weights_in_ram(tensors: list[torch.Tensor], is_file_view) -> int:
 
 
 __all__ = ["AUTO", "AutoBudget", "MachineReading", "device_budget", "device_room", "host_budget", "own_cgroups",
-           "peak_margin", "read_machine", "read_reserved", "weights_in_ram"]
+           "peak_margin", "read_machine", "read_reserved", "vae_room_margin", "weights_in_ram"]

@@ -22,7 +22,8 @@ with no error and a slower decode). So where the allocator keeps statistics (CUD
 each input shape makes room before it runs (the resident blocks leave; they come back when the DiT runs again) and
 is measured: what the allocator reserved over the call, with its unused cache handed back first
 (``budget.read_reserved``). A later call at that shape runs beside the resident blocks only where the device still
-has that much room for this process (``budget.device_room``, less ``budget.peak_margin``), and makes room otherwise;
+has that much room for this process and a share more (``budget.device_room``, ``budget.vae_room_margin``: cuDNN's
+first choice wants more than what the call reserved), and makes room otherwise;
 the VAE then always finds the room its first choice of plan had, and decodes the bits it decodes alone.
 """
 
@@ -102,7 +103,7 @@ class _Room:
             self.make_room()
             return machine.read_reserved(self.device, empty_cache=True)
         room = machine.device_room(machine.read_machine(self.device))
-        if room is None or room < need + machine.peak_margin(need):
+        if room is None or room < need + machine.vae_room_margin(need):
             if self.make_room():
                 logger.info("%s needs %s of device memory (measured); %s is left beside the resident DiT blocks, "
                             "so they leave for it", key[2].describe() if key[2] else f"{self.label}.{key[0]}",

@@ -208,8 +208,8 @@ def test_a_decode_is_measured_with_the_room_made_then_runs_beside_resident_block
     backend = pipe.enable_layerwise_offload(device="cpu", max_device_memory=308160 + 50000)
     stats, residents = backend.stats, backend._state.phases.residents
     assert len(residents.weights) == 1
-    need = GiB
-    card = Allocator(residents, need, free=need + budget.peak_margin(need))
+    need = 4 * GiB  # where a quarter of it is more than the least margin
+    card = Allocator(residents, need, free=need + budget.vae_room_margin(need))
     pipe.vae.decoder.forward = card.decoder(pipe.vae.decoder.forward)
     monkeypatch.setattr(budget, "read_reserved", card.read_reserved)
     monkeypatch.setattr(budget, "read_machine", card.read_machine)
@@ -221,7 +221,8 @@ def test_a_decode_is_measured_with_the_room_made_then_runs_beside_resident_block
 
     assert call() == {False} and stats.residents_left == 1  # measured with the room made
     assert call() == {True} and stats.residents_left == 1  # its need fits beside them: they stay
-    card.free = need + budget.peak_margin(need) - 1
+    assert budget.vae_room_margin(need) == need // 4 > budget.peak_margin(need)
+    card.free = need + budget.vae_room_margin(need) - 1
     assert call() == {False} and stats.residents_left == 2  # no longer: they leave first
     assert not pipe.vae.use_tiling
     pipe.disable_omni_offload()
