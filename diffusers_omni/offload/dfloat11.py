@@ -175,6 +175,9 @@ def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.devi
                  for label, names in (("not in the model", unknown), ("given twice", twice), ("not given", unset))
                  if names]
         raise DFloat11Error(f"{folder} does not match the model ({'; '.join(parts)})")
+    # Each weight goes where the model's tensor is (the CPU for a meta model) as soon as it is decoded: a GPU that
+    # decodes holds one unit at a time.
+    home = {name: (torch.device("cpu") if t.device.type == "meta" else t.device) for name, t in expected.items()}
     values: dict[str, torch.Tensor] = {}
     handles = {}
     try:
@@ -196,14 +199,15 @@ def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.devi
                 if flat.numel() != shape.numel():
                     raise DFloat11Error(f"{name}: the checkpoint holds {flat.numel()} weights, the model's "
                                         f"{tuple(shape)} has {shape.numel()}")
-                values[name] = flat.reshape(shape)
+                # Each weight in its own storage: views of the unit's would share it, which safetensors refuses.
+                weight = flat.reshape(shape)
+                values[name] = weight.clone() if weight.device == home[name] else weight.to(home[name])
     finally:
         handles.clear()
     for name, value in values.items():
         if value.shape != expected[name].shape:
             raise DFloat11Error(f"{name}: the checkpoint's shape {tuple(value.shape)} is not the model's "
                                 f"{tuple(expected[name].shape)}")
-    home = {name: (torch.device("cpu") if t.device.type == "meta" else t.device) for name, t in expected.items()}
     model.load_state_dict({name: value.to(home[name]) for name, value in values.items()}, assign=True)
     return model.eval()
 
