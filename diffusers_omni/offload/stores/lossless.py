@@ -125,8 +125,9 @@ class CodeRing:
 
 
 def ring_buffers(window_blocks: int) -> int:
-    """Buffers of the code ring: one per block the window holds. A load is queued once the block before it is
-    ready (decoded), so the buffer it writes was last read by a decode that is done or queued before its own."""
+    """Buffers of the code ring: one per block the window holds, so each block in flight has its code's buffer; a
+    copy into a buffer waits for the decode that last read it, always one queued before it (never a deadlock, at
+    most a wait where more, smaller blocks than that are in flight under a budget)."""
     return window_blocks
 
 
