@@ -144,3 +144,33 @@ def test_a_meta_model_with_buffers_no_checkpoint_holds_is_refused():
     model.register_buffer("computed", torch.empty(4, device="meta"), persistent=False)
     with pytest.raises(DFloat11Error, match="buffers computed are on the meta device .* build the model on the CPU"):
         load_dfloat11(model, FIXTURES / "flux")
+
+
+
+def test_a_dfloat11_model_codes_once_into_the_cache_and_reads_it_back(tmp_path):
+    """A transformer loaded from a DFloat11 checkpoint has no file of its own bf16 weights: with
+    compression="lossless" and compression_cache_dir its blocks' code is written to the folder once, and the next
+    enable reads it instead of coding again; the output is the resident one, bit for bit, throughout."""
+    from diffusers_omni import LayerwiseOffloadConfig, apply_offload
+
+    reference = load_file(FIXTURES / "flux_reference.safetensors")
+    resident = _flux(device="cpu")
+    resident.load_state_dict(reference)
+    with torch.inference_mode():
+        expected = resident.eval()(**_inputs(), return_dict=False)[0]
+    counters = []
+    for _ in range(2):
+        model = load_dfloat11(_flux(), FIXTURES / "flux")
+        backend = apply_offload(model, LayerwiseOffloadConfig(device="cpu", compression="lossless",
+                                                              compression_cache_dir=str(tmp_path / "cache")))
+        try:
+            assert backend.stats.store_blocks.get("lossless", 0) == 4  # every block streams coded
+            with torch.inference_mode():
+                assert torch.equal(model(**_inputs(), return_dict=False)[0], expected)
+            counters.append(dict(backend.stats.cache_counters))
+        finally:
+            backend.disable()
+        with torch.inference_mode():
+            assert torch.equal(model(**_inputs(), return_dict=False)[0], expected)
+    assert counters[0]["cache blocks written"] == 4 and counters[0]["cache blocks read"] == 0
+    assert counters[1]["cache blocks written"] == 0 and counters[1]["cache blocks read"] == 4
