@@ -70,12 +70,21 @@ def decode_exponents(encoded: torch.Tensor, gaps: torch.Tensor, luts: torch.Tens
     gap = _bits(packed, starts * 5, 5)
     tables = luts.to(torch.int64).reshape(-1, 256)
     lengths = tables[-1]
-    position = starts * chunk_bits + gap
-    end = (starts + 1) * chunk_bits
+    # The 12 bytes a chunk's codes can read (a code starts in the chunk's 8 and is at most 32 bits long) as three
+    # 32-bit words, so each step shifts them instead of gathering from the stream.
+    spans = stream[(starts * bytes_per_thread).unsqueeze(1) + torch.arange(12, device=device)].to(torch.int64)
+    words = [(spans[:, 4 * k] << 24) | (spans[:, 4 * k + 1] << 16) | (spans[:, 4 * k + 2] << 8) | spans[:, 4 * k + 3]
+             for k in range(3)]
+    del spans
+    offset = gap  # where each chunk's next code starts, in bits from the chunk's start
     symbols, valid = [], []
-    active = position < end
+    active = offset < chunk_bits
     while bool(active.any()):
-        window = _bits(stream, position, 32)
+        second = offset >= 32
+        shift = torch.where(second, offset - 32, offset)
+        high = torch.where(second, words[1], words[0])
+        low = torch.where(second, words[2], words[1])
+        window = ((high << shift) & 0xFFFFFFFF) | (low >> (32 - shift))
         value = tables[0][window >> 24]
         for depth in range(1, MAX_DEPTH):
             pointer = value >= POINTER
@@ -83,8 +92,8 @@ def decode_exponents(encoded: torch.Tensor, gaps: torch.Tensor, luts: torch.Tens
             value = torch.where(pointer, tables[row, (window >> (24 - 8 * depth)) & 0xFF], value)
         symbols.append(value.to(torch.uint8))
         valid.append(active)
-        position = torch.where(active, position + lengths[value.clamp(max=255)], position)
-        active = active & (position < end)
+        offset = torch.where(active, offset + lengths[value.clamp(max=255)], offset)
+        active = active & (offset < chunk_bits)
     decoded = torch.stack(symbols, dim=1)[torch.stack(valid, dim=1)]  # chunk-major: the stream's order
     if decoded.numel() < n_elements:
         raise DFloat11Error(f"the stream decodes to {decoded.numel()} exponents; the unit has {n_elements} weights")
@@ -133,13 +142,15 @@ def _unit_weights(name: str, module: nn.Module, pattern_dict: dict[str, list[str
 def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.device | None = None) -> nn.Module:
     """Fill ``model`` (a Diffusers model built from the base model's config; its tensors may be on the meta device)
     from the DFloat11 checkpoint in ``folder`` (``config.json`` with ``dfloat11_config`` and ``*.safetensors``):
-    every coded unit decoded bit for bit into bfloat16 (on ``device`` when given: a GPU decodes much faster; the
-    weights are then moved to where the model's tensors are, the CPU for a meta model), every other tensor as
-    stored. Refuses, before changing the model, a checkpoint that leaves a tensor of the model unset, names one the
+    every coded unit decoded bit for bit into bfloat16 on ``device`` (default: the current CUDA device when there is
+    one, which decodes much faster than the CPU; each weight then goes to where the model's tensor is, the CPU for a
+    meta model), every other tensor as stored. Refuses, before changing the model, a checkpoint that leaves a tensor of the model unset, names one the
     model does not have, or gives a shape that differs from the model's. Returns the model, in eval mode."""
     from safetensors import safe_open
 
     folder = Path(folder)
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
     config = read_config(folder)
     bytes_per_thread = int(config.get("bytes_per_thread", 8))
     files = sorted(folder.glob("*.safetensors"))
