@@ -56,6 +56,9 @@ def decode_exponents(encoded: torch.Tensor, gaps: torch.Tensor, luts: torch.Tens
     """The ``n_elements`` exponent bytes (uint8) of a unit's Huffman-coded ``encoded`` stream. Every chunk of
     ``bytes_per_thread`` bytes decodes at once: step by step, each chunk decodes its next code while that code starts
     inside the chunk; the codes of chunk ``c`` come before those of ``c + 1``."""
+    if bytes_per_thread != 8:
+        raise DFloat11Error(f"bytes_per_thread={bytes_per_thread!r} is not supported; allowed: 8 (what DFloat11's "
+                            "kernel decodes)")
     device = encoded.device
     chunk_bits = 8 * bytes_per_thread
     chunks = -(-encoded.numel() // bytes_per_thread)

@@ -72,6 +72,8 @@ def test_a_damaged_unit_is_refused_naming_what_is_wrong():
         decode_unit({k: v for k, v in tensors.items() if k != "gaps"})
     with pytest.raises(DFloat11Error, match="gaps holds 8 bits"):
         decode_unit({**tensors, "gaps": tensors["gaps"][:1]})
+    with pytest.raises(DFloat11Error, match=r"bytes_per_thread=4 is not supported; allowed: 8"):
+        decode_unit(tensors, bytes_per_thread=4)
     with pytest.raises(DFloat11Error, match="the stream decodes to"):
         decode_unit({**tensors, "encoded_exponent": tensors["encoded_exponent"][:100]})
 
