@@ -3,11 +3,12 @@
 A FLUX.1-dev-width transformer slice (``--double`` + ``--single`` blocks, bf16, random weights) streamed by layerwise
 offload with no budget, plain and ``compression="lossless"``; lossless three times in the same run: the code's
 upload (``stores.lossless.CodeRing``: one code buffer per window block, made once and reused in turn), the ring with
-one buffer more (as the probe first measured it) and the upload it replaced (a fresh device buffer per load, made by the copy on the copy stream; an H100 run of the full FLUX.1-dev
-pipeline held several times as much reserved as allocated with it, which auto's per-shape measurement reads as
-activations). Per run: the median step, ``max_memory_allocated`` and ``max_memory_reserved`` over the timed forwards,
-its ratio to the resident step, and whether the output is bitwise the resident one. Last, lossless under a budget
-every block fits in (nothing streams: #37 asks for the step within 3 % of resident).
+one buffer more (as the probe first measured it) and the upload it replaced (a fresh device buffer per load, made
+by the copy on the copy stream; an H100 run of the full FLUX.1-dev pipeline held several times as much reserved as
+allocated with it, which auto's per-shape measurement reads as activations). Per run: the median step,
+``max_memory_allocated`` and ``max_memory_reserved`` over the timed forwards, its ratio to the resident step, and
+whether the output is bitwise the resident one. Last, lossless under a budget every block fits in (nothing streams:
+#37 asks for the step within 3 % of resident).
 
     python -m benchmarks run lossless-pool-probe          # --smoke: the tiny transformer on the CPU
 """

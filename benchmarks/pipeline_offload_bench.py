@@ -738,15 +738,22 @@ def host_budget(omni: Any, device: torch.device, args: argparse.Namespace, **opt
     return least_budget(omni, device, max_host_memory=1, **options)
 
 
-def remove_checkpoint(spec: "ModelSpec", args: argparse.Namespace) -> dict[str, Any]:
-    """omni-host-lossless with ``--host-lossless-from-memory``: the DiTs stay as built; the checkpoint an earlier
-    omni-host run left in ``--checkpoint-dir`` is removed, so that the disk holds the cache alone."""
+def clear_checkpoint(names: list[str], args: argparse.Namespace) -> Path:
+    """``--checkpoint-dir`` without the DiTs ``names`` saved there (an earlier omni-host run's, or what a run killed
+    before its end, which removes the folder, left behind); the folder, made if needed."""
     import shutil
 
     folder = Path(args.checkpoint_dir)
-    for name in spec.transformers:
+    for name in names:
         shutil.rmtree(folder / name, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def remove_checkpoint(spec: "ModelSpec", args: argparse.Namespace) -> dict[str, Any]:
+    """omni-host-lossless with ``--host-lossless-from-memory``: the DiTs stay as built; the checkpoint an earlier
+    omni-host run left in ``--checkpoint-dir`` is removed, so that the disk holds the cache alone."""
+    folder = clear_checkpoint(list(spec.transformers), args)
     return {"folder": str(folder), "bytes": 0, "save_and_load_s": 0.0, "files": [], "from_memory": True}
 
 
@@ -757,11 +764,8 @@ def disk_checkpoint(pipe: Any, spec: "ModelSpec", args: argparse.Namespace) -> d
 
     from diffusers_omni.offload.loading import load_transformer_mmap
 
-    folder = Path(args.checkpoint_dir)
     names = [t for t in spec.transformers if getattr(pipe, t, None) is not None]
-    for name in names:  # what a run killed before its end (which removes the folder) left behind
-        shutil.rmtree(folder / name, ignore_errors=True)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = clear_checkpoint(names, args)
     need = sum(p.numel() * p.element_size() for t in names for p in getattr(pipe, t).parameters())
     free = shutil.disk_usage(folder).free
     if need * 1.02 + GiB > free:

@@ -29,6 +29,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -95,7 +96,7 @@ def decode_exponents(encoded: torch.Tensor, gaps: torch.Tensor, luts: torch.Tens
             value = torch.where(pointer, tables[row, (window >> (24 - 8 * depth)) & 0xFF], value)
         symbols.append(value.to(torch.uint8))
         valid.append(active)
-        offset = torch.where(active, offset + lengths[value.clamp(max=255)], offset)
+        offset = torch.where(active, offset + lengths[value], offset)  # table values are bytes
         active = active & (offset < chunk_bits)
     decoded = torch.stack(symbols, dim=1)[torch.stack(valid, dim=1)]  # chunk-major: the stream's order
     if decoded.numel() < n_elements:
@@ -147,8 +148,9 @@ def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.devi
     from the DFloat11 checkpoint in ``folder`` (``config.json`` with ``dfloat11_config`` and ``*.safetensors``):
     every coded unit decoded bit for bit into bfloat16 on ``device`` (default: the current CUDA device when there is
     one, which decodes much faster than the CPU; each weight then goes to where the model's tensor is, the CPU for a
-    meta model), every other tensor as stored. Refuses, before changing the model, a checkpoint that leaves a tensor of the model unset, names one the
-    model does not have, or gives a shape that differs from the model's. Returns the model, in eval mode."""
+    meta model), every other tensor as stored. Refuses, before changing the model, a checkpoint that leaves a tensor
+    of the model unset, names one the model does not have, or gives a shape that differs from the model's. Returns
+    the model, in eval mode."""
     from safetensors import safe_open
 
     folder = Path(folder)
@@ -164,16 +166,16 @@ def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.devi
     if unsaved:
         raise DFloat11Error(f"the model's buffers {', '.join(unsaved)} are on the meta device and no checkpoint holds "
                             "them (non-persistent: the model computes them when built); build the model on the CPU")
-    units: dict[str, dict[str, tuple[Path, str]]] = {}
-    plain: dict[str, tuple[Path, str]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                owner, _, leaf = key.rpartition(".")
-                if leaf in UNIT_TENSORS and key not in expected:
-                    units.setdefault(owner, {})[leaf] = (file, key)
-                else:
-                    plain[key] = (file, key)
+    handles = [safe_open(str(file), framework="pt") for file in files]  # headers only: tensors are read once below
+    units: dict[str, dict[str, tuple[Any, str]]] = {}
+    plain: dict[str, tuple[Any, str]] = {}
+    for handle in handles:
+        for key in handle.keys():
+            owner, _, leaf = key.rpartition(".")
+            if leaf in UNIT_TENSORS and key not in expected:
+                units.setdefault(owner, {})[leaf] = (handle, key)
+            else:
+                plain[key] = (handle, key)
     modules = dict(model.named_modules())
     targets: dict[str, list[str]] = {}
     for owner in units:
@@ -193,35 +195,29 @@ def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.devi
     # decodes holds one unit at a time.
     home = {name: (torch.device("cpu") if t.device.type == "meta" else t.device) for name, t in expected.items()}
     values: dict[str, torch.Tensor] = {}
-    handles = {}
-    try:
-        for file in files:
-            handles[file] = safe_open(str(file), framework="pt")
-        for key, (file, stored) in plain.items():
-            values[key] = handles[file].get_tensor(stored)
-        for owner, parts in units.items():
-            tensors = {leaf: handles[file].get_tensor(stored) for leaf, (file, stored) in parts.items()}
-            if device is not None:
-                tensors = {leaf: t.to(device) for leaf, t in tensors.items()}
-            decoded = decode_unit(tensors, bytes_per_thread)
-            names = targets[owner]
-            if len(decoded) != len(names):
-                raise DFloat11Error(f"unit {owner!r} decodes to {len(decoded)} weights; its pattern lists "
-                                    f"{len(names)} ({', '.join(names)})")
-            for name, flat in zip(names, decoded):
-                shape = expected[name].shape
-                if flat.numel() != shape.numel():
-                    raise DFloat11Error(f"{name}: the checkpoint holds {flat.numel()} weights, the model's "
-                                        f"{tuple(shape)} has {shape.numel()}")
-                # Each weight in its own storage: views of the unit's would share it, which safetensors refuses.
-                weight = flat.reshape(shape)
-                values[name] = weight.clone() if weight.device == home[name] else weight.to(home[name])
-    finally:
-        handles.clear()
-    for name, value in values.items():
-        if value.shape != expected[name].shape:
-            raise DFloat11Error(f"{name}: the checkpoint's shape {tuple(value.shape)} is not the model's "
-                                f"{tuple(expected[name].shape)}")
-    model.load_state_dict({name: value.to(home[name]) for name, value in values.items()}, assign=True)
+    for key, (handle, stored) in plain.items():
+        value = handle.get_tensor(stored)
+        if value.shape != expected[key].shape:
+            raise DFloat11Error(f"{key}: the checkpoint's shape {tuple(value.shape)} is not the model's "
+                                f"{tuple(expected[key].shape)}")
+        values[key] = value.to(home[key])
+    for owner, parts in units.items():
+        tensors = {leaf: handle.get_tensor(stored) for leaf, (handle, stored) in parts.items()}
+        if device is not None:
+            tensors = {leaf: t.to(device) for leaf, t in tensors.items()}
+        decoded = decode_unit(tensors, bytes_per_thread)
+        names = targets[owner]
+        if len(decoded) != len(names):
+            raise DFloat11Error(f"unit {owner!r} decodes to {len(decoded)} weights; its pattern lists "
+                                f"{len(names)} ({', '.join(names)})")
+        for name, flat in zip(names, decoded):
+            shape = expected[name].shape
+            if flat.numel() != shape.numel():
+                raise DFloat11Error(f"{name}: the checkpoint holds {flat.numel()} weights, the model's "
+                                    f"{tuple(shape)} has {shape.numel()}")
+            # Each weight in its own storage: views of the unit's would share it, which safetensors refuses.
+            weight = flat.reshape(shape)
+            values[name] = weight.clone() if weight.device == home[name] else weight.to(home[name])
+    model.load_state_dict(values, assign=True)
     return model.eval()
 

@@ -201,7 +201,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         ring = self._code_ring_planned(flat, forced)
         resident = plan_residency(
             [w.nbytes for w in flat], forced, dit_bytes + (0 if units_resident else unit_bytes), budget,
-            self.config.prefetch_depth + 1, never=never, labels=[w.path for w in flat],
+            self._window_blocks, never=never, labels=[w.path for w in flat],
             fixed_detail=(f" (the DiTs' {format_bytes(dit_bytes)} + the largest phase, {largest_unit!r}, "
                           f"{format_bytes(unit_bytes)})" if unit_bytes and not units_resident else ""),
             stream_extra=ring, stream_extra_detail="for the lossless code's device buffers (at the bf16 size)",
@@ -232,13 +232,17 @@ class LayerwiseOffloadBackend(OffloadBackend):
             "none" if budget is None else format_bytes(budget),
         )
 
+    @property
+    def _window_blocks(self) -> int:
+        """Streamed blocks on the device at once, at most: the running one and ``prefetch_depth`` ahead."""
+        return self.config.prefetch_depth + 1
+
     def _code_ring_planned(self, flat: list[PackedWeights], forced: list[bool]) -> int:
         """Device bytes the plan reserves for the lossless code's buffers when blocks stream coded (0 on the CPU,
         which decodes from the host buffers, and without ``compression="lossless"``)."""
         if getattr(self.config, "compression", None) != LOSSLESS or self.device.type == "cpu":
             return 0
-        return ring_bytes_planned([w.nbytes for w, f in zip(flat, forced) if not f and codes(w)],
-                                  self.config.prefetch_depth + 1)
+        return ring_bytes_planned([w.nbytes for w, f in zip(flat, forced) if not f and codes(w)], self._window_blocks)
 
     def _staging_count(self) -> int:
         """Buffers of the staging ring: one per block the window can hold ahead (``prefetch_depth``), one whose
@@ -275,7 +279,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
                     for w, resident in zip(row, resident_row) if not resident and not w.empty]
         resident = sum(w.nbytes for row, resident_row in zip(state.weights, state.resident)
                        for w, resident in zip(row, resident_row) if resident and not w.empty)
-        return (self.config.prefetch_depth + 1) * max(streamed, default=0) + resident
+        return self._window_blocks * max(streamed, default=0) + resident
 
     def _coded_cache(self, state: LayerwiseState) -> CodedCache | None:
         """The folder of ``compression_cache_dir`` (opened once per enable; ``None`` without one)."""
@@ -324,7 +328,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         context = state.stores = StoreContext(self.device, host_memory, file_views(state).release, state.disk,
                                               state.disk_reader, compression=getattr(self.config, "compression", None),
                                               shards=self._shards(), cache=self._coded_cache(state),
-                                              window_blocks=self.config.prefetch_depth + 1)
+                                              window_blocks=self._window_blocks)
         rows = [[None if weights.empty or resident else StreamedBlock(weights, self.device,
                                                                       store_for(weights, context))
                  for weights, resident in zip(row_weights, row_resident)]
@@ -409,7 +413,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
     def _allocate_slots(self, state: LayerwiseState, journal: Journal) -> None:
         blocks = [b for row in state.streamed for b in row if b is not None]
         state.transfers = self._transport(state)
-        count = self.config.prefetch_depth + 1 if blocks else 0
+        count = self._window_blocks if blocks else 0
         state.stats.slot_count = count
         state.stats.slot_bytes = max((sum(n * d.itemsize for d, n in b.store.device_numel.items()) for b in blocks),
                                      default=0)

@@ -150,8 +150,8 @@ def test_code_ring_reuses_its_buffers_in_turn_and_decodes_every_bit():
 
 
 def test_the_offload_sizes_one_code_ring_for_its_coded_blocks():
-    """Every coded block told the offload's ring its size at enable (one buffer per window block, of the largest code); on
-    the CPU none is made (the code decodes from the host buffer) and the report says nothing of it."""
+    """Every coded block told the offload's ring its size at enable (one buffer per window block, of the largest
+    code); on the CPU none is made (the code decodes from the host buffer) and the report says nothing of it."""
     pipe = flux_pipe()
     pipe.to(torch.bfloat16)
     backend = pipe.enable_layerwise_offload(device="cpu", compression="lossless", prefetch_depth=2)

@@ -1,5 +1,6 @@
 """The lossless store (``compression="lossless"``): streamed bfloat16 blocks kept coded in host memory
-(``offload.codec``: about 0.70 of their bytes on random weights), moved coded, decoded on the device into the block's buffers.
+(``offload.codec``: about 0.70 of their bytes on random weights), moved coded, decoded on the device into the
+block's buffers.
 
 A block's coded parts and its tensors of other dtypes (float32 norms, say, which pass through as they are) live in
 one host buffer (page-locked with the rest of the offload's host memory); on an accelerator the block is coded
@@ -91,17 +92,17 @@ class CodeRing:
         self.freed = [made] * self.count
 
     def upload(self, block: CodedBlock, flat: torch.Tensor, buffers: dict[torch.dtype, torch.Tensor],
-               transfers: Transfers, wait_for: Any, done: Any, copied: Any = None) -> None:
+               transfers: Transfers, wait_for: Any, done: Any) -> None:
         """Queue ``flat`` (a host buffer holding ``block``'s code) into the block's device ``buffers``: the copy
         into the next ring buffer on the copy stream, once the decode that last read that buffer is done; the
         decode on the decode stream once the copy is done and ``buffers`` are free (``wait_for``). ``done`` is
-        recorded after the decode, ``copied`` (made here when ``None``) after the copy."""
+        recorded after the decode."""
         device = next(iter(buffers.values())).device
         if not self.buffers or self.buffers[0].numel() < flat.numel():
             self._make(max(self.nbytes, flat.numel()), device, transfers)
         index, self.next = self.next, (self.next + 1) % self.count
         staged, previous = self.buffers[index].narrow(0, 0, flat.numel()), self.freed[index]
-        copied = copied if copied is not None else transfers.new_event()
+        copied = transfers.new_event()
         finished = self.freed[index] = transfers.new_event()
         module = torch.get_device_module(device) if device.type != "cpu" else None
 
