@@ -1780,6 +1780,7 @@ RENDERERS = {
     "offload-auto": offload_auto,
     "offload-auto-peers": lambda: offload_auto("pipeline-offload-flux-auto-peers"),
     "offload-auto-qwen": lambda: offload_auto("pipeline-offload-qwen-auto"),
+    "offload-qwen-vae-room": lambda: offload_auto("pipeline-offload-qwen-vae-room"),
     "offload-auto-wan": lambda: offload_auto("pipeline-offload-wan-auto"),
     "lossless-pool": lossless_pool,
     "vae-workspace": vae_workspace,

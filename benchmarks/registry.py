@@ -266,7 +266,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("pipeline-offload-qwen-vae-room", "pipeline_offload_bench",
              "Qwen-Image pipeline, 20 steps, on an emulated 24 GiB card: max_device_memory=20GiB (whose image differed "
              "from the others' in pipeline-offload-qwen-auto, its VAE decode slower) against omni with no budget, "
-             "after the VAE's room gained a quarter of its need as margin", "gpu", (),
+             "after the VAE's room gained a quarter of its need as margin", "gpu", (OFFLOAD,),
              args=("--model", "qwen", "--card-gib", "24", "--steps", "20", "--strategies", "omni",
                    "--omni-budget", "20GiB", "--time-budget", "200")),
     Scenario("pipeline-offload-qwen-diffusers", "pipeline_offload_bench",
