@@ -11,12 +11,14 @@ block whose listed sub-modules' weights are coded together, in the listed order)
   each exponent's code length;
 - ``gaps``: 5 bits per 8-byte chunk of the stream, packed most significant bit first: where in that chunk the first
   code starting there starts (each chunk decodes the codes that start in it, as DFloat11's CUDA threads do);
-- ``output_positions``: where each 4096-byte part of the stream starts in the output (``uint32`` as bytes); not
-  needed here, since chunks decode in stream order;
+- ``output_positions``: where each block of ``threads_per_block`` chunks (512: 4096 bytes of stream) starts in the
+  output (``uint32`` as bytes): the GPU kernel's blocks write from there; the tensor-operation decoder does not need
+  them (its chunks decode in stream order);
 - ``split_positions``: where each weight of the unit ends in the concatenated output.
 
 The other tensors (biases, norms, anything not coded) are stored under their own names. ``decode_unit`` decodes one
-unit with tensor operations, every chunk at once, on any device; ``load_dfloat11`` fills a model (built from its
+unit, with ``offload.dfloat11_kernel`` (Triton, one launch per unit) on a CUDA GPU, else with tensor operations,
+every chunk at once, on any device; ``load_dfloat11`` fills a model (built from its
 Diffusers config, on the meta device or not) from such a checkpoint, checking that every tensor of the model is
 given exactly once. This goes beyond the contract this package follows (vLLM-Omni's docs do not read DFloat11): the
 weights come back as ordinary bfloat16 tensors (streamed coded with ``compression="lossless"`` if asked); streaming
@@ -33,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+
+from . import dfloat11_kernel
 
 UNIT_TENSORS = ("encoded_exponent", "sign_mantissa", "luts", "output_positions", "gaps", "split_positions")
 POINTER = 240  # a table value at or above this points to another row (256 - value)
@@ -104,17 +108,40 @@ def decode_exponents(encoded: torch.Tensor, gaps: torch.Tensor, luts: torch.Tens
     return decoded[:n_elements]
 
 
-def decode_unit(tensors: dict[str, torch.Tensor], bytes_per_thread: int = 8) -> list[torch.Tensor]:
-    """One DFloat11 unit's weights (flat bfloat16 tensors, split at ``split_positions``), bit for bit."""
+def _kernel_serves(tensors: dict[str, torch.Tensor], bytes_per_thread: int, threads_per_block: int) -> bool:
+    """Whether ``dfloat11_kernel`` decodes this unit: Triton on its device, DFloat11's chunk size, a power-of-two
+    block, an output position for every block and a gap for every chunk."""
+    device = tensors["encoded_exponent"].device
+    if not dfloat11_kernel.available(device) or bytes_per_thread != dfloat11_kernel.CHUNK_BYTES:
+        return False
+    if threads_per_block <= 0 or threads_per_block & (threads_per_block - 1):
+        return False
+    chunks = -(-tensors["encoded_exponent"].numel() // bytes_per_thread)
+    positions = tensors["output_positions"]
+    return (positions.numel() % 4 == 0 and positions.numel() // 4 >= -(-chunks // threads_per_block)
+            and tensors["gaps"].numel() * 8 >= 5 * chunks)
+
+
+def decode_unit(tensors: dict[str, torch.Tensor], bytes_per_thread: int = 8,
+                threads_per_block: int = 512) -> list[torch.Tensor]:
+    """One DFloat11 unit's weights (flat bfloat16 tensors, split at ``split_positions``), bit for bit: with
+    ``dfloat11_kernel`` where Triton runs on the unit's device (a CUDA GPU), else with tensor operations."""
     missing = [name for name in UNIT_TENSORS if name not in tensors]
     if missing:
         raise DFloat11Error(f"a DFloat11 unit needs {', '.join(UNIT_TENSORS)}; missing: {', '.join(missing)}")
     sign_mantissa = tensors["sign_mantissa"].to(torch.uint8).flatten()
-    exponents = decode_exponents(tensors["encoded_exponent"], tensors["gaps"], tensors["luts"],
-                                 sign_mantissa.numel(), bytes_per_thread).to(sign_mantissa.device)
-    low = sign_mantissa.to(torch.int32)
-    bits = ((low & 0x80) << 8) | (exponents.to(torch.int32) << 7) | (low & 0x7F)
-    words = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
+    if _kernel_serves(tensors, bytes_per_thread, threads_per_block):
+        words = torch.empty(sign_mantissa.numel(), dtype=torch.int16, device=sign_mantissa.device)
+        positions = tensors["output_positions"].to(torch.uint8).flatten().view(torch.int32)
+        dfloat11_kernel.decode(tensors["encoded_exponent"].to(torch.uint8).flatten(),
+                               tensors["gaps"].to(torch.uint8).flatten(), tensors["luts"].to(torch.uint8).contiguous(),
+                               positions, sign_mantissa, words, threads_per_block)
+    else:
+        exponents = decode_exponents(tensors["encoded_exponent"], tensors["gaps"], tensors["luts"],
+                                     sign_mantissa.numel(), bytes_per_thread).to(sign_mantissa.device)
+        low = sign_mantissa.to(torch.int32)
+        bits = ((low & 0x80) << 8) | (exponents.to(torch.int32) << 7) | (low & 0x7F)
+        words = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
     splits = [int(p) for p in tensors["split_positions"].flatten().tolist()]
     return list(torch.tensor_split(words.view(torch.bfloat16), splits))
 
@@ -158,6 +185,8 @@ def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.devi
         device = torch.device("cuda", torch.cuda.current_device())
     config = read_config(folder)
     bytes_per_thread = int(config.get("bytes_per_thread", 8))
+    threads_per_block = config.get("threads_per_block", 512)
+    threads_per_block = int(threads_per_block[0] if isinstance(threads_per_block, (list, tuple)) else threads_per_block)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise DFloat11Error(f"{folder} holds no .safetensors file")
@@ -205,7 +234,7 @@ def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.devi
         tensors = {leaf: handle.get_tensor(stored) for leaf, (handle, stored) in parts.items()}
         if device is not None:
             tensors = {leaf: t.to(device) for leaf, t in tensors.items()}
-        decoded = decode_unit(tensors, bytes_per_thread)
+        decoded = decode_unit(tensors, bytes_per_thread, threads_per_block)
         names = targets[owner]
         if len(decoded) != len(names):
             raise DFloat11Error(f"unit {owner!r} decodes to {len(decoded)} weights; its pattern lists "

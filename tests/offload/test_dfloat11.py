@@ -9,8 +9,12 @@ and ``flux_reference.safetensors`` its bfloat16 weights."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +23,15 @@ from diffusers import FluxTransformer2DModel
 from safetensors.torch import load_file, save_file
 
 from diffusers_omni import load_dfloat11
+from diffusers_omni.offload import dfloat11
 from diffusers_omni.offload.dfloat11 import DFloat11Error, decode_unit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dfloat11"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+interpreted = pytest.mark.skipif(not (HAS_TRITON and INTERPRETING),
+                                 reason="runs in the TRITON_INTERPRET=1 subprocess of "
+                                        "test_dfloat11_kernel_under_the_interpreter")
 
 
 def _units(path: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -63,6 +73,58 @@ def test_codes_four_table_rows_deep_decode_bit_for_bit():
     first, second = decode_unit(tensors)
     expected = _fibonacci_weights()
     assert _same_bits(first, expected[:100000]) and _same_bits(second, expected[100000:])
+
+
+@pytest.mark.skipif(INTERPRETING, reason="Triton's interpreter runs the kernel on any device")
+def test_the_tensor_operation_decoder_runs_where_the_kernel_cannot():
+    tensors = _units(FIXTURES / "units.safetensors")["u1"]
+    tensors.pop("original")
+    assert not dfloat11._kernel_serves(tensors, 8, 512)  # the CPU, without Triton's interpreter
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the kernel needs it; CI installs it)")
+def test_dfloat11_kernel_under_the_interpreter():
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "tests/offload/test_dfloat11.py", "-k", "interpreted"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+
+@interpreted
+@pytest.mark.parametrize("unit", ["u1", "u2", "u3"])
+def test_interpreted_kernel_decodes_each_unit_bit_for_bit(unit):
+    tensors = _units(FIXTURES / "units.safetensors")[unit]
+    original = tensors.pop("original")
+    assert dfloat11._kernel_serves(tensors, 8, 512)
+    assert _same_bits(torch.cat(decode_unit(tensors)), original)
+
+
+@interpreted
+def test_interpreted_kernel_decodes_codes_four_rows_deep():
+    tensors = _units(FIXTURES / "fib.safetensors")["fib"]
+    assert dfloat11._kernel_serves(tensors, 8, 512)
+    assert _same_bits(torch.cat(decode_unit(tensors)), _fibonacci_weights())
+
+
+@interpreted
+def test_interpreted_kernel_loads_a_tiny_flux_bit_for_bit():
+    reference = load_file(FIXTURES / "flux_reference.safetensors")
+    state = load_dfloat11(_flux(), FIXTURES / "flux", device="cpu").state_dict()
+    assert all(_same_bits(state[k], v) if v.dtype == torch.bfloat16 else torch.equal(state[k], v)
+               for k, v in reference.items())
+
+
+@interpreted
+def test_interpreted_kernel_leaves_a_block_size_it_cannot_take_to_the_tensor_operations():
+    tensors = _units(FIXTURES / "units.safetensors")["u3"]
+    original = tensors.pop("original")
+    assert not dfloat11._kernel_serves(tensors, 8, 384)  # not a power of two
+    assert not dfloat11._kernel_serves({**tensors, "output_positions": tensors["output_positions"][:4]}, 8, 512)
+    assert _same_bits(torch.cat(decode_unit(tensors, threads_per_block=384)), original)
 
 
 def test_a_damaged_unit_is_refused_naming_what_is_wrong():
