@@ -27,7 +27,8 @@ GROUP = 2048  # words per program, and per escape-offset entry of the code
 _NUM_WARPS = 4
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET``): kernels then run on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -41,7 +42,7 @@ def available(device: torch.device) -> bool:
     interpreter is on)."""
     if not _triton_installed():
         return False
-    return torch.device(device).type == "cuda" or _interpreting()
+    return torch.device(device).type == "cuda" or interpreting()
 
 
 @functools.lru_cache(maxsize=2)
@@ -80,7 +81,7 @@ def _kernel(interpret: bool):
 
 def decode(encoded: "Encoded", words: torch.Tensor) -> None:
     """Decode ``encoded`` into ``words`` (int16, 1-D, ``encoded.numel`` long) on the current stream."""
-    kernel = _kernel(_interpreting())
+    kernel = _kernel(interpreting())
     groups = -(-encoded.numel // GROUP)
     has_escapes = encoded.escapes.numel() > 0
     escapes = encoded.escapes if has_escapes else encoded.table  # any valid pointer: never read

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from .decode_kernel import _interpreting, available  # the same conditions as the lossless code's kernel
+from .decode_kernel import interpreting, available  # the same conditions as the lossless code's kernel
 
 __all__ = ["available", "decode"]
 
@@ -108,6 +108,6 @@ def decode(encoded: torch.Tensor, gaps: torch.Tensor, luts: torch.Tensor, positi
     if chunks == 0 or out.numel() == 0:
         return
     blocks = -(-chunks // threads_per_block)
-    kernel = _kernel(_interpreting())
+    kernel = _kernel(interpreting())
     kernel[(blocks,)](encoded, gaps, luts, positions, sign_mantissa, out, encoded.numel(), chunks, out.numel(),
                       luts.shape[0], max_codes(luts), BLOCK=threads_per_block, num_warps=_NUM_WARPS)
