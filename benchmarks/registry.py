@@ -134,6 +134,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("lossless-pool-probe", "lossless_pool_probe", "FLUX.1-dev-width slice streamed plain and lossless: the "
              "code's device buffers as a ring made once (now) against a fresh buffer per load (before), and lossless "
              "with every block resident: step, max allocated / reserved, bitwise", "gpu", (OFFLOAD,)),
+    Scenario("dfloat11-decode-probe", "dfloat11_probe", "a FLUX.1-dev-double-block-sized unit (340 M bf16 weights, "
+             "random) in DFloat11's format: decoded by our Triton kernel and by tensor operations, our lossless "
+             "code's kernel on the same weights, and the pinned copies of each code: whether streaming DFloat11's "
+             "own code could keep up with the link", "gpu", ()),
     Scenario("vae-workspace-probe", "vae_workspace_probe", "the FLUX.1 VAE decoding the same latents with less and "
              "less device memory free under a 12 GiB cap: whether cuDNN's choice, so the bits, follow free memory",
              "gpu", (OFFLOAD,)),

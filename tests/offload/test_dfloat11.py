@@ -119,6 +119,19 @@ def test_interpreted_kernel_loads_a_tiny_flux_bit_for_bit():
 
 
 @interpreted
+@pytest.mark.parametrize("kind", ["normal", "wide", "one exponent", "zeros"])
+def test_interpreted_kernel_decodes_what_the_probe_codes_over_many_blocks(kind):
+    from benchmarks import dfloat11_probe
+    from tests.benchmarks.test_dfloat11_probe import weights
+
+    parts = weights(kind, numel=60_000)
+    unit = dfloat11_probe.encode_unit(parts)
+    assert dfloat11._kernel_serves(unit, 8, 512) and unit["output_positions"].numel() // 4 > 2
+    decoded = decode_unit(unit)
+    assert all(_same_bits(d, p) for d, p in zip(decoded, parts))
+
+
+@interpreted
 def test_interpreted_kernel_leaves_a_block_size_it_cannot_take_to_the_tensor_operations():
     tensors = _units(FIXTURES / "units.safetensors")["u3"]
     original = tensors.pop("original")
