@@ -74,6 +74,11 @@ def _leaf_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.contiguous().view(torch.uint8)
 
 
+def tensor_digests(tensors: list[torch.Tensor]) -> list[bytes]:
+    """SHA-256 of each tensor's bytes (hashed in threads): what ``load_dfloat11`` records and later checks."""
+    return list(_pool().map(_sha256, [_leaf_bytes(tensor) for tensor in tensors]))
+
+
 def weights_digest(weights: Any) -> str:
     """SHA-256 of a block's weights (a ``memory.PackedWeights``): the cache version, its path, each tensor's dtype,
     shape and place in the layout, and each tensor's bytes (hashed per tensor in threads, then combined)."""

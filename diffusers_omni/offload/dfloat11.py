@@ -18,18 +18,21 @@ block whose listed sub-modules' weights are coded together, in the listed order)
 
 The other tensors (biases, norms, anything not coded) are stored under their own names. ``decode_unit`` decodes one
 unit, with ``offload.dfloat11_kernel`` (Triton, one launch per unit) on a CUDA GPU, else with tensor operations,
-every chunk at once, on any device; ``load_dfloat11`` fills a model (built from its
-Diffusers config, on the meta device or not) from such a checkpoint, checking that every tensor of the model is
-given exactly once. This goes beyond the contract this package follows (vLLM-Omni's docs do not read DFloat11): the
-weights come back as ordinary bfloat16 tensors (streamed coded with ``compression="lossless"`` if asked); streaming
-DFloat11's own code without decoding it first is not done.
+every chunk at once, on any device; ``load_dfloat11`` fills a model (built from its Diffusers config, on the meta
+device or not) from such a checkpoint, checking that every tensor of the model is given exactly once, and records
+where each tensor came from (``checkpoint_of``): under ``max_host_memory`` the offload reads the blocks it keeps off
+the host from the checkpoint again, as DFloat11's code, and decodes them on the device (``stores.dfloat11_file``).
+This goes beyond the contract this package follows (vLLM-Omni's docs do not read DFloat11).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import weakref
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,8 @@ import torch
 import torch.nn as nn
 
 from . import dfloat11_kernel
+from .coded_cache import tensor_digests
+from .disk import TensorEntry, safetensors_entries
 
 UNIT_TENSORS = ("encoded_exponent", "sign_mantissa", "luts", "output_positions", "gaps", "split_positions")
 POINTER = 240  # a table value at or above this points to another row (256 - value)
@@ -45,6 +50,44 @@ MAX_DEPTH = 4  # a code is at most 32 bits: four rows of 8
 
 class DFloat11Error(ValueError):
     """A DFloat11 checkpoint this reader cannot take (what is wrong, and where, in the message)."""
+
+
+@dataclass
+class DFloat11Record:
+    """Where a model loaded by ``load_dfloat11`` came from, so an offload can read its blocks' code from the
+    checkpoint again (``stores.dfloat11_file``): each unit's coded tensors and each other tensor as entries of the
+    checkpoint's files, which unit (and which weight of it) each coded weight is, a SHA-256 of every tensor as it
+    was loaded (a weight changed since, by a fused LoRA say, no longer matches its code) and each file's identity
+    (inode, size, modification time) then."""
+
+    folder: Path
+    bytes_per_thread: int
+    threads_per_block: int
+    units: dict[str, dict[str, TensorEntry]]  # unit (module name) → its tensors (``UNIT_TENSORS``)
+    coded: dict[str, tuple[str, int]]  # weight name → (its unit, its index among the unit's weights)
+    plain: dict[str, TensorEntry]  # every tensor that is not coded, as stored
+    digests: dict[str, bytes]  # tensor name → SHA-256 of its bytes as loaded
+    identities: dict[Path, tuple[int, int, int] | None]
+
+    def unchanged_files(self) -> bool:
+        """Whether every file of the checkpoint is still the one read at load."""
+        return all(file_identity(path) == identity for path, identity in self.identities.items())
+
+
+_RECORDS: "weakref.WeakKeyDictionary[nn.Module, DFloat11Record]" = weakref.WeakKeyDictionary()
+
+
+def checkpoint_of(model: nn.Module) -> DFloat11Record | None:
+    """The DFloat11 checkpoint ``model`` was loaded from by ``load_dfloat11`` (``None``: it was not)."""
+    return _RECORDS.get(model)
+
+
+def file_identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_ino, status.st_size, status.st_mtime_ns
 
 
 def _bits(stream: torch.Tensor, position: torch.Tensor, width: int) -> torch.Tensor:
@@ -122,6 +165,26 @@ def _kernel_serves(tensors: dict[str, torch.Tensor], bytes_per_thread: int, thre
             and tensors["gaps"].numel() * 8 >= 5 * chunks)
 
 
+def decode_words(tensors: dict[str, torch.Tensor], out: torch.Tensor, bytes_per_thread: int = 8,
+                 threads_per_block: int = 512, max_codes: int | None = None) -> None:
+    """Decode one unit's weights into ``out`` (int16 bit patterns, as many as the unit has weights, on the unit's
+    device): with ``dfloat11_kernel`` where Triton runs there (a CUDA GPU), else with tensor operations.
+    ``max_codes`` (``dfloat11_kernel.max_codes`` of the tables): given, the kernel does not read the tables back to
+    the host (no wait for the device)."""
+    sign_mantissa = tensors["sign_mantissa"].to(torch.uint8).flatten()
+    if _kernel_serves(tensors, bytes_per_thread, threads_per_block):
+        positions = tensors["output_positions"].to(torch.uint8).flatten().view(torch.int32)
+        dfloat11_kernel.decode(tensors["encoded_exponent"].to(torch.uint8).flatten(),
+                               tensors["gaps"].to(torch.uint8).flatten(), tensors["luts"].to(torch.uint8).contiguous(),
+                               positions, sign_mantissa, out, threads_per_block, max_codes)
+        return
+    exponents = decode_exponents(tensors["encoded_exponent"], tensors["gaps"], tensors["luts"],
+                                 sign_mantissa.numel(), bytes_per_thread).to(sign_mantissa.device)
+    low = sign_mantissa.to(torch.int32)
+    bits = ((low & 0x80) << 8) | (exponents.to(torch.int32) << 7) | (low & 0x7F)
+    out.copy_(torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16))
+
+
 def decode_unit(tensors: dict[str, torch.Tensor], bytes_per_thread: int = 8,
                 threads_per_block: int = 512) -> list[torch.Tensor]:
     """One DFloat11 unit's weights (flat bfloat16 tensors, split at ``split_positions``), bit for bit: with
@@ -129,19 +192,9 @@ def decode_unit(tensors: dict[str, torch.Tensor], bytes_per_thread: int = 8,
     missing = [name for name in UNIT_TENSORS if name not in tensors]
     if missing:
         raise DFloat11Error(f"a DFloat11 unit needs {', '.join(UNIT_TENSORS)}; missing: {', '.join(missing)}")
-    sign_mantissa = tensors["sign_mantissa"].to(torch.uint8).flatten()
-    if _kernel_serves(tensors, bytes_per_thread, threads_per_block):
-        words = torch.empty(sign_mantissa.numel(), dtype=torch.int16, device=sign_mantissa.device)
-        positions = tensors["output_positions"].to(torch.uint8).flatten().view(torch.int32)
-        dfloat11_kernel.decode(tensors["encoded_exponent"].to(torch.uint8).flatten(),
-                               tensors["gaps"].to(torch.uint8).flatten(), tensors["luts"].to(torch.uint8).contiguous(),
-                               positions, sign_mantissa, words, threads_per_block)
-    else:
-        exponents = decode_exponents(tensors["encoded_exponent"], tensors["gaps"], tensors["luts"],
-                                     sign_mantissa.numel(), bytes_per_thread).to(sign_mantissa.device)
-        low = sign_mantissa.to(torch.int32)
-        bits = ((low & 0x80) << 8) | (exponents.to(torch.int32) << 7) | (low & 0x7F)
-        words = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
+    sign_mantissa = tensors["sign_mantissa"]
+    words = torch.empty(sign_mantissa.numel(), dtype=torch.int16, device=sign_mantissa.device)
+    decode_words(tensors, words, bytes_per_thread, threads_per_block)
     splits = [int(p) for p in tensors["split_positions"].flatten().tolist()]
     return list(torch.tensor_split(words.view(torch.bfloat16), splits))
 
@@ -248,5 +301,16 @@ def load_dfloat11(model: nn.Module, folder: str | Path, device: str | torch.devi
             weight = flat.reshape(shape)
             values[name] = weight.clone() if weight.device == home[name] else weight.to(home[name])
     model.load_state_dict(values, assign=True)
+    entries: dict[str, TensorEntry] = {}
+    for file in files:
+        entries.update(safetensors_entries(file))
+    names = list(values)
+    _RECORDS[model] = DFloat11Record(
+        folder, bytes_per_thread, threads_per_block,
+        units={owner: {leaf: entries[stored] for leaf, (_, stored) in parts.items()} for owner, parts in units.items()},
+        coded={name: (owner, index) for owner, weights in targets.items() for index, name in enumerate(weights)},
+        plain={key: entries[stored] for key, (_, stored) in plain.items()},
+        digests=dict(zip(names, tensor_digests([values[name] for name in names]))),
+        identities={file: file_identity(file) for file in files})
     return model.eval()
 

@@ -100,14 +100,17 @@ def max_codes(luts: torch.Tensor) -> int:
 
 
 def decode(encoded: torch.Tensor, gaps: torch.Tensor, luts: torch.Tensor, positions: torch.Tensor,
-           sign_mantissa: torch.Tensor, out: torch.Tensor, threads_per_block: int) -> None:
+           sign_mantissa: torch.Tensor, out: torch.Tensor, threads_per_block: int, codes: int | None = None) -> None:
     """Decode one unit into ``out`` (int16, 1-D, as many words as ``sign_mantissa`` has bytes) on the current
     stream. ``positions`` are the unit's ``output_positions`` as int32 (one per block of ``threads_per_block``
-    chunks); every tensor on ``out``'s device."""
+    chunks); every tensor on ``out``'s device. ``codes``: ``max_codes(luts)`` when known (else read here, which
+    waits for the device when the tables are there)."""
     chunks = -(-encoded.numel() // CHUNK_BYTES)
     if chunks == 0 or out.numel() == 0:
         return
     blocks = -(-chunks // threads_per_block)
+    luts = luts.reshape(-1, 256)
     kernel = _kernel(interpreting())
     kernel[(blocks,)](encoded, gaps, luts, positions, sign_mantissa, out, encoded.numel(), chunks, out.numel(),
-                      luts.shape[0], max_codes(luts), BLOCK=threads_per_block, num_warps=_NUM_WARPS)
+                      luts.shape[0], max_codes(luts) if codes is None else codes, BLOCK=threads_per_block,
+                      num_warps=_NUM_WARPS)

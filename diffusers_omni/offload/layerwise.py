@@ -63,6 +63,7 @@ from .residents import ResidentBlocks
 from .stats import LayerwiseStats
 from .stores import FileStore, ShardGroup, StoreContext, store_for
 from .stores.coded_file import CodedSources
+from .stores.dfloat11_file import dfloat11_sources
 from .stores.file import file_views, plan_disk_blocks, request_reads, start_staging
 from .stores.lossless import LOSSLESS, codes, ring_bytes_planned
 from .stream_hooks import guard_state_dict, install_state_dict_guards, install_stream_hooks, rewire_stream_hooks
@@ -254,6 +255,8 @@ class LayerwiseOffloadBackend(OffloadBackend):
         ``stores.file.plan_disk_blocks``), checked against their files before anything changes."""
         cache = self._coded_cache(state)
         coded = CodedSources(cache, self.device) if cache is not None else None
+        # blocks of a model loaded from a DFloat11 checkpoint are read from it, coded; the others as before
+        coded = dfloat11_sources([c.module for c in state.topology.components], self.device, coded)
         budget = getattr(self.config, "max_host_memory", None)
         auto = budget == AUTO
         if auto:

@@ -153,10 +153,12 @@ def test_a_damaged_unit_is_refused_naming_what_is_wrong():
         decode_unit({**tensors, "encoded_exponent": tensors["encoded_exponent"][:100]})
 
 
-def _flux(layers: int = 2, device: str = "meta") -> FluxTransformer2DModel:
+def _flux(layers: int = 2, device: str = "meta", single: int | None = None) -> FluxTransformer2DModel:
     config = {k: v for k, v in json.loads((FIXTURES / "flux" / "config.json").read_text()).items()
               if not k.startswith("_") and k != "dfloat11_config"}
     config["num_layers"] = layers
+    if single is not None:
+        config["num_single_layers"] = single
     with torch.device(device):
         return FluxTransformer2DModel(**config).to(torch.bfloat16)
 
@@ -251,3 +253,122 @@ def test_a_dfloat11_model_codes_once_into_the_cache_and_reads_it_back(tmp_path):
             assert torch.equal(model(**_inputs(), return_dict=False)[0], expected)
     assert counters[0]["cache blocks written"] == 4 and counters[0]["cache blocks read"] == 0
     assert counters[1]["cache blocks written"] == 0 and counters[1]["cache blocks read"] == 4
+
+
+def _write_dfloat11(model: torch.nn.Module, folder: Path) -> None:
+    """A DFloat11 checkpoint of ``model`` in ``folder``, coded by the probe's DFloat11-format encoder
+    (``benchmarks/dfloat11_probe.py``) with DFloat11's FLUX.1 pattern: the store's tests need more blocks than
+    the fixture DFloat11's own encoder made (four: a host budget then never pays for its staging ring)."""
+    import re
+
+    from benchmarks.dfloat11_probe import encode_unit
+
+    config = json.loads((FIXTURES / "flux" / "config.json").read_text())
+    patterns = config["dfloat11_config"]["pattern_dict"]
+    state = model.state_dict()
+    tensors, coded = {}, set()
+    for name, module in model.named_modules():
+        for pattern, attributes in patterns.items():
+            if re.fullmatch(pattern, name):
+                weights = [f"{name}.{attribute}.weight" for attribute in attributes]
+                for key, value in encode_unit([state[w] for w in weights]).items():
+                    tensors[f"{name}.{key}"] = value.contiguous()
+                coded.update(weights)
+    tensors.update({k: v.contiguous() for k, v in state.items() if k not in coded})
+    folder.mkdir(parents=True)
+    save_file(tensors, folder / "diffusion_pytorch_model.safetensors")
+    (folder / "config.json").write_text(json.dumps({**model.config, "dfloat11_config": config["dfloat11_config"]}))
+
+
+def _deep_dfloat11(tmp_path: Path, layers: int = 6) -> tuple[FluxTransformer2DModel, torch.Tensor]:
+    """A FLUX.1 transformer of ``layers`` double- and single-stream blocks with random weights, its output, and the
+    same transformer loaded back from the DFloat11 checkpoint written of it."""
+    torch.manual_seed(0)
+    resident = _flux(layers=layers, device="cpu", single=layers).eval()
+    with torch.inference_mode():
+        expected = resident(**_inputs(), return_dict=False)[0]
+    _write_dfloat11(resident, tmp_path / "df11")
+    return load_dfloat11(_flux(layers=layers, single=layers), tmp_path / "df11"), expected
+
+
+def _resident_output() -> torch.Tensor:
+    resident = _flux(device="cpu")
+    resident.load_state_dict(load_file(FIXTURES / "flux_reference.safetensors"))
+    with torch.inference_mode():
+        return resident.eval()(**_inputs(), return_dict=False)[0]
+
+
+def _weights_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+@pytest.mark.parametrize("compression", [None, "lossless"])
+def test_a_host_budget_reads_blocks_coded_from_the_dfloat11_checkpoint(compression, tmp_path):
+    """A model loaded from a DFloat11 checkpoint has no file of its bf16 weights: under max_host_memory the blocks
+    that keep no host copy are read from the DFloat11 checkpoint itself, coded, and decoded (no cache folder)."""
+    _reads_blocks_from_the_dfloat11_checkpoint(compression, tmp_path)
+
+
+@interpreted
+def test_interpreted_kernel_decodes_the_blocks_read_from_the_dfloat11_checkpoint(tmp_path, monkeypatch):
+    """The same through the Triton kernel (as on a GPU): the staged code's views, tables and sizes as it takes them."""
+    from diffusers_omni.offload import dfloat11_kernel
+
+    calls, decode = [], dfloat11_kernel.decode
+    monkeypatch.setattr(dfloat11_kernel, "decode", lambda *args: calls.append(args[-1]) or decode(*args))
+    _reads_blocks_from_the_dfloat11_checkpoint("lossless", tmp_path)
+    assert calls and all(codes is not None for codes in calls[-4:])  # the offload's loads: no read of the tables
+
+
+def _reads_blocks_from_the_dfloat11_checkpoint(compression, tmp_path):
+    from diffusers_omni import LayerwiseOffloadConfig, apply_offload
+    from diffusers_omni.offload.report import offload_report
+    from diffusers_omni.offload.stores import DFloat11FileStore
+
+    model, expected = _deep_dfloat11(tmp_path)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    budget = _weights_bytes(model) // 2
+    backend = apply_offload(model, LayerwiseOffloadConfig(device="cpu", max_host_memory=budget,
+                                                          compression=compression))
+    try:
+        stats, state = backend.stats, backend._state
+        on_disk = [b for row in state.streamed for b in row if b is not None and isinstance(b.store, DFloat11FileStore)]
+        assert len(on_disk) == stats.disk_blocks > 0
+        assert stats.disk_bytes_per_pass < 0.8 * sum(b.weights.nbytes for b in on_disk)  # read coded
+        assert stats.host_bytes + stats.staging_bytes + stats.shared_bytes <= budget
+        for _ in range(2):
+            with torch.inference_mode():
+                assert torch.equal(model(**_inputs(), return_dict=False)[0], expected)
+        assert stats.disk_reads >= 2 * stats.disk_blocks
+        assert "disk (DFloat11)" in str(offload_report(model, backend, None))
+        state_dict = model.state_dict()  # the disk-backed blocks decoded back
+        assert all(torch.equal(state_dict[k].view(torch.uint8), v.view(torch.uint8)) for k, v in reference.items())
+    finally:
+        backend.disable()
+    after = model.state_dict()
+    assert all(torch.equal(after[k].view(torch.uint8), v.view(torch.uint8)) for k, v in reference.items())
+    with torch.inference_mode():
+        assert torch.equal(model(**_inputs(), return_dict=False)[0], expected)
+
+
+def test_a_block_changed_since_loading_is_not_read_from_the_dfloat11_checkpoint(caplog, tmp_path):
+    from diffusers_omni import LayerwiseOffloadConfig, apply_offload
+    from diffusers_omni.offload.stores import DFloat11FileStore
+
+    model, _ = _deep_dfloat11(tmp_path)
+    with torch.no_grad():
+        model.transformer_blocks[0].attn.to_q.weight.add_(1)  # as a fused LoRA would
+    with torch.inference_mode():
+        expected = model(**_inputs(), return_dict=False)[0]
+    with caplog.at_level("WARNING", logger="diffusers_omni"):
+        backend = apply_offload(model, LayerwiseOffloadConfig(device="cpu", max_host_memory=_weights_bytes(model) // 2))
+    try:
+        assert any("'transformer_blocks.0'" in r.getMessage() and "changed since it was loaded" in r.getMessage()
+                   for r in caplog.records)
+        stores = {b.weights.path: b.store for row in backend._state.streamed for b in row if b is not None}
+        assert not isinstance(stores["transformer_blocks.0"], DFloat11FileStore)  # kept in RAM: no file has it
+        assert any(isinstance(store, DFloat11FileStore) for store in stores.values())
+        with torch.inference_mode():
+            assert torch.equal(model(**_inputs(), return_dict=False)[0], expected)
+    finally:
+        backend.disable()

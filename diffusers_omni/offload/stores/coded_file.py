@@ -73,7 +73,7 @@ class CodedFileStore(FileStore):
     @classmethod
     def claims(cls, weights: PackedWeights, context: StoreContext) -> bool:
         source = context.sources.get(id(weights))
-        return source is not None and source.coded is not None
+        return source is not None and isinstance(source.coded, CodedBlock)
 
     def take(self, journal: Journal) -> None:
         super().take(journal)
