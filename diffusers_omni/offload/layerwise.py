@@ -255,9 +255,9 @@ class LayerwiseOffloadBackend(OffloadBackend):
         ``stores.file.plan_disk_blocks``), checked against their files before anything changes."""
         cache = self._coded_cache(state)
         coded = CodedSources(cache, self.device) if cache is not None else None
-        # blocks of a model loaded from a DFloat11 checkpoint are read from it, coded; the others as before
-        coded = dfloat11_sources([c.module for c in state.topology.components], self.device, coded)
         budget = getattr(self.config, "max_host_memory", None)
+        if budget is not None:  # blocks of a model loaded from a DFloat11 checkpoint are read from it, coded
+            coded = dfloat11_sources([c.module for c in state.topology.components], self.device, coded)
         auto = budget == AUTO
         if auto:
             views = file_views(state)
