@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from diffusers_omni.offload import codec, dfloat11, dfloat11_kernel
+from diffusers_omni.offload import codec, decode_kernel, dfloat11
 
 POINTER = dfloat11.POINTER
 MAX_ROWS = 256 - POINTER  # rows a pointer can name (1 … 16)
@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         dfloat11._kernel_serves = serves
     tensor_ops.clear()
     out = torch.empty_like(weights)
-    row("our lossless code (offload.codec), its kernel" if cuda else "our lossless code (offload.codec), tensor ops",
+    row("our lossless code (offload.codec), its kernel" if decode_kernel.available(device)
+        else "our lossless code (offload.codec), tensor ops",
         _timed(lambda: codec.decode_into(ours, out), repeats, cuda), ours.nbytes,
         bool(torch.equal(out.view(torch.int16), weights.view(torch.int16))))
     if cuda:
