@@ -138,6 +138,10 @@ SCENARIOS: tuple[Scenario, ...] = (
              "random) in DFloat11's format: decoded by our Triton kernel and by tensor operations, our lossless "
              "code's kernel on the same weights, and the pinned copies of each code: whether streaming DFloat11's "
              "own code could keep up with the link", "gpu", ()),
+    Scenario("dfloat11-host", "dfloat11_host_bench", "a FLUX.1-dev-size transformer under max_host_memory=8GiB, "
+             "page cache dropped before each forward: blocks read from its bf16 checkpoint against blocks read coded "
+             "from its DFloat11 checkpoint (load_dfloat11, the disk (DFloat11) store): load, enable, first and median "
+             "forward, bytes read, bitwise", "gpu", ()),
     Scenario("vae-workspace-probe", "vae_workspace_probe", "the FLUX.1 VAE decoding the same latents with less and "
              "less device memory free under a 12 GiB cap: whether cuDNN's choice, so the bits, follow free memory",
              "gpu", (OFFLOAD,)),
