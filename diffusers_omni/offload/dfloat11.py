@@ -151,6 +151,11 @@ def decode_exponents(encoded: torch.Tensor, gaps: torch.Tensor, luts: torch.Tens
     return decoded[:n_elements]
 
 
+def kernel_name(device: torch.device) -> str:
+    """Which decoder ``decode_words`` uses on ``device`` (for the report)."""
+    return "our Triton kernel (offload.dfloat11_kernel)" if dfloat11_kernel.available(device) else "tensor operations"
+
+
 def _kernel_serves(tensors: dict[str, torch.Tensor], bytes_per_thread: int, threads_per_block: int) -> bool:
     """Whether ``dfloat11_kernel`` decodes this unit: Triton on its device, DFloat11's chunk size, a power-of-two
     block, an output position for every block and a gap for every chunk."""

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..config.offload import format_bytes
 from ..utils.text import table
 from .codec import kernel_name as codec_kernel_name
+from .dfloat11 import kernel_name as dfloat11_kernel_name
 from .discovery import DIT, ENCODER, RESIDENT, VAE, discover_components
 
 # Locations a weight's bytes can be in (``disk``: no host copy, read from the checkpoint files at each use).
@@ -134,29 +135,39 @@ class OffloadReport:
 
 
 
+_CODED_STORES = (
+    ("lossless", "held coded in host memory",
+     "bfloat16 exponents as 1- to 4-bit codes with escapes (offload.codec)", codec_kernel_name),
+    ("disk (lossless)", "read coded from compression_cache_dir at each load",
+     "bfloat16 exponents as 1- to 4-bit codes with escapes (offload.codec)", codec_kernel_name),
+    ("disk (DFloat11)", "read coded from the DFloat11 checkpoint they were loaded from at each load",
+     "DFloat11's Huffman code of the bfloat16 exponents, per unit (its checkpoint's own)", dfloat11_kernel_name),
+)
+
+
 def _lossless_notes(stats: Any, backend: Any) -> list[str]:
-    """What compression="lossless" coded: bytes in host memory (or on disk, read coded from compression_cache_dir)
-    against their bf16 size, per component, the code widths, what passed through, the decoder that runs on the
-    execution device, and what the cache folder served."""
+    """What streams coded (compression="lossless", or a DFloat11 checkpoint's blocks read from it): bytes in host
+    memory or read from disk against their bf16 size, per component, the code widths, what passed through, the
+    decoder that runs on the execution device, and what the cache folder served."""
     device = getattr(backend, "execution_device", None) or torch.device("cpu")
     notes = []
-    for store, where in (("lossless", "held coded in host memory"),
-                         ("disk (lossless)", "read coded from compression_cache_dir at each load")):
+    for store, where, codec, kernel_name in _CODED_STORES:
         if store not in stats.store_bytes:
             continue
         counts = stats.store_counters.get(store, {})
         coded = sum(c.get("coded bytes", 0) + c.get("passed bytes", 0) for c in counts.values())
         logical = stats.store_bytes[store]
         notes.append(f"{store}: {stats.store_blocks[store]} streamed blocks {where}, {format_bytes(coded)} for "
-                     f"{format_bytes(logical)} ({coded / max(logical, 1):.3f}); codec: bfloat16 exponents as 1- to "
-                     f"4-bit codes with escapes (offload.codec), decoded on {device} by {codec_kernel_name(device)}")
+                     f"{format_bytes(logical)} ({coded / max(logical, 1):.3f}); codec: {codec}, decoded on {device} "
+                     f"by {kernel_name(device)}")
         for component, counts in counts.items():
-            widths = ", ".join(f"{counts[key]} {key}" for key in sorted(counts) if key.endswith("-bit buffers"))
+            widths = "".join(f"; {counts[key]} {key}" for key in sorted(counts)
+                             if key.endswith("-bit buffers") or key == "DFloat11 units")
+            escapes = f"; {counts['escapes']:,} escapes" if "escapes" in counts else ""
             ratio = counts.get("coded bytes", 0) / max(counts.get("logical bytes", 0), 1)
             notes.append(f"{store} {component}: bfloat16 {format_bytes(counts.get('logical bytes', 0))} → "
-                         f"{format_bytes(counts.get('coded bytes', 0))} ({ratio:.3f}; {widths}; "
-                         f"{counts.get('escapes', 0):,} escapes); other dtypes passed through as they are: "
-                         f"{format_bytes(counts.get('passed bytes', 0))}")
+                         f"{format_bytes(counts.get('coded bytes', 0))} ({ratio:.3f}{widths}{escapes}); other "
+                         f"tensors passed through as they are: {format_bytes(counts.get('passed bytes', 0))}")
     if getattr(stats, "code_buffers", 0):
         notes.append(f"lossless: the code moves to {device} through {stats.code_buffers} buffers of "
                      f"{format_bytes(stats.code_buffer_bytes // stats.code_buffers)} (the largest code), "
@@ -368,10 +379,12 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
     stats = getattr(getattr(backend, "_state", None), "stats", None)
     if getattr(stats, "staging_bytes", 0):
         mode = getattr(getattr(backend._state, "host_memory", None), "mode", None)
-        coded = getattr(stats, "store_blocks", {}).get("disk (lossless)", 0)
-        where = "their checkpoint files" if not coded else (
-            f"compression_cache_dir, coded" if coded == stats.disk_blocks else
-            f"their checkpoint files ({coded} of them from compression_cache_dir, coded)")
+        blocks = getattr(stats, "store_blocks", {})
+        coded, dfloat11 = blocks.get("disk (lossless)", 0), blocks.get("disk (DFloat11)", 0)
+        sources = [(coded, "compression_cache_dir, coded"), (dfloat11, "the DFloat11 checkpoint, coded"),
+                   (stats.disk_blocks - coded - dfloat11, "their checkpoint files")]
+        present = [(count, label) for count, label in sources if count]
+        where = present[0][1] if len(present) == 1 else "; ".join(f"{count} from {label}" for count, label in present)
         notes.append(f"disk: {stats.disk_blocks} streamed blocks have no host copy and are read from {where} at each "
                      f"load ({format_bytes(stats.disk_bytes_per_pass)} per pass), through a staging ring of "
                      f"{format_bytes(stats.staging_bytes)} of {_host_kind(mode)} host memory (not in the columns "
@@ -402,7 +415,7 @@ def offload_report(pipe: Any, backend: Any, peak: dict[str, Any] | None) -> Offl
         notes.append("streamed blocks by store: " + ", ".join(
             f"{name} {stats.store_blocks[name]} blocks ({format_bytes(nbytes)}, {format_bytes(held.get(name, 0))} "
             f"in host memory)" for name, nbytes in store_bytes.items()))
-    if {"lossless", "disk (lossless)"} & set(store_bytes or {}):
+    if {store for store, *_ in _CODED_STORES} & set(store_bytes or {}):
         notes.extend(_lossless_notes(stats, backend))
     if getattr(stats, "residents_left", 0):
         notes.append(f"resident DiT blocks left the device {stats.residents_left} times "

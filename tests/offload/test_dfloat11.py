@@ -340,7 +340,9 @@ def _reads_blocks_from_the_dfloat11_checkpoint(compression, tmp_path):
             with torch.inference_mode():
                 assert torch.equal(model(**_inputs(), return_dict=False)[0], expected)
         assert stats.disk_reads >= 2 * stats.disk_blocks
-        assert "disk (DFloat11)" in str(offload_report(model, backend, None))
+        report = str(offload_report(model, backend, None))
+        assert "are read from the DFloat11 checkpoint, coded" in report
+        assert "disk (DFloat11): " in report and "DFloat11's Huffman code of the bfloat16 exponents" in report
         state_dict = model.state_dict()  # the disk-backed blocks decoded back
         assert all(torch.equal(state_dict[k].view(torch.uint8), v.view(torch.uint8)) for k, v in reference.items())
     finally:
