@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     def same(decoded: list[torch.Tensor]) -> bool:
         return bool(torch.equal(torch.cat(decoded).view(torch.int16), weights.view(torch.int16)))
 
-    kernel_serves = dfloat11._kernel_serves(unit, 8, 512)
+    kernel_serves = dfloat11.kernel_serves(unit, 8, 512)
     if kernel_serves:
         decoded: list[list[torch.Tensor]] = []
         row("DFloat11 code, our Triton kernel (offload.dfloat11_kernel)",
@@ -217,12 +217,12 @@ def main(argv: list[str] | None = None) -> int:
             same(decoded[-1]))
         decoded.clear()
     tensor_ops: list[list[torch.Tensor]] = []
-    serves, dfloat11._kernel_serves = dfloat11._kernel_serves, (lambda *a: False)
+    serves, dfloat11.kernel_serves = dfloat11.kernel_serves, (lambda *a: False)
     try:
         row("DFloat11 code, tensor operations (load_dfloat11 without Triton)",
             _timed(lambda: tensor_ops.append(dfloat11.decode_unit(unit)), 1, cuda), nbytes(unit), same(tensor_ops[-1]))
     finally:
-        dfloat11._kernel_serves = serves
+        dfloat11.kernel_serves = serves
     tensor_ops.clear()
     out = torch.empty_like(weights)
     row("our lossless code (offload.codec), its kernel" if decode_kernel.available(device)

@@ -156,7 +156,7 @@ def kernel_name(device: torch.device) -> str:
     return "our Triton kernel (offload.dfloat11_kernel)" if dfloat11_kernel.available(device) else "tensor operations"
 
 
-def _kernel_serves(tensors: dict[str, torch.Tensor], bytes_per_thread: int, threads_per_block: int) -> bool:
+def kernel_serves(tensors: dict[str, torch.Tensor], bytes_per_thread: int, threads_per_block: int) -> bool:
     """Whether ``dfloat11_kernel`` decodes this unit: Triton on its device, DFloat11's chunk size, a power-of-two
     block, an output position for every block and a gap for every chunk."""
     device = tensors["encoded_exponent"].device
@@ -177,7 +177,7 @@ def decode_words(tensors: dict[str, torch.Tensor], out: torch.Tensor, bytes_per_
     ``max_codes`` (``dfloat11_kernel.max_codes`` of the tables): given, the kernel does not read the tables back to
     the host (no wait for the device)."""
     sign_mantissa = tensors["sign_mantissa"].to(torch.uint8).flatten()
-    if _kernel_serves(tensors, bytes_per_thread, threads_per_block):
+    if kernel_serves(tensors, bytes_per_thread, threads_per_block):
         positions = tensors["output_positions"].to(torch.uint8).flatten().view(torch.int32)
         dfloat11_kernel.decode(tensors["encoded_exponent"].to(torch.uint8).flatten(),
                                tensors["gaps"].to(torch.uint8).flatten(), tensors["luts"].to(torch.uint8).contiguous(),

@@ -79,7 +79,7 @@ def test_codes_four_table_rows_deep_decode_bit_for_bit():
 def test_the_tensor_operation_decoder_runs_where_the_kernel_cannot():
     tensors = _units(FIXTURES / "units.safetensors")["u1"]
     tensors.pop("original")
-    assert not dfloat11._kernel_serves(tensors, 8, 512)  # the CPU, without Triton's interpreter
+    assert not dfloat11.kernel_serves(tensors, 8, 512)  # the CPU, without Triton's interpreter
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the kernel needs it; CI installs it)")
@@ -99,14 +99,14 @@ def test_dfloat11_kernel_under_the_interpreter():
 def test_interpreted_kernel_decodes_each_unit_bit_for_bit(unit):
     tensors = _units(FIXTURES / "units.safetensors")[unit]
     original = tensors.pop("original")
-    assert dfloat11._kernel_serves(tensors, 8, 512)
+    assert dfloat11.kernel_serves(tensors, 8, 512)
     assert _same_bits(torch.cat(decode_unit(tensors)), original)
 
 
 @interpreted
 def test_interpreted_kernel_decodes_codes_four_rows_deep():
     tensors = _units(FIXTURES / "fib.safetensors")["fib"]
-    assert dfloat11._kernel_serves(tensors, 8, 512)
+    assert dfloat11.kernel_serves(tensors, 8, 512)
     assert _same_bits(torch.cat(decode_unit(tensors)), _fibonacci_weights())
 
 
@@ -126,7 +126,7 @@ def test_interpreted_kernel_decodes_what_the_probe_codes_over_many_blocks(kind):
 
     parts = weights(kind, numel=60_000)
     unit = dfloat11_probe.encode_unit(parts)
-    assert dfloat11._kernel_serves(unit, 8, 512) and unit["output_positions"].numel() // 4 > 2
+    assert dfloat11.kernel_serves(unit, 8, 512) and unit["output_positions"].numel() // 4 > 2
     decoded = decode_unit(unit)
     assert all(_same_bits(d, p) for d, p in zip(decoded, parts))
 
@@ -135,8 +135,8 @@ def test_interpreted_kernel_decodes_what_the_probe_codes_over_many_blocks(kind):
 def test_interpreted_kernel_leaves_a_block_size_it_cannot_take_to_the_tensor_operations():
     tensors = _units(FIXTURES / "units.safetensors")["u3"]
     original = tensors.pop("original")
-    assert not dfloat11._kernel_serves(tensors, 8, 384)  # not a power of two
-    assert not dfloat11._kernel_serves({**tensors, "output_positions": tensors["output_positions"][:4]}, 8, 512)
+    assert not dfloat11.kernel_serves(tensors, 8, 384)  # not a power of two
+    assert not dfloat11.kernel_serves({**tensors, "output_positions": tensors["output_positions"][:4]}, 8, 512)
     assert _same_bits(torch.cat(decode_unit(tensors, threads_per_block=384)), original)
 
 
