@@ -31,6 +31,8 @@ from .lossless import code_ring, codes, upload_and_decode
 class CodedSources:
     """The host planner's view of the blocks the lossless code serves, with a cache folder (see the module)."""
 
+    progress_label = "layerwise offload: lossless code in compression_cache_dir (checked, or written once)"
+
     def __init__(self, cache: CodedCache, device: torch.device) -> None:
         self.cache = cache
         self.device = device

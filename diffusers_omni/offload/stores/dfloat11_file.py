@@ -96,6 +96,8 @@ class DFloat11Sources:
     """The host planner's view of the blocks of models loaded by ``load_dfloat11`` (see the module); ``fallback``
     (``coded_file.CodedSources`` or ``None``) answers for every other block."""
 
+    progress_label = "layerwise offload: blocks checked against their DFloat11 checkpoint (or compression_cache_dir)"
+
     def __init__(self, modules: list[torch.nn.Module], device: torch.device, fallback: Any = None) -> None:
         self.device = device
         self.fallback = fallback

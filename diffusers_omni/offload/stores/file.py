@@ -146,8 +146,8 @@ def plan_disk_blocks(state: Any, budget: int | None, staging_count: int, show_pr
     coding = sum(w.nbytes for row, resident_row in zip(state.weights, state.resident)
                  for w, resident in zip(row, resident_row)
                  if not resident and not w.empty and coded is not None and coded.claims(w))
-    with byte_progress(coding, "layerwise offload: lossless code in compression_cache_dir (checked, or written once)",
-                       show_progress if coding else False, state.target) as bar:
+    label = getattr(coded, "progress_label", "layerwise offload: coded blocks checked")
+    with byte_progress(coding, label, show_progress if coding else False, state.target) as bar:
         for index, (stack, row, resident_row, kind) in enumerate(
                 zip(state.stacks, state.weights, state.resident, state.kinds)):
             component = component_of(state.topology, stack.owner)
