@@ -112,11 +112,18 @@ class CodedBlock:
         return skeleton
 
 
+def coding_device(device: torch.device) -> torch.device | None:
+    """Where ``code_block`` codes for an offload to ``device``: the accelerator itself, ``None`` (the host) for the
+    CPU; ``PackedWeights.current_flat(coding_device(...))`` gathers the block there directly."""
+    return None if device.type == "cpu" else device
+
+
 def code_block(flat: dict[torch.dtype, torch.Tensor], device: torch.device,
                allocate: Callable[[int], torch.Tensor]) -> CodedBlock:
-    """Code ``flat`` (a block's per-dtype flat tensors, on the host) into one buffer from ``allocate(nbytes)``
-    (uint8, host). The coding runs on ``device`` when it is an accelerator (fast), else on the host; each coded part
-    is copied from there into its place in the buffer (one copy, no intermediate host tensor)."""
+    """Code ``flat`` (a block's per-dtype flat tensors, on the host or already on ``device``) into one buffer from
+    ``allocate(nbytes)`` (uint8, host). The coding runs on ``device`` when it is an accelerator (fast), else on the
+    host; each coded part is copied from there into its place in the buffer (one copy, no intermediate host
+    tensor)."""
     # The parts stay where they were coded and are copied once, straight into their place in the buffer.
     coded = {dtype: encode(tensor if device.type == "cpu" else tensor.to(device))
              for dtype, tensor in flat.items() if dtype in CODED_DTYPES}

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .coded_block import PART_ALIGN, CodedBlock, code_block
+from .coded_block import PART_ALIGN, CodedBlock, code_block, coding_device
 from .decode_kernel import GROUP
 from .disk import read_pieces, safetensors_entries
 
@@ -199,7 +199,8 @@ class CodedCache:
             logger.warning("compression_cache_dir: %s: its coded bytes are not the ones written (the file was "
                            "changed or damaged); block %r is coded again and the file replaced", entry.file,
                            weights.path)
-        block = code_block(weights.current_flat(), device, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+        block = code_block(weights.current_flat(coding_device(device)), device,
+                           lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
         return self.store(weights.path, digest, block)
 
     def path_of(self, block: str) -> Path:

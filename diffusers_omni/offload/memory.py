@@ -139,9 +139,10 @@ class PackedWeights:
             views.append(as_strided(shape, strides, base + offset))
         return views
 
-    def current_flat(self) -> dict[torch.dtype, torch.Tensor]:
-        """The tensors' current bytes in this layout: fresh ordinary host buffers, one per dtype (padding zeroed)."""
-        flat = {dtype: torch.zeros(numel, dtype=dtype) for dtype, numel in self.numel.items()}
+    def current_flat(self, device: torch.device | None = None) -> dict[torch.dtype, torch.Tensor]:
+        """The tensors' current bytes in this layout: fresh buffers, one per dtype (padding zeroed), ordinary host
+        memory or on ``device`` (each tensor copied straight there: no host-side copy of the block first)."""
+        flat = {dtype: torch.zeros(numel, dtype=dtype, device=device) for dtype, numel in self.numel.items()}
         for slot, view in zip(self.slots, self.views_into(flat)):
             view.copy_(slot.leaf.data())
         return flat

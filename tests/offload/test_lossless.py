@@ -181,3 +181,24 @@ def test_an_accelerator_plan_reserves_the_code_ring_at_the_bf16_size(monkeypatch
     assert backend._code_ring_planned(flat, forced) == 0
     monkeypatch.undo()
     pipe.disable_omni_offload()
+
+
+def test_a_block_gathered_where_it_is_coded_codes_to_the_same_bytes():
+    """``current_flat(device)`` gathers a block's tensors straight into buffers on the coding device (an accelerator:
+    no host copy first); on the CPU the coding device is the host (``None``) and both layouts are the same bytes."""
+    from diffusers_omni.offload.coded_block import coding_device
+    from diffusers_omni.offload.memory import PackedWeights
+
+    block = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.LayerNorm(24)).eval()
+    block[0].to(torch.bfloat16)
+    weights = PackedWeights("block", block)
+    assert coding_device(torch.device("cpu")) is None
+    assert coding_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    host, there = weights.current_flat(), weights.current_flat(torch.device("cpu"))
+    assert set(host) == {torch.bfloat16, torch.float32}
+    assert all(torch.equal(host[d].view(torch.uint8), there[d].view(torch.uint8)) for d in host)
+    coded = code_block(there, torch.device("cpu"), lambda n: torch.zeros(n, dtype=torch.uint8))  # padding zeroed
+    assert torch.equal(coded.buffer, code_block(host, torch.device("cpu"),
+                                                lambda n: torch.zeros(n, dtype=torch.uint8)).buffer)
+    decoded = coded.decoded()
+    assert all(torch.equal(decoded[d].view(torch.uint8), host[d].view(torch.uint8)) for d in host)

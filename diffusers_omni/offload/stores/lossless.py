@@ -20,7 +20,7 @@ import torch
 
 from ...utils.journal import Journal
 from ..codec import CODED_DTYPES
-from ..coded_block import CodedBlock, code_block
+from ..coded_block import CodedBlock, code_block, coding_device
 from ..memory import PackedWeights, Transfers
 from .base import BlockStore, StoreContext, register_store
 
@@ -48,7 +48,7 @@ def coded_copy(weights: PackedWeights, context: StoreContext, allocate) -> Coded
             if block is not None:
                 return block
             spare.append(buffer)
-    block = code_block(weights.current_flat(), context.device,
+    block = code_block(weights.current_flat(coding_device(context.device)), context.device,
                        lambda nbytes: spare.pop() if spare and spare[0].numel() == nbytes else allocate(nbytes))
     if cache is not None:
         cache.store(weights.path, digest, block)
