@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -238,3 +242,16 @@ def step_names(backend_cls: type) -> list[str]:
     """The method names of a backend class's enable steps, in order (``_enable_steps`` only looks its bound
     methods up, so an instance made without ``__init__`` answers)."""
     return [step.__name__ for step in backend_cls._enable_steps(object.__new__(backend_cls))]
+
+
+def run_interpreted(test_file: str) -> None:
+    """Run ``test_file``'s tests named ``*interpreted*`` in a child with ``TRITON_INTERPRET=1`` (Triton reads it when
+    first imported, so a Triton kernel then runs on CPU tensors) and assert they all ran and passed."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          test_file, "-k", "interpreted"], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from diffusers_omni.offload import codec, decode_kernel
+from offload_helpers import run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -105,14 +103,7 @@ def test_the_kernel_is_used_only_on_cuda_with_triton():
 
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETING, reason="needs Triton; this is the driver of the interpreted run")
 def test_decode_kernel_under_the_interpreter():
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                          "tests/offload/test_codec.py", "-k", "interpreted"],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+    run_interpreted("tests/offload/test_codec.py")
 
 
 @interpreted

@@ -13,8 +13,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from diffusers_omni import load_dfloat11
 from diffusers_omni.offload import dfloat11
 from diffusers_omni.offload.dfloat11 import DFloat11Error, decode_unit
+from offload_helpers import run_interpreted
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dfloat11"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -84,14 +83,7 @@ def test_the_tensor_operation_decoder_runs_where_the_kernel_cannot():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (the kernel needs it; CI installs it)")
 def test_dfloat11_kernel_under_the_interpreter():
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                          "tests/offload/test_dfloat11.py", "-k", "interpreted"],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+    run_interpreted("tests/offload/test_dfloat11.py")
 
 
 @interpreted

@@ -67,7 +67,8 @@ class CodedSources:
 @register_store
 class CodedFileStore(FileStore):
     """A disk-backed block whose bytes are its lossless code in ``compression_cache_dir``: staged by the reader
-    thread, copied to the device coded, decoded there into the block's buffers."""
+    thread, copied to the device coded, decoded there into the block's buffers. Any ``source.coded`` with
+    ``decode_into``, ``decoded`` and ``counters`` streams the same way (``dfloat11_file.DFloat11FileStore``)."""
 
     name = "disk (lossless)"
     priority = 110

@@ -27,10 +27,9 @@ from ..coded_cache import tensor_digests
 from ..dfloat11 import DFloat11Record, checkpoint_of, decode_words
 from ..dfloat11_kernel import max_codes
 from ..disk import BlockSource, DiskReader, Piece, TensorEntry, checkpoint_names, take_checksum
-from ..memory import PackedWeights, Transfers
+from ..memory import PackedWeights
 from .base import StoreContext, register_store
-from .file import FileStore
-from .lossless import code_ring, upload_and_decode
+from .coded_file import CodedFileStore
 
 logger = logging.getLogger("diffusers_omni")
 
@@ -203,7 +202,7 @@ class DFloat11Sources:
                              for i in range(len(weights_at) - 1))
             units.append(_Unit(placed, numel, weights_at, weights_at[0][1] if contiguous else None,
                                max_codes(_read(entries["luts"]))))
-        plain = [(place(entry, entry_label(entry, slot)), slot.dtype, slot.offset, slot.numel)
+        plain = [(place(entry, _label(entry, slot)), slot.dtype, slot.offset, slot.numel)
                  for entry, slot in parts["plain"]]
         source = BlockSource(weights.path, component, {torch.uint8: max(offset, 1)}, pieces)
         source.coded = DFloat11Block(units, plain, max(offset, 1), dict(weights.numel), self.device,
@@ -217,7 +216,7 @@ class DFloat11Sources:
         take_checksum(source, reader)
 
 
-def entry_label(entry: TensorEntry, slot: Any) -> str:
+def _label(entry: TensorEntry, slot: Any) -> str:
     return f"{entry.file.name}:{entry.offset} ({list(slot.shape)})"
 
 
@@ -236,9 +235,10 @@ def dfloat11_sources(modules: list[torch.nn.Module], device: torch.device, fallb
 
 
 @register_store
-class DFloat11FileStore(FileStore):
+class DFloat11FileStore(CodedFileStore):
     """A disk-backed block whose bytes are its DFloat11 code in the checkpoint it was loaded from: staged by the
-    reader thread, copied to the device coded, decoded there into the block's buffers."""
+    reader thread, copied to the device coded, decoded there into the block's buffers (as the coded file store's
+    blocks are, through their ``DFloat11Block``)."""
 
     name = "disk (DFloat11)"
     priority = 120
@@ -247,19 +247,3 @@ class DFloat11FileStore(FileStore):
     def claims(cls, weights: PackedWeights, context: StoreContext) -> bool:
         source = context.sources.get(id(weights))
         return source is not None and isinstance(source.coded, DFloat11Block)
-
-    def take(self, journal) -> None:
-        super().take(journal)
-        code_ring(self.context).want(self.source.nbytes)
-
-    def _queue(self, staged: Any, buffers: dict[torch.dtype, torch.Tensor], transfers: Transfers, wait_for,
-               done) -> None:
-        source = self.source
-        upload_and_decode(source.coded, staged.buffer.narrow(0, 0, source.nbytes), buffers, transfers, wait_for, done,
-                          code_ring(self.context))
-
-    def _read_back(self) -> dict[torch.dtype, torch.Tensor]:
-        return self.source.coded.decoded(self.context.reader.read_pageable(self.source)[torch.uint8])
-
-    def counters(self) -> dict[str, int]:
-        return self.source.coded.counters()
