@@ -63,7 +63,7 @@ from .residents import ResidentBlocks
 from .stats import LayerwiseStats
 from .stores import FileStore, ShardGroup, StoreContext, store_for
 from .stores.coded_file import CodedSources
-from .stores.dfloat11_file import dfloat11_sources
+from .stores.dfloat11_file import dfloat11_sources, reads_dfloat11
 from .stores.file import file_views, plan_disk_blocks, request_reads, start_staging
 from .stores.lossless import LOSSLESS, codes, ring_bytes_planned
 from .stream_hooks import guard_state_dict, install_state_dict_guards, install_stream_hooks, rewire_stream_hooks
@@ -116,6 +116,13 @@ class LayerwiseState:
     phases: Phases | None = None  # moves the phase units (made with the hooks)
     stores: StoreContext | None = None  # what the blocks' stores share
     coded_cache: Any = None  # coded_cache.CodedCache of compression_cache_dir
+
+
+def streams_coded(config: Any, modules: list[nn.Module]) -> bool:
+    """Whether blocks may stream coded through the code ring: ``compression="lossless"``, or a host budget with a
+    component loaded from a DFloat11 checkpoint (its disk blocks are read as DFloat11's code)."""
+    return (getattr(config, "compression", None) == LOSSLESS
+            or (getattr(config, "max_host_memory", None) is not None and reads_dfloat11(modules)))
 
 
 class LayerwiseOffloadBackend(OffloadBackend):
@@ -199,7 +206,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         everything = dit_bytes + sum(w.nbytes for w in flat) + sum(u.weights.nbytes for u in state.units)
         units_resident = budget is not None and everything <= budget
         largest_unit = max(state.units, key=lambda u: u.weights.nbytes).label if state.units else ""
-        ring = self._code_ring_planned(flat, forced)
+        ring = self._code_ring_planned(state, flat, forced)
         resident = plan_residency(
             [w.nbytes for w in flat], forced, dit_bytes + (0 if units_resident else unit_bytes), budget,
             self._window_blocks, never=never, labels=[w.path for w in flat],
@@ -238,10 +245,10 @@ class LayerwiseOffloadBackend(OffloadBackend):
         """Streamed blocks on the device at once, at most: the running one and ``prefetch_depth`` ahead."""
         return self.config.prefetch_depth + 1
 
-    def _code_ring_planned(self, flat: list[PackedWeights], forced: list[bool]) -> int:
-        """Device bytes the plan reserves for the lossless code's buffers when blocks stream coded (0 on the CPU,
-        which decodes from the host buffers, and without ``compression="lossless"``)."""
-        if getattr(self.config, "compression", None) != LOSSLESS or self.device.type == "cpu":
+    def _code_ring_planned(self, state: LayerwiseState, flat: list[PackedWeights], forced: list[bool]) -> int:
+        """Device bytes the plan reserves for the code ring when blocks may stream coded (0 on the CPU, which
+        decodes from the host buffers, and where nothing streams coded)."""
+        if self.device.type == "cpu" or not streams_coded(self.config, [c.module for c in state.topology.components]):
             return 0
         return ring_bytes_planned([w.nbytes for w, f in zip(flat, forced) if not f and codes(w)], self._window_blocks)
 

@@ -366,3 +366,31 @@ def test_a_block_changed_since_loading_is_not_read_from_the_dfloat11_checkpoint(
             assert torch.equal(model(**_inputs(), return_dict=False)[0], expected)
     finally:
         backend.disable()
+
+
+def test_a_device_budget_reserves_the_code_ring_for_blocks_read_from_a_dfloat11_checkpoint(tmp_path):
+    """On a GPU, blocks read from a DFloat11 checkpoint pass through the code ring even without
+    compression="lossless": a device plan must reserve it whenever a host budget may read such blocks."""
+    from diffusers_omni import LayerwiseOffloadConfig
+    from diffusers_omni.offload.layerwise import streams_coded
+
+    model, _ = _deep_dfloat11(tmp_path, layers=1)
+    plain = _flux(layers=1, device="cpu")
+    assert streams_coded(LayerwiseOffloadConfig(device="cpu", max_host_memory=1 << 30), [model])
+    assert not streams_coded(LayerwiseOffloadConfig(device="cpu"), [model])  # no host budget: nothing read from it
+    assert not streams_coded(LayerwiseOffloadConfig(device="cpu", max_host_memory=1 << 30), [plain])
+    assert streams_coded(LayerwiseOffloadConfig(device="cpu", compression="lossless"), [plain])
+    # and the plan of an offload on an accelerator reserves it: one buffer per window block, at the bf16 size
+    from diffusers_omni import apply_offload
+
+    backend = apply_offload(model, LayerwiseOffloadConfig(device="cpu", max_host_memory=_weights_bytes(model)))
+    try:
+        flat = [w for row in backend._state.weights for w in row]
+        forced = [w.empty for w in flat]
+        assert backend._code_ring_planned(backend._state, flat, forced) == 0  # the CPU decodes from the host
+        backend.device = torch.device("cuda")
+        largest = max(w.nbytes for w, f in zip(flat, forced) if not f)
+        assert backend._code_ring_planned(backend._state, flat, forced) == 2 * largest
+    finally:
+        backend.device = torch.device("cpu")
+        backend.disable()

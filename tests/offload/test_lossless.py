@@ -173,12 +173,12 @@ def test_an_accelerator_plan_reserves_the_code_ring_at_the_bf16_size(monkeypatch
     backend = pipe.enable_layerwise_offload(device="cpu", compression="lossless")
     flat = [w for row in backend._state.weights for w in row]
     forced = [w.empty for w in flat]
-    assert backend._code_ring_planned(flat, forced) == 0  # the CPU decodes from the host buffers
+    assert backend._code_ring_planned(backend._state, flat, forced) == 0  # the CPU decodes from the host buffers
     monkeypatch.setattr(backend, "device", torch.device("cuda"))
     largest = max(w.nbytes for w, f in zip(flat, forced) if not f)
-    assert backend._code_ring_planned(flat, forced) == 2 * largest
+    assert backend._code_ring_planned(backend._state, flat, forced) == 2 * largest
     monkeypatch.setattr(backend, "config", dataclasses.replace(backend.config, compression=None))
-    assert backend._code_ring_planned(flat, forced) == 0
+    assert backend._code_ring_planned(backend._state, flat, forced) == 0
     monkeypatch.undo()
     pipe.disable_omni_offload()
 

@@ -227,9 +227,15 @@ def _read(entry: TensorEntry) -> torch.Tensor:
         return torch.frombuffer(bytearray(handle.read(entry.nbytes)), dtype=torch.uint8)
 
 
+def reads_dfloat11(modules: list[torch.nn.Module]) -> bool:
+    """Whether one of ``modules`` was loaded by ``load_dfloat11`` (under a host budget its blocks may be read from
+    that checkpoint)."""
+    return any(checkpoint_of(module) is not None for module in modules)
+
+
 def dfloat11_sources(modules: list[torch.nn.Module], device: torch.device, fallback: Any) -> Any:
     """``DFloat11Sources`` when one of ``modules`` was loaded by ``load_dfloat11``, else ``fallback`` as it is."""
-    if not any(checkpoint_of(module) is not None for module in modules):
+    if not reads_dfloat11(modules):
         return fallback
     return DFloat11Sources(modules, device, fallback)
 
