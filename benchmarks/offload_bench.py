@@ -358,6 +358,7 @@ def run_variant(label: str, setup: Callable[[], Any], teardown: Callable[[Any], 
             })
             if getattr(stats, "cache_counters", None):  # compression_cache_dir: what the enable read or wrote
                 result["cache_counters"] = dict(stats.cache_counters)
+                result["cache_seconds"] = dict(stats.cache_seconds)
     start = time.perf_counter()
     teardown(handle)
     synchronize(device)

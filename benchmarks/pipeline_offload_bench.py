@@ -1116,8 +1116,10 @@ def run_child(args: argparse.Namespace) -> int:
             cache = handle.stats.cache_counters
             if cache:
                 result["lossless_cache"] = dict(cache)
+                result["lossless_cache_seconds"] = dict(handle.stats.cache_seconds)
                 print(f"compression_cache_dir: read {cache['cache blocks read']} blocks, wrote "
-                      f"{cache['cache blocks written']}", flush=True)
+                      f"{cache['cache blocks written']}; " + ", ".join(
+                          f"{what} {value:.1f} s" for what, value in handle.stats.cache_seconds.items()), flush=True)
         elif is_omni(strategy):
             result["omni_plan"] = omni_plan(target, handle, (args.omni_runs or {}).get(strategy),
                                             getattr(args, "omni_passed_budget", None))

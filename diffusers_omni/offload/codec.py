@@ -88,16 +88,38 @@ def choose_width(counts: torch.Tensor, numel: int) -> int:
     return best
 
 
-def encode(flat: torch.Tensor) -> Encoded:
-    """Code a 1-D bfloat16 tensor, with tensor operations on its device; the parts are on that device."""
+def _check(flat: torch.Tensor, what: str) -> None:
     if flat.dtype not in CODED_DTYPES or flat.dim() != 1:
-        raise ValueError(f"encode takes a 1-D bfloat16 tensor, got {flat.dtype} of shape {list(flat.shape)}")
-    device, numel = flat.device, flat.numel()
+        raise ValueError(f"{what} takes a 1-D bfloat16 tensor, got {flat.dtype} of shape {list(flat.shape)}")
+
+
+def key_counts(flat: torch.Tensor) -> torch.Tensor:
+    """How often each key (exponent byte) occurs in a 1-D bfloat16 tensor: int64 [256], on its device."""
     words = flat.view(torch.int16)
-    counts = torch.zeros(256, dtype=torch.int64, device=device)
-    for start in range(0, numel, _CHUNK):
+    counts = torch.zeros(256, dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), _CHUNK):
         key, _ = _split(words[start:start + _CHUNK])
         counts += torch.bincount(key.to(torch.int64), minlength=256)
+    return counts
+
+
+def part_nbytes(flat: torch.Tensor) -> list[int]:
+    """The bytes of each part of ``encode(flat)`` (``Encoded.parts`` order), from the keys' counts alone: what the
+    code of ``flat`` will take, without coding it."""
+    _check(flat, "part_nbytes")
+    numel = flat.numel()
+    counts = key_counts(flat).cpu()
+    width = choose_width(counts, numel)
+    kept = sum(torch.sort(counts, descending=True).values.tolist()[: (1 << width) - 1])
+    return [16, -(-numel // 8) * width, numel, numel - kept, 4 * -(-numel // GROUP)]
+
+
+def encode(flat: torch.Tensor) -> Encoded:
+    """Code a 1-D bfloat16 tensor, with tensor operations on its device; the parts are on that device."""
+    _check(flat, "encode")
+    device, numel = flat.device, flat.numel()
+    words = flat.view(torch.int16)
+    counts = key_counts(flat)
     width = choose_width(counts.cpu(), numel)
     escape = (1 << width) - 1
     order = torch.argsort(counts, descending=True, stable=True)[:escape]

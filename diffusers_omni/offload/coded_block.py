@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import CODED_DTYPES, Encoded, decode, decode_into, encode
+from .codec import CODED_DTYPES, Encoded, decode, decode_into, encode, part_nbytes
 
 PART_ALIGN = 64  # bytes between the starts of two parts in the buffer
 
@@ -118,6 +118,23 @@ def coding_device(device: torch.device) -> torch.device | None:
     return None if device.type == "cpu" else device
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // PART_ALIGN) * PART_ALIGN
+
+
+def coded_nbytes(flat: dict[torch.dtype, torch.Tensor], device: torch.device) -> int:
+    """The bytes of ``code_block(flat, device, ...)``'s buffer, without coding: from the keys' counts of each coded
+    dtype (counted on ``device`` when it is an accelerator) and the sizes of the others. A host budget plans with it
+    before it decides which blocks are coded where."""
+    total = 0
+    for dtype, tensor in flat.items():
+        if dtype in CODED_DTYPES:
+            total += sum(_aligned(n) for n in part_nbytes(tensor if device.type == "cpu" else tensor.to(device)))
+        else:
+            total += _aligned(tensor.numel() * tensor.element_size())
+    return max(total, 1)
+
+
 def code_block(flat: dict[torch.dtype, torch.Tensor], device: torch.device,
                allocate: Callable[[int], torch.Tensor]) -> CodedBlock:
     """Code ``flat`` (a block's per-dtype flat tensors, on the host or already on ``device``) into one buffer from
@@ -132,7 +149,7 @@ def code_block(flat: dict[torch.dtype, torch.Tensor], device: torch.device,
     layout, total = [], 0
     for part in parts:
         layout.append((total, part.numel(), part.dtype))
-        total += -(-part.numel() * part.element_size() // PART_ALIGN) * PART_ALIGN
+        total += _aligned(part.numel() * part.element_size())
     buffer = allocate(max(total, 1))
     block = CodedBlock(buffer, layout, coded, list(raw))
     for part, view in zip(parts, block.views(buffer)):

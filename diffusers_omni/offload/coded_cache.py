@@ -1,5 +1,8 @@
 """The lossless code on disk (``compression_cache_dir``): each streamed block's code written once, read back by later
-enables instead of coding again, and read coded at every load by the blocks a host budget keeps off the host.
+enables instead of coding again, and read coded at every load by the blocks a host budget keeps off the host. Under
+a host budget only those blocks are written (``CodedCache.disk_only``): the others are held coded in host memory,
+coded at enable (or read from the folder when an earlier enable wrote them), so an enable writes no more to disk
+than the blocks it will read from there.
 
 One safetensors file per block, named after the block's path, holding one uint8 tensor: the block's coded buffer
 exactly as the lossless store keeps it in host memory (``coded_block.CodedBlock``). Its metadata holds the layout of
@@ -23,6 +26,7 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,6 +171,12 @@ class CodedCache:
         self._digests: dict[int, str] = {}  # id(PackedWeights) → weights_digest, taken once per enable
         # file → its identity when this enable hashed (or wrote) its coded bytes: read again unchanged, not rehashed
         self._checked: dict[Path, tuple[int, int, int] | None] = {}
+        # Under a host budget: the blocks read from disk, the only ones whose code is written (``writes``)
+        self.disk_only: set[str] | None = None
+        self._warned: set[tuple[Path, str]] = set()  # (file, why) of the stale files already logged
+        # Where this enable's time went (the report's line): hashing weights, reading files back to check them,
+        # coding, writing files (in the writer thread, overlapping the coding) and waiting for those writes.
+        self.seconds = dict.fromkeys(("hashing", "checking", "coding", "writing", "waiting for writes"), 0.0)
 
     def _remove_stale_temporaries(self) -> None:
         """Delete the temporary files of writes that never finished (a process killed while writing), once they are
@@ -184,24 +194,75 @@ class CodedCache:
         """``weights_digest`` of a block, taken once per enable."""
         found = self._digests.get(id(weights))
         if found is None:
+            started = time.perf_counter()
             found = self._digests[id(weights)] = weights_digest(weights)
+            self.seconds["hashing"] += time.perf_counter() - started
         return found
 
-    def ensure(self, weights: Any, device: torch.device) -> Entry:
-        """The block's entry, checked (its weights' digest, and every coded byte read back and hashed), or made now:
-        coded (on ``device`` when it is an accelerator) and written. Nothing of the block stays in memory."""
-        digest = self.digest(weights)
-        entry = self.lookup(weights.path, digest)
-        if entry is not None:
-            if _file_digest(entry) == entry.coded_sha256:
-                self._checked[entry.file] = _identity(entry.file)
-                return entry
-            logger.warning("compression_cache_dir: %s: its coded bytes are not the ones written (the file was "
-                           "changed or damaged); block %r is coded again and the file replaced", entry.file,
-                           weights.path)
-        block = code_block(weights.current_flat(coding_device(device)), device,
-                           lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
-        return self.store(weights.path, digest, block)
+    def ensure_all(self, blocks: list[Any], device: torch.device,
+                   progress: Callable[[int], Any] | None = None) -> list[Entry]:
+        """Each block's entry, checked (its weights' digest, and every coded byte read back and hashed), or made
+        now: coded (on ``device`` when it is an accelerator) and written. One writer thread writes a block's file
+        while the next block is hashed and coded (at most one coded block waits for it), so the time is about the
+        larger of coding and writing rather than their sum. Nothing of a block stays in memory once written; on a
+        failure the write in progress finishes (a whole file, or none) before the error is raised.
+        ``progress(nbytes)`` is called with each block's bytes once it is checked or coded."""
+        entries: list[Entry | None] = [None] * len(blocks)
+        writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-cache-write")
+        pending: concurrent.futures.Future | None = None
+        try:
+            for index, weights in enumerate(blocks):
+                entry = self._checked_entry(weights)
+                if entry is None:
+                    started = time.perf_counter()
+                    block = code_block(weights.current_flat(coding_device(device)), device,
+                                       lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+                    self.seconds["coding"] += time.perf_counter() - started
+                    if pending is not None:
+                        self._wait(pending)
+                    pending = writer.submit(self._write, entries, index, weights.path, self.digest(weights), block)
+                    del block
+                else:
+                    entries[index] = entry
+                if progress is not None:
+                    progress(weights.nbytes)
+            if pending is not None:
+                self._wait(pending)
+        finally:
+            writer.shutdown(wait=True)
+        return entries
+
+    def _checked_entry(self, weights: Any) -> Entry | None:
+        """The block's entry when its file holds the code of these weights and its bytes are the ones written."""
+        if not self.path_of(weights.path).exists():
+            return None
+        entry = self.lookup(weights.path, self.digest(weights))
+        if entry is None:
+            return None
+        started = time.perf_counter()
+        same = _file_digest(entry) == entry.coded_sha256
+        self.seconds["checking"] += time.perf_counter() - started
+        if same:
+            self._checked[entry.file] = _identity(entry.file)
+            return entry
+        logger.warning("compression_cache_dir: %s: its coded bytes are not the ones written (the file was changed "
+                       "or damaged); block %r is coded again and the file replaced", entry.file, weights.path)
+        return None
+
+    def _wait(self, pending: concurrent.futures.Future) -> None:
+        started = time.perf_counter()
+        pending.result()
+        self.seconds["waiting for writes"] += time.perf_counter() - started
+
+    def _write(self, entries: list[Entry | None], index: int, block: str, digest: str, coded: CodedBlock) -> None:
+        started = time.perf_counter()
+        entries[index] = self.store(block, digest, coded)
+        self.seconds["writing"] += time.perf_counter() - started
+
+    def writes(self, block: str) -> bool:
+        """Whether a block coded into host memory has its code written here too: every block, unless a host budget
+        limited the folder to the blocks it reads from disk (``disk_only``)."""
+        return self.disk_only is None or block in self.disk_only
 
     def path_of(self, block: str) -> Path:
         return self.folder / (re.sub(r"[^A-Za-z0-9._-]", "_", block) + ".safetensors")
@@ -232,8 +293,10 @@ class CodedCache:
             why = ("it was coded from other weights than the model's (the weights changed since, or another model "
                    "uses this folder: give each model its own)")
         if why:
-            logger.warning("compression_cache_dir: %s: %s; block %r is coded again and the file replaced", path, why,
-                           block)
+            if (path, why) not in self._warned:  # a plan and the store that codes the block both look it up
+                self._warned.add((path, why))
+                logger.warning("compression_cache_dir: %s: %s; block %r is coded again and the file replaced", path,
+                               why, block)
             return None
         return Entry(path, entry.offset, entry.nbytes, info, info.get("coded_sha256", ""))
 

@@ -385,6 +385,7 @@ class LayerwiseOffloadBackend(OffloadBackend):
         if state.coded_cache is not None:
             state.stats.cache_dir = str(state.coded_cache.folder)
             state.stats.cache_counters = state.coded_cache.counters()
+            state.stats.cache_seconds = dict(state.coded_cache.seconds)
         release_freed_host_memory()
         release_freed_device_memory(self.device)
 

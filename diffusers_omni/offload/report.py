@@ -179,6 +179,11 @@ def _lossless_notes(stats: Any, backend: Any) -> list[str]:
                      f"code ({format_bytes(cache['cache bytes read'])}) and wrote {cache['cache blocks written']} "
                      f"({format_bytes(cache['cache bytes written'])}; {cache['cache files replaced']} files "
                      "replaced: weights changed or files damaged)")
+        seconds = getattr(stats, "cache_seconds", None) or {}
+        if any(seconds.values()):
+            notes.append("compression_cache_dir: the enable's time on it: " + ", ".join(
+                f"{what} {value:.1f} s" for what, value in seconds.items() if value) +
+                " (writing runs beside the coding of the next block)")
     return notes
 
 

@@ -55,6 +55,7 @@ class LayerwiseStats:
     # compression_cache_dir: the folder, and what this enable read from and wrote to it (``CodedCache.counters``)
     cache_dir: str | None = None
     cache_counters: dict[str, int] = field(default_factory=dict)
+    cache_seconds: dict[str, float] = field(default_factory=dict)  # ``CodedCache.seconds``: where its time went
     tiled_vaes: list[str] = field(default_factory=list)  # VAEs switched to tiling after running out of memory
     residents_left: int = 0  # times the resident DiT blocks left the device to make room for a VAE
     residents_left_bytes: int = 0

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from diffusers_omni.offload import codec, decode_kernel
+from diffusers_omni.offload.coded_block import code_block, coded_nbytes
 from offload_helpers import run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -121,3 +122,28 @@ def test_interpreted_kernel_every_width_every_pattern(width, monkeypatch):
     values = _every_pattern()
     encoded = _encode_with_width(values, width, monkeypatch)
     assert _same_bits(codec.decode(encoded, use_kernel=True), values)
+
+
+@pytest.mark.parametrize("case", ["normal", "few", "one", "wide", "empty", "mixed"])
+def test_coded_nbytes_is_the_size_code_block_makes(case):
+    generator = torch.Generator().manual_seed(3)
+    numel = 10_000 + 37
+    flat = {}
+    if case == "normal":
+        flat[torch.bfloat16] = torch.randn(numel, generator=generator).to(torch.bfloat16)
+    elif case == "few":  # two exponents: 1-bit codes
+        flat[torch.bfloat16] = (torch.randint(0, 2, (numel,), generator=generator).float() + 1).to(torch.bfloat16)
+    elif case == "one":  # one value
+        flat[torch.bfloat16] = torch.full((numel,), 0.5, dtype=torch.bfloat16)
+    elif case == "wide":  # exponents everywhere: many escapes
+        flat[torch.bfloat16] = torch.randint(-2**15, 2**15, (numel,), generator=generator,
+                                             dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    elif case == "empty":
+        flat[torch.bfloat16] = torch.empty(0, dtype=torch.bfloat16)
+    else:
+        flat[torch.bfloat16] = torch.randn(numel, generator=generator).to(torch.bfloat16)
+        flat[torch.float32] = torch.randn(77, generator=generator)
+        flat[torch.float16] = torch.randn(5, generator=generator).half()
+    device = torch.device("cpu")
+    block = code_block(flat, device, lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+    assert coded_nbytes(flat, device) == block.nbytes

@@ -259,3 +259,110 @@ def test_a_file_of_another_code_layout_is_coded_again(tmp_path, monkeypatch, cap
     assert backend.stats.cache_counters["cache blocks read"] == 0
     assert any("its code's layout is" in r.getMessage() for r in caplog.records)
     pipe.disable_omni_offload()
+
+
+def _disk_paths(backend) -> set[str]:
+    return {source.label for source in backend._state.disk.values()}
+
+
+def test_host_budget_writes_only_the_blocks_it_reads_from_disk_then_reads_them_back(tmp_path, monkeypatch):
+    pipe = _bf16_flux()
+    reference = _image(pipe)
+    budget = _host_bytes(pipe) * 3 // 5
+    folder = tmp_path / "cache"
+    config = {"device": "cpu", "max_host_memory": budget, "compression": "lossless", "compression_cache_dir": folder}
+    backend = pipe.enable_layerwise_offload(**config)
+    stats = backend.stats
+    disk = _disk_paths(backend)
+    kept = [b.weights.path for row in backend._state.streamed for b in row
+            if b is not None and isinstance(b.store, LosslessStore)]
+    assert disk and kept  # some blocks on disk, some coded in host memory
+    # the folder holds the disk-backed blocks' code and nothing else: the others are coded into host memory only
+    assert {p.name for p in folder.iterdir()} == {CodedCache(folder).path_of(path).name for path in disk}
+    assert stats.cache_counters["cache blocks written"] == len(disk) and stats.cache_counters["cache blocks read"] == 0
+    assert stats.host_bytes + stats.staging_bytes + stats.shared_bytes <= budget
+    assert stats.cache_seconds["coding"] > 0 and stats.cache_seconds["writing"] > 0
+    assert "compression_cache_dir: the enable's time on it: " in str(pipe.omni_offload_report())
+    assert torch.equal(_image(pipe), reference)
+    pipe.disable_omni_offload()
+    files = _files(folder)
+
+    # Again: the disk-backed blocks' code is read back (checked), not coded; nothing is written.
+    coded = []
+    code_block = coded_cache.code_block
+    monkeypatch.setattr(coded_cache, "code_block", lambda *a, **k: coded.append(1) or code_block(*a, **k))
+    backend = pipe.enable_layerwise_offload(**config)
+    assert not coded and _disk_paths(backend) == disk
+    assert backend.stats.cache_counters["cache blocks written"] == 0
+    assert _files(folder) == files
+    for _ in range(2):
+        assert torch.equal(_image(pipe), reference)
+    pipe.disable_omni_offload()
+
+    # Without a budget every block is written; the files already there are read, not written again.
+    backend = pipe.enable_layerwise_offload(device="cpu", compression="lossless", compression_cache_dir=folder)
+    counters = backend.stats.cache_counters
+    assert counters["cache blocks read"] == len(disk) and counters["cache blocks written"] == len(kept)
+    pipe.disable_omni_offload()
+    # A host-kept block whose file a no-budget enable wrote is read from it under the budget too.
+    backend = pipe.enable_layerwise_offload(**config)
+    counters = backend.stats.cache_counters
+    assert counters["cache blocks read"] == len(kept) and counters["cache blocks written"] == 0
+    assert torch.equal(_image(pipe), reference)
+    pipe.disable_omni_offload()
+
+
+def test_a_host_kept_blocks_stale_file_is_brought_up_to_date_warning_once(tmp_path, caplog):
+    pipe = _bf16_flux()
+    folder = tmp_path / "cache"
+    pipe.enable_layerwise_offload(device="cpu", compression="lossless", compression_cache_dir=folder)
+    pipe.disable_omni_offload()
+    budget = _host_bytes(pipe) * 3 // 5
+    config = {"device": "cpu", "max_host_memory": budget, "compression": "lossless", "compression_cache_dir": folder}
+    backend = pipe.enable_layerwise_offload(**config)
+    kept = next(b.weights.path for row in backend._state.streamed for b in row
+                if b is not None and isinstance(b.store, LosslessStore))
+    pipe.disable_omni_offload()
+    module = pipe.transformer.get_submodule(kept.split(".", 1)[1])
+    with torch.no_grad():
+        next(p for p in module.parameters() if p.dtype == torch.bfloat16).mul_(2)
+    reference = _image(pipe)
+    with caplog.at_level(logging.WARNING, logger="diffusers_omni"):
+        backend = pipe.enable_layerwise_offload(**config)
+    warnings = [r.getMessage() for r in caplog.records if "compression_cache_dir" in r.getMessage()]
+    assert len(warnings) == 1 and kept in warnings[0] and "coded from other weights" in warnings[0], warnings
+    assert backend.stats.cache_counters["cache files replaced"] == 1  # the file says what the block now holds
+    assert torch.equal(_image(pipe), reference)
+    pipe.disable_omni_offload()
+    backend = pipe.enable_layerwise_offload(**config)
+    assert backend.stats.cache_counters["cache blocks written"] == 0
+    pipe.disable_omni_offload()
+
+
+def test_a_failed_write_stops_the_enable_leaving_whole_files_only(tmp_path, monkeypatch):
+    pipe = _bf16_flux()
+    reference = _image(pipe)
+    before = pipeline_snapshot(pipe)
+    budget = _host_bytes(pipe) * 3 // 5
+    store, calls = CodedCache.store, []
+
+    def failing_store(self, block, digest, coded):
+        calls.append(block)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return store(self, block, digest, coded)
+
+    monkeypatch.setattr(CodedCache, "store", failing_store)
+    folder = tmp_path / "cache"
+    with pytest.raises(OSError, match="No space left"):
+        pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget, compression="lossless",
+                                      compression_cache_dir=folder)
+    assert_same_snapshot(before, pipeline_snapshot(pipe))
+    assert torch.equal(_image(pipe), reference)
+    assert [p.name for p in folder.iterdir()] == [CodedCache(folder).path_of(calls[0]).name]  # no temporary
+    monkeypatch.setattr(CodedCache, "store", store)
+    backend = pipe.enable_layerwise_offload(device="cpu", max_host_memory=budget, compression="lossless",
+                                            compression_cache_dir=folder)
+    assert backend.stats.cache_counters["cache blocks written"] == len(_disk_paths(backend)) - 1
+    assert torch.equal(_image(pipe), reference)
+    pipe.disable_omni_offload()

@@ -219,11 +219,14 @@ def test_pack_failing_after_rebinding_restores_that_block(strategy, monkeypatch,
 # coded sources and the coded file store, failing at their first, middle and last call. "write": a fresh folder at
 # every enable (every block coded and written); "read": one folder, written by the counting enable, read after.
 CACHE_STEPS: list[tuple[object, str]] = [
-    (coded_cache.CodedCache, "ensure"),
+    (coded_cache.CodedCache, "ensure_all"),
     (coded_cache.CodedCache, "store"),
+    (coded_cache, "code_block"),  # coding a disk-backed block (the writer thread writes the one before)
     (coded_cache.CodedCache, "read"),
     (coded_cache.CodedCache, "lookup"),
     (coded_file.CodedSources, "prepare"),
+    (coded_file.CodedSources, "materialize"),
+    (coded_file, "coded_nbytes"),
     (coded_file.CodedSources, "source"),
     (coded_file, "take_checksum"),
     (stores_lossless, "code_block"),

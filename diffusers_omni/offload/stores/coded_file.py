@@ -3,11 +3,12 @@ blocks that keep no host copy are read from their cache file — their lossless 
 instead of from the checkpoint, and decoded on the device.
 
 ``CodedSources`` is what the host planner (``stores.file.plan_disk_blocks``) asks about such blocks: they count at
-their coded size (for the host copies the budget keeps and for the staging ring), need no checkpoint (the cache
-holds the block's bytes as the model has them: a model built in memory, non-persistent buffers, a permuted layout),
-and each is written to the cache once (``coded_cache.CodedCache.ensure``) before the plan is made. A disk-backed
-block's source is then one piece of its cache file, read by the reader thread into the staging ring as any
-disk-backed block is; ``CodedFileStore`` copies the staged code to the device and decodes it there
+their coded size (for the host copies the budget keeps and for the staging ring: counted from their keys, not coded,
+or the size of their file when the folder holds their code) and need no checkpoint (the cache holds the block's
+bytes as the model has them: a model built in memory, non-persistent buffers, a permuted layout). Once the plan is
+made, the blocks it reads from disk are written to the cache once (``coded_cache.CodedCache.ensure_all``: coding
+the next block while the last one is written), and only those. A disk-backed block's source is then one piece of
+its cache file, read by the reader thread into the staging ring as any disk-backed block is; ``CodedFileStore`` copies the staged code to the device and decodes it there
 (``lossless.upload_and_decode``).
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from ...utils.journal import Journal
-from ..coded_block import CodedBlock
+from ..coded_block import CodedBlock, coded_nbytes, coding_device
 from ..coded_cache import CodedCache
 from ..disk import BlockSource, DiskReader, Piece, take_checksum
 from ..memory import PackedWeights, Transfers
@@ -31,7 +32,9 @@ from .lossless import code_ring, codes, upload_and_decode
 class CodedSources:
     """The host planner's view of the blocks the lossless code serves, with a cache folder (see the module)."""
 
-    progress_label = "layerwise offload: lossless code in compression_cache_dir (checked, or written once)"
+    progress_label = "layerwise offload: sizing the lossless code"
+    materialize_label = ("layerwise offload: lossless code of the disk-backed blocks in compression_cache_dir "
+                         "(checked, or written once)")
 
     def __init__(self, cache: CodedCache, device: torch.device) -> None:
         self.cache = cache
@@ -42,9 +45,20 @@ class CodedSources:
         return codes(weights)
 
     def prepare(self, weights: PackedWeights) -> int:
-        """Make sure the cache holds the block's code (checked, or written now); its size in bytes."""
-        entry = self._entries[id(weights)] = self.cache.ensure(weights, self.device)
-        return entry.nbytes
+        """The bytes of the block's code (what it counts at in the plan): the size of its file when the folder holds
+        the code of these weights, else counted from its keys without coding it (``coded_block.coded_nbytes``)."""
+        if self.cache.path_of(weights.path).exists():
+            entry = self.cache.lookup(weights.path, self.cache.digest(weights))
+            if entry is not None:
+                return entry.nbytes
+        return coded_nbytes(weights.current_flat(coding_device(self.device)), self.device)
+
+    def materialize(self, blocks: list[PackedWeights], progress: Any = None) -> None:
+        """The plan reads ``blocks`` from disk: the folder gets their code (checked, or written now), and only
+        theirs (the blocks kept in host memory are coded there, ``CodedCache.writes``)."""
+        self.cache.disk_only = {weights.path for weights in blocks}
+        for weights, entry in zip(blocks, self.cache.ensure_all(blocks, self.device, progress)):
+            self._entries[id(weights)] = entry
 
     def source(self, weights: PackedWeights, component: str, files: list[Path]) -> BlockSource:
         """The block's source: its whole cache file's coded bytes (``files`` is the reader's list, extended)."""

@@ -95,7 +95,10 @@ class DFloat11Sources:
     """The host planner's view of the blocks of models loaded by ``load_dfloat11`` (see the module); ``fallback``
     (``coded_file.CodedSources`` or ``None``) answers for every other block."""
 
-    progress_label = "layerwise offload: blocks checked against their DFloat11 checkpoint (or compression_cache_dir)"
+    progress_label = ("layerwise offload: blocks checked against their DFloat11 checkpoint (or their lossless code "
+                      "sized)")
+    materialize_label = ("layerwise offload: disk-backed blocks (in their DFloat11 checkpoint, or their lossless code "
+                         "in compression_cache_dir)")
 
     def __init__(self, modules: list[torch.nn.Module], device: torch.device, fallback: Any = None) -> None:
         self.device = device
@@ -167,6 +170,15 @@ class DFloat11Sources:
         if self._plan(weights) is None:
             return self.fallback.prepare(weights)
         return weights.nbytes
+
+    def materialize(self, blocks: list[PackedWeights], progress: Any = None) -> None:
+        """The plan reads ``blocks`` from disk: those of the DFloat11 checkpoint need nothing more (``progress``
+        counts them at once); the fallback's get their code in its cache folder."""
+        others = [weights for weights in blocks if self._plan(weights) is None]
+        if progress is not None:
+            progress(sum(weights.nbytes for weights in blocks) - sum(weights.nbytes for weights in others))
+        if self.fallback is not None:
+            self.fallback.materialize(others, progress)
 
     def source(self, weights: PackedWeights, component: str, files: list[Path]) -> BlockSource:
         """The block's source: the pieces of the checkpoint's files it needs, at aligned offsets of its bytes."""

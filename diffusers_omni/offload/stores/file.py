@@ -199,6 +199,11 @@ def plan_disk_blocks(state: Any, budget: int | None, staging_count: int, show_pr
                     candidate.reason += ("; or compression=\"lossless\" with compression_cache_dir: its bfloat16 "
                                          "blocks are then read coded from that folder")
     plan = plan_host_memory(candidates, fixed, budget, count)
+    if coded is not None:  # the code of the blocks read from disk, in the cache folder (checked, or written now)
+        disk_coded = [c.key for c in plan.blocks if id(c.key) in coded_ids]
+        with byte_progress(sum(w.nbytes for w in disk_coded), getattr(coded, "materialize_label", label),
+                           show_progress if disk_coded else False, state.target) as bar:
+            coded.materialize(disk_coded, bar.update)
     if not plan:
         logger.info("layerwise offload: max_host_memory %s: every host copy fits", format_bytes(budget))
         return

@@ -35,13 +35,13 @@ def codes(weights: PackedWeights) -> bool:
 def coded_copy(weights: PackedWeights, context: StoreContext, allocate) -> CodedBlock:
     """The block's code in a buffer from ``allocate(nbytes)``: read from ``compression_cache_dir`` when the folder
     holds the code of these very weights (``coded_cache``), else coded now (on the accelerator when there is one) and
-    written there for the next enable."""
+    written there for the next enable (unless a host budget keeps the folder for the blocks it reads from disk,
+    ``CodedCache.writes``: then only a file of the block already there is brought up to date)."""
     cache = context.cache
-    digest = None
+    existed = cache is not None and cache.path_of(weights.path).exists()
     spare: list[torch.Tensor] = []  # a buffer a damaged file was read into: the code of the same weights fits it
-    if cache is not None:
-        digest = cache.digest(weights)
-        entry = cache.lookup(weights.path, digest)
+    if existed:
+        entry = cache.lookup(weights.path, cache.digest(weights))
         if entry is not None:
             buffer = allocate(max(entry.nbytes, 1))
             block = cache.read(entry, buffer, weights.path)
@@ -50,8 +50,8 @@ def coded_copy(weights: PackedWeights, context: StoreContext, allocate) -> Coded
             spare.append(buffer)
     block = code_block(weights.current_flat(coding_device(context.device)), context.device,
                        lambda nbytes: spare.pop() if spare and spare[0].numel() == nbytes else allocate(nbytes))
-    if cache is not None:
-        cache.store(weights.path, digest, block)
+    if cache is not None and (existed or cache.writes(weights.path)):
+        cache.store(weights.path, cache.digest(weights), block)
     return block
 
 
