@@ -175,7 +175,7 @@ class CodedCache:
         self.disk_only: set[str] | None = None
         self._warned: set[tuple[Path, str]] = set()  # (file, why) of the stale files already logged
         # Where this enable's time went (the report's line): hashing weights, reading files back to check them,
-        # coding, writing files (in the writer thread, overlapping the coding) and waiting for those writes.
+        # coding, writing files and waiting for those writes (``ensure_all`` hashes and writes beside the coding).
         self.seconds = dict.fromkeys(("hashing", "checking", "coding", "writing", "waiting for writes"), 0.0)
 
     def _remove_stale_temporaries(self) -> None:
@@ -202,25 +202,28 @@ class CodedCache:
     def ensure_all(self, blocks: list[Any], device: torch.device,
                    progress: Callable[[int], Any] | None = None) -> list[Entry]:
         """Each block's entry, checked (its weights' digest, and every coded byte read back and hashed), or made
-        now: coded (on ``device`` when it is an accelerator) and written. One writer thread writes a block's file
-        while the next block is hashed and coded (at most one coded block waits for it), so the time is about the
-        larger of coding and writing rather than their sum. Nothing of a block stays in memory once written; on a
-        failure the write in progress finishes (a whole file, or none) before the error is raised.
-        ``progress(nbytes)`` is called with each block's bytes once it is checked or coded."""
+        now: coded (on ``device`` when it is an accelerator) and written. A block's weights are hashed in one
+        thread while it is coded, and one writer thread writes its file while the next block is hashed and coded
+        (at most one coded block waits for it), so the time is about the largest of the three rather than their
+        sum. Nothing of a block stays in memory once written; on a failure the write in progress finishes (a whole
+        file, or none) before the error is raised. ``progress(nbytes)`` is called with each block's bytes once it
+        is checked or coded."""
         entries: list[Entry | None] = [None] * len(blocks)
         writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-cache-write")
+        hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-cache-hash")
         pending: concurrent.futures.Future | None = None
         try:
             for index, weights in enumerate(blocks):
                 entry = self._checked_entry(weights)
                 if entry is None:
+                    digest = hasher.submit(self.digest, weights)  # hashed on the host while the block is coded
                     started = time.perf_counter()
                     block = code_block(weights.current_flat(coding_device(device)), device,
                                        lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
                     self.seconds["coding"] += time.perf_counter() - started
                     if pending is not None:
                         self._wait(pending)
-                    pending = writer.submit(self._write, entries, index, weights.path, self.digest(weights), block)
+                    pending = writer.submit(self._write, entries, index, weights.path, digest.result(), block)
                     del block
                 else:
                     entries[index] = entry
@@ -229,6 +232,7 @@ class CodedCache:
             if pending is not None:
                 self._wait(pending)
         finally:
+            hasher.shutdown(wait=True)
             writer.shutdown(wait=True)
         return entries
 

@@ -183,7 +183,7 @@ def _lossless_notes(stats: Any, backend: Any) -> list[str]:
         if any(seconds.values()):
             notes.append("compression_cache_dir: the enable's time on it: " + ", ".join(
                 f"{what} {value:.1f} s" for what, value in seconds.items() if value) +
-                " (writing runs beside the coding of the next block)")
+                " (hashing and writing run beside the coding)")
     return notes
 
 
