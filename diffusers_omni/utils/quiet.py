@@ -15,6 +15,9 @@ prints something once per process on stderr, none of it about anything the comma
   ..." (it falls back to its own CPU kernel).
 - Diffusers (``diffusers.quantizers.torchao.torchao_quantizer``): "Unable to import `torchao` Tensor objects" (the
   torchao release renamed classes Diffusers lists for ``torch.load``'s allow-list of torchao checkpoints).
+- kernels (``kernels._internals.hf_hub``, 0.19): "Skipping publisher trust check for 'kernels-community/...' because
+  Hugging Face Hub is in offline mode." when bitsandbytes looks up its optional CPU kernel offline (the kernel is
+  not used: bitsandbytes falls back, the notice above).
 
 Only these messages are dropped, only on those loggers and only inside the ``with`` block: every other warning
 still shows, and the same messages show when the user's own code triggers them.
@@ -36,6 +39,8 @@ KNOWN_IMPORT_NOISE: dict[str, re.Pattern[str]] = {
     "torch.utils._pytree": re.compile(r"is an Enum subclass and is now natively supported by torch\.compile"),
     "bitsandbytes.backends.cpu.ops": re.compile(r"^Failed to load CPU gemm_4bit_forward from kernels-community"),
     "diffusers.quantizers.torchao.torchao_quantizer": re.compile(r"^Unable to import `torchao` Tensor objects"),
+    "kernels._internals.hf_hub": re.compile(r"^Skipping publisher trust check for 'kernels-community/[\w.-]+' "
+                                            r"because Hugging Face Hub is in offline mode"),
 }
 
 

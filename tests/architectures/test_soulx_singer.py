@@ -125,7 +125,9 @@ def test_estimator_matches_the_reference(svs, golden, masked):
 def test_vocoder_matches_the_reference(svs, golden):
     out = svs.vocoder(golden["vocoder_in"]).reshape(-1)
     assert out.shape == golden["vocoder_out"].shape == (3 * TINY_AUDIO["hop_size"],)
-    assert torch.equal(out, golden["vocoder_out"])  # the same arithmetic: bitwise
+    # The same arithmetic, bit for bit where oneDNN runs the convolutions with the same instructions as the machine
+    # that wrote the goldens (AVX2); with AVX-512 (ONEDNN_MAX_CPU_ISA unset on such a CPU) they differ by an ulp.
+    torch.testing.assert_close(out, golden["vocoder_out"], atol=ATOL, rtol=1e-6)
 
 
 def _with_reference_mel_basis(pipe, golden):
