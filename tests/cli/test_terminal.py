@@ -137,6 +137,8 @@ def test_quiet_imports_drops_only_the_known_notice_and_only_inside(name):
                                "torch.compile as an opaque value type.",
         "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community: untrusted",
         "diffusers.quantizers.torchao.torchao_quantizer": "Unable to import `torchao` Tensor objects. This may affect",
+        "kernels._internals.hf_hub": "Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes' "
+                                     "because Hugging Face Hub is in offline mode.",
     }
     logger = logging.getLogger(name)
     # A handler of the test's own on the logger itself: torch and Diffusers set their library loggers not to
