@@ -1521,6 +1521,56 @@ def readme_pipelines() -> str:
                           "phases, budgets and every strategy.\n")
 
 
+def pipeline_host_lossless() -> str:
+    """``pipeline-offload-wan-host-lossless``: under the same host budget, blocks read from the bf16 checkpoint
+    (omni-host) against blocks read coded from ``compression_cache_dir`` (omni-host-lossless), one run."""
+    report = result("pipeline-offload-wan-host-lossless")
+    plain, coded = report["host_budget"], report["host_budget_lossless"]
+    by = {r["strategy"]: r for r in report["strategies"]}
+    weights = sum(component["by_dtype"].get("bfloat16", 0) for component in report["components"].values())
+    rows = []
+    for label, summary in (("bf16 checkpoint (`omni-host`)", plain), ("lossless code in compression_cache_dir "
+                                                                      "(`omni-host-lossless`)", coded)):
+        run = by[summary["strategy"]]
+        rows.append([label, f"{summary['switch_forward_s']:.2f} s / {summary['other_forward_s']:.2f} s",
+                     f"{summary['forward_s']:.2f} s", f"{summary['denoise_s'] / summary['steps']:.2f} s",
+                     f"{run['end_to_end_s']:.1f} s",
+                     f"{summary['disk_blocks']}, {gib(summary['disk_bytes_per_pass'])}",
+                     f"{summary['shared_buffers']}, {gib(summary['shared_bytes'])}",
+                     f"{summary['disk_bandwidth'] / GiB:.2f} GiB/s", gib(summary["pinned_bytes"]),
+                     gib(run["rss"]["after_enable"]), f"{summary['enable_s']:.1f} s"])
+    ratio = coded["switch_forward_s"] / plain["switch_forward_s"]
+    cache, seconds = coded["lossless_cache"], coded["lossless_cache_seconds"] or {}
+    spent = ", ".join(f"{what} {value:.1f} s" for what, value in seconds.items() if value)
+    lossless = by["omni-host-lossless"]
+    return (table(["Blocks beyond the budget read from", "First forward of each expert / the others (median)",
+                   "Denoise forward (median)", "Denoise step (mean)", "End to end", "Blocks read at every load, "
+                   "bytes per pass", "Shared buffers", "Reader bandwidth (cold)", "Pinned", "Host RSS after enabling",
+                   "Enable"], rows)
+            + f"\nWan2.2-T2V-A14B, 24 GiB card, `max_host_memory={report['args']['omni_host_budget']}`, "
+              f"{report['steps']} steps after a 2-step warm-up (timesteps 999 and 750: each expert runs its first "
+              f"forward), page cache dropped before every transformer forward, {report['environment']['device_name']}; "
+              f"{source('pipeline-offload-wan-host-lossless')}. The first forward of an expert with the code on disk: "
+              f"{ratio:.2f}× the checkpoint's (target ≤ 0.75×: {_verdict(ratio <= 0.75)}). Its enable coded "
+              f"{gib(weights)} of bfloat16 weights ({seconds and f'{spent}; ' or ''}hashing and writing run beside the coding) "
+              f"and wrote the {cache['cache blocks written']} blocks the plan reads from disk "
+              f"({gib(cache['cache bytes written'])}: {coded['disk_blocks']} at every load, the others into the "
+              f"buffers the experts share); the host RSS peak while enabling, "
+              f"{gib(lossless['rss']['enable_peak'])}, is this run's DiTs as built in memory (no checkpoint on disk: "
+              f"the disk holds the experts' checkpoint or the cache, not both) until their blocks are coded.\n")
+
+
+def dfloat11_decode() -> str:
+    """``dfloat11-decode-probe``: DFloat11's code decoded by our Triton kernel against the copies."""
+    report = result("dfloat11-decode-probe")
+    rows = [[run["run"], f"{run['median_s'] * 1e3:.2f} ms", f"{run['GBps_of_bf16']:.0f} GB/s",
+             "-" if run["bitwise"] is None else _verdict(run["bitwise"])] for run in report["runs"]]
+    return (table(["What", "Median", "bf16 bytes per second", "Bitwise"], rows)
+            + f"\nOne unit of {report['numel'] / 1e6:.0f} M random bf16 weights (a FLUX.1-dev double block's size): "
+              f"DFloat11's code {gib(report['dfloat11_bytes'])}, ours {gib(report['lossless_bytes'])}, bf16 "
+              f"{gib(report['bf16_bytes'])}; {report['device']}; {source('dfloat11-decode-probe')}.\n")
+
+
 def pipeline_host_budget() -> str:
     """``pipeline-offload-wan-host``: ``max_host_memory`` against every host copy pinned, with the disk's own read
     bandwidth (``disk-read-probe``, the same machine's) beside it."""
@@ -1810,6 +1860,8 @@ RENDERERS = {
     "offload-concurrency": offload_concurrency,
     "pipeline-offload": pipeline_offload,
     "pipeline-host-budget": pipeline_host_budget,
+    "pipeline-host-lossless": pipeline_host_lossless,
+    "dfloat11-decode": dfloat11_decode,
     "budget-never-slower": budget_never_slower,
     "readme-pipelines": readme_pipelines,
     "quality-h200": quality_h200,

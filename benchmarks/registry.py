@@ -137,7 +137,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("dfloat11-decode-probe", "dfloat11_probe", "a FLUX.1-dev-double-block-sized unit (340 M bf16 weights, "
              "random) in DFloat11's format: decoded by our Triton kernel and by tensor operations, our lossless "
              "code's kernel on the same weights, and the pinned copies of each code: whether streaming DFloat11's "
-             "own code could keep up with the link", "gpu", ()),
+             "own code could keep up with the link", "gpu", (OFFLOAD,)),
     Scenario("dfloat11-host", "dfloat11_host_bench", "a FLUX.1-dev-size transformer under max_host_memory=8GiB, "
              "page cache dropped before each forward: blocks read from its bf16 checkpoint against blocks read coded "
              "from its DFloat11 checkpoint (load_dfloat11, the disk (DFloat11) store): load, enable, first and median "
@@ -305,7 +305,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              "every forward: blocks read from the checkpoint (omni-host) against blocks read coded from "
              "compression_cache_dir (omni-host-lossless, whose enable writes the cache; its DiTs stay as built, as "
              "the machine's disk holds the checkpoint or the cache, not both); two steps so that both runs fit one "
-             "10-minute device call (the first forward of each expert is what #37 measures)", "gpu", (),
+             "10-minute device call (the first forward of each expert is what #37 measures)", "gpu", (OFFLOAD,),
              args=("--model", "wan", "--card-gib", "24", "--steps", "2", "--strategies",
                    "omni-host,omni-host-lossless", "--omni-host-budget", "32GiB", "--host-lossless-from-memory",
                    "--time-budget", "540")),
