@@ -76,12 +76,21 @@ def _join(key: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
     return torch.where(joined >= 0x8000, joined - 0x10000, joined).to(torch.int16)
 
 
+def _ordered(counts: torch.Tensor) -> list[int]:
+    return torch.sort(counts.to(torch.int64), descending=True).values.tolist()
+
+
+def _escapes(ordered: list[int], numel: int, width: int) -> int:
+    """Words whose key gets no ``width``-bit code, given the keys' counts in descending order."""
+    return numel - sum(ordered[: (1 << width) - 1])
+
+
 def choose_width(counts: torch.Tensor, numel: int) -> int:
     """The code width (bits) giving the fewest code + escape bytes for these per-key ``counts``."""
-    ordered = torch.sort(counts.to(torch.int64), descending=True).values.tolist()
+    ordered = _ordered(counts)
     best, best_size = WIDTHS[-1], None
     for width in WIDTHS:
-        escapes = numel - sum(ordered[: (1 << width) - 1])
+        escapes = _escapes(ordered, numel, width)
         size = -(-numel // 8) * width + escapes
         if best_size is None or size < best_size:
             best, best_size = width, size
@@ -110,8 +119,7 @@ def part_nbytes(flat: torch.Tensor) -> list[int]:
     numel = flat.numel()
     counts = key_counts(flat).cpu()
     width = choose_width(counts, numel)
-    kept = sum(torch.sort(counts, descending=True).values.tolist()[: (1 << width) - 1])
-    return [16, -(-numel // 8) * width, numel, numel - kept, 4 * -(-numel // GROUP)]
+    return [16, -(-numel // 8) * width, numel, _escapes(_ordered(counts), numel, width), 4 * -(-numel // GROUP)]
 
 
 def encode(flat: torch.Tensor) -> Encoded:

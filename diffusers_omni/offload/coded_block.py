@@ -118,6 +118,11 @@ def coding_device(device: torch.device) -> torch.device | None:
     return None if device.type == "cpu" else device
 
 
+def _on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` where ``code_block`` codes it: on ``device`` when that is an accelerator, else where it is."""
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // PART_ALIGN) * PART_ALIGN
 
@@ -129,7 +134,7 @@ def coded_nbytes(flat: dict[torch.dtype, torch.Tensor], device: torch.device) ->
     total = 0
     for dtype, tensor in flat.items():
         if dtype in CODED_DTYPES:
-            total += sum(_aligned(n) for n in part_nbytes(tensor if device.type == "cpu" else tensor.to(device)))
+            total += sum(_aligned(n) for n in part_nbytes(_on(tensor, device)))
         else:
             total += _aligned(tensor.numel() * tensor.element_size())
     return max(total, 1)
@@ -142,7 +147,7 @@ def code_block(flat: dict[torch.dtype, torch.Tensor], device: torch.device,
     host; each coded part is copied from there into its place in the buffer (one copy, no intermediate host
     tensor)."""
     # The parts stay where they were coded and are copied once, straight into their place in the buffer.
-    coded = {dtype: encode(tensor if device.type == "cpu" else tensor.to(device))
+    coded = {dtype: encode(_on(tensor, device))
              for dtype, tensor in flat.items() if dtype in CODED_DTYPES}
     raw = {dtype: tensor for dtype, tensor in flat.items() if dtype not in CODED_DTYPES}
     parts = [part for encoded in coded.values() for part in encoded.parts()] + list(raw.values())

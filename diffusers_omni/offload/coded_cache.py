@@ -236,11 +236,16 @@ class CodedCache:
             writer.shutdown(wait=True)
         return entries
 
-    def _checked_entry(self, weights: Any) -> Entry | None:
-        """The block's entry when its file holds the code of these weights and its bytes are the ones written."""
+    def entry_for(self, weights: Any) -> Entry | None:
+        """The block's entry when its file holds the code of these weights (``lookup``), its bytes not read yet;
+        with no file of the block, ``None`` without hashing its weights."""
         if not self.path_of(weights.path).exists():
             return None
-        entry = self.lookup(weights.path, self.digest(weights))
+        return self.lookup(weights.path, self.digest(weights))
+
+    def _checked_entry(self, weights: Any) -> Entry | None:
+        """The block's entry when its file holds the code of these weights and its bytes are the ones written."""
+        entry = self.entry_for(weights)
         if entry is None:
             return None
         started = time.perf_counter()

@@ -8,14 +8,14 @@ or the size of their file when the folder holds their code) and need no checkpoi
 bytes as the model has them: a model built in memory, non-persistent buffers, a permuted layout). Once the plan is
 made, the blocks it reads from disk are written to the cache once (``coded_cache.CodedCache.ensure_all``: coding
 the next block while the last one is written), and only those. A disk-backed block's source is then one piece of
-its cache file, read by the reader thread into the staging ring as any disk-backed block is; ``CodedFileStore`` copies the staged code to the device and decodes it there
-(``lossless.upload_and_decode``).
+its cache file, read by the reader thread into the staging ring as any disk-backed block is; ``CodedFileStore``
+copies the staged code to the device and decodes it there (``lossless.upload_and_decode``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,10 +47,9 @@ class CodedSources:
     def prepare(self, weights: PackedWeights) -> int:
         """The bytes of the block's code (what it counts at in the plan): the size of its file when the folder holds
         the code of these weights, else counted from its keys without coding it (``coded_block.coded_nbytes``)."""
-        if self.cache.path_of(weights.path).exists():
-            entry = self.cache.lookup(weights.path, self.cache.digest(weights))
-            if entry is not None:
-                return entry.nbytes
+        entry = self.cache.entry_for(weights)
+        if entry is not None:
+            return entry.nbytes
         return coded_nbytes(weights.current_flat(coding_device(self.device)), self.device)
 
     def materialize(self, blocks: list[PackedWeights], progress: Any = None) -> None:
@@ -86,11 +85,12 @@ class CodedFileStore(FileStore):
 
     name = "disk (lossless)"
     priority = 110
+    coded_type: ClassVar[type] = CodedBlock  # the ``source.coded`` this store claims
 
     @classmethod
     def claims(cls, weights: PackedWeights, context: StoreContext) -> bool:
         source = context.sources.get(id(weights))
-        return source is not None and isinstance(source.coded, CodedBlock)
+        return source is not None and isinstance(source.coded, cls.coded_type)
 
     def take(self, journal: Journal) -> None:
         super().take(journal)

@@ -28,7 +28,7 @@ from ..dfloat11 import DFloat11Record, checkpoint_of, decode_words
 from ..dfloat11_kernel import max_codes
 from ..disk import BlockSource, DiskReader, Piece, TensorEntry, checkpoint_names, take_checksum
 from ..memory import PackedWeights
-from .base import StoreContext, register_store
+from .base import register_store
 from .coded_file import CodedFileStore
 
 logger = logging.getLogger("diffusers_omni")
@@ -260,8 +260,4 @@ class DFloat11FileStore(CodedFileStore):
 
     name = "disk (DFloat11)"
     priority = 120
-
-    @classmethod
-    def claims(cls, weights: PackedWeights, context: StoreContext) -> bool:
-        source = context.sources.get(id(weights))
-        return source is not None and isinstance(source.coded, DFloat11Block)
+    coded_type = DFloat11Block

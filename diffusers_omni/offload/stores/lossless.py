@@ -41,7 +41,7 @@ def coded_copy(weights: PackedWeights, context: StoreContext, allocate) -> Coded
     existed = cache is not None and cache.path_of(weights.path).exists()
     spare: list[torch.Tensor] = []  # a buffer a damaged file was read into: the code of the same weights fits it
     if existed:
-        entry = cache.lookup(weights.path, cache.digest(weights))
+        entry = cache.entry_for(weights)
         if entry is not None:
             buffer = allocate(max(entry.nbytes, 1))
             block = cache.read(entry, buffer, weights.path)
